@@ -1,0 +1,9 @@
+"""Named errors of kvtier."""
+
+
+class UnsupportedLayoutError(NotImplementedError):
+    """An operation the host layout cannot do; the message names the layout to use.
+
+    Subclasses ``NotImplementedError`` so callers written for sglang's HiCache,
+    which catch that, keep working.
+    """

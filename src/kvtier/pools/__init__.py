@@ -1,0 +1,7 @@
+"""Device (L1) and host (L2) KV pools."""
+
+from .allocator import PageAllocator
+from .device import DeviceKVPool
+from .host import HostKVPool
+
+__all__ = ["DeviceKVPool", "HostKVPool", "PageAllocator"]

@@ -1,0 +1,205 @@
+"""The host-memory (L2) KV pool: whole pages in one of the layouts of ``kvtier.layout``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..layout import get_layout, require_split_heads
+from ..spec import KVSpec
+from ..transfer import check_io_backend, coalesce, copy_runs
+from .allocator import PageAllocator
+from .common import carve, check_sizes, check_spec, parse_device
+from .device import DeviceKVPool
+from .indices import page_starts
+from .meta import page_spans, split_head_spans
+from .views import PageViews
+
+
+def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
+    accel = torch.cuda.is_available()
+    if pin_memory is None:
+        return accel and device.type == "cpu"
+    if pin_memory and not accel:
+        raise ValueError("pin_memory=True needs an accelerator (CUDA) and none is available; use pin_memory=None")
+    return bool(pin_memory)
+
+
+class HostKVPool:
+    """A host pool of ``size`` token slots in pages of ``page_size``, one buffer per component.
+
+    Each component's buffer is allocated in the layout's axis order, e.g.
+    ``page_first``: ``(page, slot, layer, head, dim)``. All buffers are views of one
+    allocation (pinned when an accelerator exists). Token slot ``t`` lives in page
+    ``t // page_size``, slot ``t % page_size``. Methods taking indices want whole pages
+    of token slots and raise ``ValueError`` before moving any byte when they are not.
+    """
+
+    def __init__(self, spec: KVSpec, size: int, page_size: int, layout: str = "page_first",
+                 pin_memory: bool | None = None, device: str | torch.device = "cpu",
+                 copy_threads: int | None = None) -> None:
+        check_spec(spec)
+        check_sizes(size, page_size)
+        self._layout = get_layout(layout)
+        dev = parse_device(device)
+        pin = _resolve_pin(pin_memory, dev)
+        self.spec, self.size, self.page_size, self.device = spec, size, page_size, dev
+        self.layout = self._layout.name
+        self.num_pages = size // page_size
+        self.copy_threads = copy_threads or max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+        sizes = {"page": self.num_pages, "slot": page_size, "layer": spec.layer_num}
+        shapes = {c.name: self._layout.shape({**sizes, "head": c.head_num, "dim": c.head_dim})
+                  for c in spec.components}
+        self._raw, self.buffers = carve(spec, shapes, device=dev, pin_memory=pin)
+        self.page_views: dict[str, PageViews] = {}
+        for name, buf in self.buffers.items():
+            canon = self._layout.canonical(buf)  # (page, slot, layer, head, dim)
+            self.page_views[name] = PageViews.build(canon, tuple(canon.unbind(2)))
+        self._allocator = PageAllocator(size, page_size)
+
+    # -- properties ------------------------------------------------------------
+    @property
+    def page_format(self) -> str:
+        """Byte order of one page as :meth:`get_page_buffer_meta` lists its spans."""
+        return self._layout.page_format
+
+    @property
+    def supports_split_heads(self) -> bool:
+        return self._layout.supports_split_heads
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer and component."""
+        return self.page_size * self.spec.bytes_per_token
+
+    # -- allocation --------------------------------------------------------------
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` token slots (``n % page_size == 0``) in whole pages; ``None`` when full."""
+        return self._allocator.alloc(n)
+
+    def free(self, indices: torch.Tensor) -> None:
+        self._allocator.free(indices)
+
+    def available_size(self) -> int:
+        return self._allocator.available_size()
+
+    # -- device <-> host -------------------------------------------------------
+    def backup_from_device_all_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
+                                     device_indices: torch.Tensor, io_backend: str = "direct") -> None:
+        """Copy whole pages, every layer and component, device -> host."""
+        host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
+                                                     dst_is_host=True)
+        runs = coalesce(host_pages, dev_pages)
+        for c in self.spec.components:
+            copy_runs(self.page_views[c.name], device_pool.page_views[c.name], runs, layer=None,
+                      page_bytes=self._component_page_bytes(c) * self.spec.layer_num,
+                      io_backend=io_backend, threads=self.copy_threads)
+
+    def load_to_device_per_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
+                                 device_indices: torch.Tensor, layer_id: int, io_backend: str = "direct") -> None:
+        """Copy one layer of whole pages, every component, host -> device."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.spec.layer_num:
+            raise ValueError(f"layer_id {layer_id!r} out of range [0, {self.spec.layer_num})")
+        host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
+                                                     dst_is_host=False)
+        runs = coalesce(dev_pages, host_pages)
+        for c in self.spec.components:
+            copy_runs(device_pool.page_views[c.name], self.page_views[c.name], runs, layer=layer_id,
+                      page_bytes=self._component_page_bytes(c), io_backend=io_backend, threads=self.copy_threads)
+
+    def _component_page_bytes(self, c) -> int:
+        return self.page_size * c.token_elems * self.spec.element_size
+
+    def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
+        check_io_backend(io_backend)
+        if not isinstance(device_pool, DeviceKVPool):
+            raise ValueError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
+        if device_pool.spec != self.spec:
+            raise ValueError(f"device pool spec {device_pool.spec.fingerprint()} differs from host pool spec "
+                             f"{self.spec.fingerprint()}")
+        if device_pool.page_size != self.page_size:
+            raise ValueError(f"device pool page_size {device_pool.page_size} != host pool page_size {self.page_size}")
+        if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor) \
+                and host_indices.numel() != device_indices.numel():
+            raise ValueError(f"host_indices has {host_indices.numel()} slots, device_indices "
+                             f"{device_indices.numel()}; they must match")
+        devices = (torch.device("cpu"), device_pool.device)
+        host_pages = page_starts(host_indices, page_size=self.page_size, size=self.size, what="host_indices",
+                                 allowed_devices=(torch.device("cpu"), self.device), unique=dst_is_host)
+        dev_pages = page_starts(device_indices, page_size=self.page_size, size=device_pool.size,
+                                what="device_indices", allowed_devices=devices, unique=not dst_is_host)
+        return host_pages, dev_pages
+
+    # -- single pages -------------------------------------------------------------
+    def _page_of(self, index: int) -> int:
+        if isinstance(index, torch.Tensor) and index.numel() == 1:
+            index = int(index)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"page index must be an int token slot, got {index!r}")
+        if not 0 <= index < self.size or index % self.page_size:
+            raise ValueError(f"page index {index} must be a multiple of page_size {self.page_size} "
+                             f"in [0, {self.size})")
+        return index // self.page_size
+
+    def get_data_page(self, index: int, flat: bool = True):
+        """The page whose first token slot is ``index``.
+
+        ``flat=True``: a new 1-D tensor in the canonical flat order (per component,
+        in spec order, ``(layer, slot, head, dim)``), the same for every layout.
+        ``flat=False``: ``{name: view}`` of the page in the layout's native order (no copy).
+        """
+        page = self._page_of(index)
+        if not flat:
+            axis = self._layout.order.index("page")
+            return {name: buf.select(axis, page) for name, buf in self.buffers.items()}
+        parts = [v.all_layers[page].transpose(0, 1).reshape(-1) for v in self.page_views.values()]
+        return torch.cat(parts)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        """A zero page in flat form (for storage reads of a missing page)."""
+        return torch.zeros(self.spec.page_elems(self.page_size), dtype=self.spec.dtype, device=self.device)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        """Write a canonical flat page (see :meth:`get_data_page`) into page ``index``."""
+        page = self._page_of(index)
+        expected = self.spec.page_elems(self.page_size)
+        if not isinstance(data_page, torch.Tensor):
+            raise ValueError(f"data_page must be a tensor, got {type(data_page).__name__}")
+        if data_page.dtype != self.spec.dtype:
+            raise ValueError(f"data_page dtype {data_page.dtype} != spec dtype {self.spec.dtype}")
+        if data_page.numel() != expected:
+            raise ValueError(f"data_page has {data_page.numel()} elements, a flat page has {expected}")
+        flat = data_page.reshape(-1)
+        offset = 0
+        for c in self.spec.components:
+            n = self.spec.layer_num * self.page_size * c.token_elems
+            src = flat[offset:offset + n].view(self.spec.layer_num, self.page_size, c.head_num, c.head_dim)
+            self.page_views[c.name].all_layers[page].transpose(0, 1).copy_(src)
+            offset += n
+
+    # -- zero-copy metadata ---------------------------------------------------------
+    def _meta_pages(self, indices: torch.Tensor) -> torch.Tensor:
+        return page_starts(indices, page_size=self.page_size, size=self.size, what="indices")
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``(ptr_list, size_list)``: one span per contiguous piece of each page.
+
+        ``layer_first``: for each page, each layer, each component, the ``(slot, head, dim)``
+        span; other layouts: for each page, each component, the whole page span.
+        Bytes inside a span are in the layout's native order (:attr:`page_format`).
+        """
+        return page_spans(self._layout, self.spec, self.buffers, self._meta_pages(indices))
+
+    def get_split_heads_page_buffer_meta(self, indices: torch.Tensor, split_factor: int) -> tuple[list[int], list[int]]:
+        """For each page, each of ``split_factor`` head groups, each component: that
+        group's span. Needs a layout keeping head groups contiguous (``page_head``);
+        raises :class:`kvtier.UnsupportedLayoutError` otherwise."""
+        require_split_heads(self._layout)
+        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor <= 0:
+            raise ValueError(f"split_factor must be a positive int, got {split_factor!r}")
+        for c in self.spec.components:
+            if c.head_num % split_factor:
+                raise ValueError(f"component {c.name!r} has {c.head_num} heads, not divisible by "
+                                 f"split_factor {split_factor}")
+        return split_head_spans(self.spec, self.buffers, self._meta_pages(indices), split_factor)

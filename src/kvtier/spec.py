@@ -1,0 +1,143 @@
+"""KV-cache geometry: which per-token components a model caches, and their sizes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+# Short, stable dtype names used in fingerprints, storage keys and the CLI.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+}
+for _attr, _name in (("float8_e4m3fn", "fp8e4m3"), ("float8_e5m2", "fp8e5m2")):
+    if hasattr(torch, _attr):
+        DTYPE_NAMES[getattr(torch, _attr)] = _name
+DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _positive_int(owner: str, field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}.{field} must be a positive int, got {value!r}")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bf16"`` -> ``torch.bfloat16``; ``ValueError`` listing the known names."""
+    try:
+        return DTYPES_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES_BY_NAME)}") from None
+
+
+@dataclass(frozen=True)
+class Component:
+    """One per-token tensor of every layer: ``(head_num, head_dim)`` per token."""
+
+    name: str
+    head_num: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"Component.name must be an identifier like 'k', got {self.name!r}")
+        _positive_int("Component", "head_num", self.head_num)
+        _positive_int("Component", "head_dim", self.head_dim)
+
+    @property
+    def token_elems(self) -> int:
+        """Elements of this component for one token of one layer."""
+        return self.head_num * self.head_dim
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV geometry of a model: layers, per-token components and dtype.
+
+    Every size is derived from these three fields; nothing is cached on the
+    instance, so a spec is a plain value (hashable, comparable).
+    """
+
+    layer_num: int
+    components: tuple[Component, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        _positive_int("KVSpec", "layer_num", self.layer_num)
+        if isinstance(self.components, list):
+            object.__setattr__(self, "components", tuple(self.components))
+        if not isinstance(self.components, tuple) or not self.components:
+            raise ValueError(f"KVSpec.components must be a non-empty tuple, got {self.components!r}")
+        for c in self.components:
+            if not isinstance(c, Component):
+                raise ValueError(f"KVSpec.components must hold Component, got {c!r}")
+        names = [c.name for c in self.components]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"KVSpec.components has duplicate names {dups}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"KVSpec.dtype {self.dtype} is not supported; supported: "
+                f"{', '.join(str(d) for d in DTYPE_NAMES)}"
+            )
+
+    # -- constructors -----------------------------------------------------
+    @classmethod
+    def mha(cls, layer_num: int, head_num: int, head_dim: int, v_head_dim: int | None = None,
+            dtype: torch.dtype = torch.bfloat16) -> "KVSpec":
+        """MHA/GQA/MQA: components ``k`` and ``v``; ``v_head_dim`` defaults to ``head_dim``."""
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        return cls(layer_num, (Component("k", head_num, head_dim), Component("v", head_num, v_dim)), dtype)
+
+    @classmethod
+    def mla(cls, layer_num: int, kv_lora_rank: int, qk_rope_head_dim: int,
+            dtype: torch.dtype = torch.bfloat16) -> "KVSpec":
+        """MLA latent cache: one component ``kv`` of one head, ``rank + rope`` dims."""
+        _positive_int("KVSpec.mla", "kv_lora_rank", kv_lora_rank)
+        _positive_int("KVSpec.mla", "qk_rope_head_dim", qk_rope_head_dim)
+        return cls(layer_num, (Component("kv", 1, kv_lora_rank + qk_rope_head_dim),), dtype)
+
+    @classmethod
+    def k_only(cls, layer_num: int, head_num: int, head_dim: int,
+               dtype: torch.dtype = torch.bfloat16) -> "KVSpec":
+        """K-only cache (e.g. an indexer's key cache): one component ``k``."""
+        return cls(layer_num, (Component("k", head_num, head_dim),), dtype)
+
+    # -- derived sizes ----------------------------------------------------
+    @property
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.components)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token over all layers and all components."""
+        return self.layer_num * sum(c.token_elems for c in self.components) * self.element_size
+
+    def page_elems(self, page_size: int) -> int:
+        """Elements of one flat page (all components, all layers)."""
+        return page_size * self.layer_num * sum(c.token_elems for c in self.components)
+
+    def component(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise ValueError(f"unknown component {name!r}; this spec has {list(self.names)}")
+
+    def fingerprint(self) -> str:
+        """Short stable text naming dims, dtype and component names, e.g.
+        ``L61-bf16-k=8x192-v=8x128``. Equal specs give equal fingerprints."""
+        comps = "-".join(f"{c.name}={c.head_num}x{c.head_dim}" for c in self.components)
+        return f"L{self.layer_num}-{DTYPE_NAMES[self.dtype]}-{comps}"
