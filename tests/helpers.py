@@ -1,0 +1,69 @@
+"""Shared test data: the geometries every test runs over, and byte-exact helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier import Component, DeviceKVPool, KVSpec
+
+SPECS = {
+    "mha": KVSpec.mha(3, 2, 8),
+    "mqa": KVSpec.mha(2, 1, 16, dtype=torch.float16),
+    "asym": KVSpec.mha(3, 4, 12, v_head_dim=8),  # head_dim != v_head_dim, 3:2 like 192/128
+    "mla": KVSpec.mla(2, kv_lora_rank=16, qk_rope_head_dim=4),
+    "k_only": KVSpec.k_only(2, 2, 8, dtype=torch.float32),
+    "three": KVSpec(2, (Component("k", 2, 8), Component("v", 2, 4), Component("idx", 1, 6)), torch.float32),
+}
+
+LAYOUT_ORDERS = {  # the contract's table, restated independently of kvtier.layout
+    "layer_first": ("layer", "page", "slot", "head", "dim"),
+    "page_first": ("page", "slot", "layer", "head", "dim"),
+    "page_first_direct": ("page", "layer", "slot", "head", "dim"),
+    "page_head": ("page", "head", "slot", "layer", "dim"),
+}
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret as same-width ints so that comparisons are bit-exact (NaN-safe)."""
+    return t.view(_INT[t.element_size()])
+
+
+def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
+    b = bits(t)
+    info = torch.iinfo(b.dtype)
+    b.copy_(torch.randint(info.min, info.max, b.shape, generator=gen, dtype=torch.int64).to(b.dtype))
+
+
+def random_device_pool(spec: KVSpec, size: int, page_size: int, seed: int = 0) -> DeviceKVPool:
+    pool = DeviceKVPool(spec, size, page_size)
+    gen = torch.Generator().manual_seed(seed)
+    for name in spec.names:
+        for layer in range(spec.layer_num):
+            fill_random(pool.buffer(name, layer), gen)
+    return pool
+
+
+def slots(pages: list[int], page_size: int) -> torch.Tensor:
+    """Token slots of the given page numbers, in order."""
+    return torch.tensor([p * page_size + s for p in pages for s in range(page_size)], dtype=torch.int64)
+
+
+def logical_page(pool: DeviceKVPool, name: str, first_slot: int, page_size: int) -> torch.Tensor:
+    """One device page of a component as ``(slot, layer, head, dim)``."""
+    return torch.stack([pool.buffer(name, l)[first_slot:first_slot + page_size]
+                        for l in range(pool.spec.layer_num)], dim=1)
+
+
+def native_order(page: torch.Tensor, layout: str) -> torch.Tensor:
+    """``(slot, layer, head, dim)`` page -> the layout's order without the page axis."""
+    src = ("slot", "layer", "head", "dim")
+    order = [a for a in LAYOUT_ORDERS[layout] if a != "page"]
+    return page.permute([src.index(a) for a in order]).contiguous()
+
+
+def flat_page(pool: DeviceKVPool, first_slot: int, page_size: int) -> torch.Tensor:
+    """The canonical flat page: per component ``(layer, slot, head, dim)``, concatenated."""
+    return torch.cat([logical_page(pool, n, first_slot, page_size).transpose(0, 1).reshape(-1)
+                      for n in pool.spec.names])

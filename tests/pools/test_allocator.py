@@ -1,0 +1,89 @@
+"""Property tests of the page allocator against a set-of-pages reference model."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier.pools import PageAllocator
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.page_size = 4
+        self.alloc = PageAllocator(12 * self.page_size, self.page_size)
+        self.held: list[torch.Tensor] = []  # live allocations
+        self.used: set[int] = set()  # reference model: allocated slots
+
+    @rule(pages=st.integers(0, 14))
+    def allocate(self, pages):
+        free_before = self.alloc.available_size()
+        got = self.alloc.alloc(pages * self.page_size)
+        if pages * self.page_size > free_before:
+            assert got is None
+            assert self.alloc.available_size() == free_before
+            return
+        assert got is not None and got.numel() == pages * self.page_size
+        slots = set(got.tolist())
+        assert len(slots) == got.numel() and not (slots & self.used), "double allocation"
+        assert all(int(s) % self.page_size == 0 for s in got[:: self.page_size])
+        self.used |= slots
+        self.held.append(got)
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100))
+    def release(self, i):
+        got = self.held.pop(i % len(self.held))
+        self.alloc.free(got)
+        self.used -= set(got.tolist())
+
+    @precondition(lambda self: self.held)
+    @rule()
+    def double_free_is_rejected(self):
+        freed = self.held.pop()
+        self.alloc.free(freed)
+        self.used -= set(freed.tolist())
+        before = self.alloc.available_size()
+        if freed.numel():
+            with pytest.raises(ValueError, match="not allocated"):
+                self.alloc.free(freed)
+        assert self.alloc.available_size() == before
+
+    @invariant()
+    def capacity_is_conserved(self):
+        assert self.alloc.available_size() == 12 * self.page_size - len(self.used)
+
+
+TestAllocator = AllocatorMachine.TestCase
+TestAllocator.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+@settings(max_examples=50, deadline=None)
+@given(page_size=st.sampled_from([1, 2, 16]), pages=st.integers(1, 20))
+def test_exhaustion_returns_none_and_free_restores(page_size, pages):
+    a = PageAllocator(pages * page_size, page_size)
+    got = a.alloc(pages * page_size)
+    assert sorted(got.tolist()) == list(range(pages * page_size))
+    assert a.alloc(page_size) is None
+    a.free(got)
+    assert a.available_size() == pages * page_size
+
+
+@pytest.mark.parametrize("n, match", [(3, "multiple of page_size 4"), (-4, "non-negative"), (4.0, "int")])
+def test_alloc_rejects_bad_counts(n, match):
+    with pytest.raises(ValueError, match=match):
+        PageAllocator(16, 4).alloc(n)
+
+
+def test_free_rejects_partial_and_foreign_pages():
+    a = PageAllocator(16, 4)
+    got = a.alloc(8)
+    with pytest.raises(ValueError, match="not a multiple"):
+        a.free(got[:3])
+    with pytest.raises(ValueError, match="outside"):
+        a.free(torch.arange(16, 20))
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(torch.arange(8, 12))
+    assert a.available_size() == 8
