@@ -41,7 +41,7 @@ def call(op, dev, host, hi, di, **kw):
     (slots([0], 4), slots([8], 4), {}, r"device_indices has slots in \[32, 35\], outside the pool's \[0, 32\)"),
     (slots([0], 4)[:3], slots([0], 4)[:3], {}, "3 slots, not a multiple of page_size 4"),
     (slots([0], 4) + 1, slots([0], 4), {}, "starts at slot 1"),
-    (slots([0], 4), torch.tensor([0, 2, 1, 3]), {}, "slots \[0, 2, 1, 3\] are not consecutive"),
+    (slots([0], 4), torch.tensor([0, 2, 1, 3]), {}, r"slots \[0, 2, 1, 3\] are not consecutive"),
     (slots([0], 4).float(), slots([0], 4), {}, "dtype int64 or int32"),
     (slots([0], 4), slots([0], 4), {"io_backend": "cuda_magic"}, "unknown io_backend 'cuda_magic'.*direct, kernel"),
 ])

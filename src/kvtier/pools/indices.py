@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -31,22 +32,24 @@ def page_starts(indices: torch.Tensor, *, page_size: int, size: int, what: str,
     idx = indices.to(device="cpu", dtype=torch.int64)
     if n == 0:
         return idx
-    lo, hi = int(idx.min()), int(idx.max())
-    if lo < 0 or hi >= size:
-        raise ValueError(f"{what} has slots in [{lo}, {hi}], outside the pool's [0, {size})")
     pages = idx.view(-1, page_size)
-    starts = pages[:, 0]
-    bad = (starts % page_size).nonzero()
-    if bad.numel():
+    starts = pages[:, 0].numpy()  # numpy: less per-op overhead than torch on these small arrays
+    bad = np.flatnonzero(starts % page_size)
+    if bad.size:
         i = int(bad[0])
         raise ValueError(f"{what}: page {i} starts at slot {int(starts[i])}, not a multiple of page_size {page_size}")
+    # NOTE: aligned starts in [0, size) and consecutive slots keep every slot in range,
+    # so the range check only needs the starts (a page count, not a slot count).
+    lo, hi = int(starts.min()), int(starts.max()) + page_size - 1
+    if lo < 0 or hi >= size:
+        lo, hi = int(idx.min()), int(idx.max())
+        raise ValueError(f"{what} has slots in [{lo}, {hi}], outside the pool's [0, {size})")
     if page_size > 1:
-        expected = starts[:, None] + torch.arange(page_size)
-        bad = (pages != expected).any(dim=1).nonzero()
-        if bad.numel():
-            i = int(bad[0])
+        expected = pages[:, :1] + torch.arange(page_size)
+        if not torch.equal(pages, expected):
+            i = int((pages != expected).any(dim=1).nonzero()[0])
             raise ValueError(f"{what}: page {i} slots {pages[i].tolist()} are not consecutive from {int(starts[i])}")
-    page_ids = starts // page_size
+    page_ids = torch.from_numpy(starts // page_size)
     if unique and torch.unique(page_ids).numel() != page_ids.numel():
         raise ValueError(f"{what} names the same page more than once; a destination page can be written once per call")
     return page_ids
