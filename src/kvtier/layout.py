@@ -88,3 +88,16 @@ def require_split_heads(layout: Layout) -> None:
             f"split-heads page metadata needs each head group of a page to be contiguous, "
             f"which layout {layout.name!r} does not give; use layout={split_heads_layouts()[0]!r}"
         )
+
+
+def contiguous_run(view: torch.Tensor) -> int:
+    """Elements in the innermost contiguous block of a strided view: the longest
+    piece one ``memcpy`` can move when copying ``view`` element by element."""
+    run = 1
+    for size, stride in sorted(zip(view.shape, view.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != run:
+            break
+        run *= size
+    return run

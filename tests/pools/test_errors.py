@@ -114,7 +114,7 @@ def test_host_pool_construction_errors(kwargs, match):
 def test_pin_memory_without_accelerator_says_so():
     with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):
         HostKVPool(SPEC, 16, 4, pin_memory=True)
-    assert not HostKVPool(SPEC, 16, 4)._raw.is_pinned()
+    assert not HostKVPool(SPEC, 16, 4).raw.is_pinned()
 
 
 def test_from_buffers_errors():

@@ -23,7 +23,7 @@ class DeviceKVPool:
         check_sizes(size, page_size)
         dev = parse_device(device)
         shapes = {c.name: (spec.layer_num, size, c.head_num, c.head_dim) for c in spec.components}
-        self._raw, stacked = carve(spec, shapes, device=dev)
+        self.raw, stacked = carve(spec, shapes, device=dev)
         self._init(spec, size, page_size, dev, {n: list(t.unbind(0)) for n, t in stacked.items()}, stacked)
 
     @classmethod
@@ -54,7 +54,7 @@ class DeviceKVPool:
                     raise ValueError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}][0] on {first.device}")
         check_sizes(size, page_size)
         pool = cls.__new__(cls)
-        pool._raw = None
+        pool.raw = None
         stacked = {c.name: _stack_view(buffers[c.name]) for c in spec.components}
         pool._init(spec, size, page_size, first.device, {n: list(v) for n, v in buffers.items()}, stacked)
         return pool

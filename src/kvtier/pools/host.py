@@ -51,7 +51,7 @@ class HostKVPool:
         sizes = {"page": self.num_pages, "slot": page_size, "layer": spec.layer_num}
         shapes = {c.name: self._layout.shape({**sizes, "head": c.head_num, "dim": c.head_dim})
                   for c in spec.components}
-        self._raw, self.buffers = carve(spec, shapes, device=dev, pin_memory=pin)
+        self.raw, self.buffers = carve(spec, shapes, device=dev, pin_memory=pin)
         self.page_views: dict[str, PageViews] = {}
         for name, buf in self.buffers.items():
             canon = self._layout.canonical(buf)  # (page, slot, layer, head, dim)
@@ -91,10 +91,9 @@ class HostKVPool:
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=True)
         runs = coalesce(host_pages, dev_pages)
-        for c in self.spec.components:
-            copy_runs(self.page_views[c.name], device_pool.page_views[c.name], runs, layer=None,
-                      page_bytes=self._component_page_bytes(c) * self.spec.layer_num,
-                      io_backend=io_backend, threads=self.copy_threads)
+        views = [(self.page_views[n], device_pool.page_views[n]) for n in self.spec.names]
+        copy_runs(views, runs, layer=None, nbytes=len(host_pages) * self.page_bytes, io_backend=io_backend,
+                  threads=self.copy_threads)
 
     def load_to_device_per_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
                                  device_indices: torch.Tensor, layer_id: int, io_backend: str = "direct") -> None:
@@ -104,12 +103,9 @@ class HostKVPool:
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=False)
         runs = coalesce(dev_pages, host_pages)
-        for c in self.spec.components:
-            copy_runs(device_pool.page_views[c.name], self.page_views[c.name], runs, layer=layer_id,
-                      page_bytes=self._component_page_bytes(c), io_backend=io_backend, threads=self.copy_threads)
-
-    def _component_page_bytes(self, c) -> int:
-        return self.page_size * c.token_elems * self.spec.element_size
+        views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
+        copy_runs(views, runs, layer=layer_id, nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
+                  io_backend=io_backend, threads=self.copy_threads)
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
         check_io_backend(io_backend)

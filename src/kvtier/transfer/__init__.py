@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .copy import copy_numpy, copy_torch
 from .runs import Runs, coalesce
 
@@ -16,26 +18,29 @@ def check_io_backend(io_backend: str) -> None:
         raise ValueError(f"unknown io_backend {io_backend!r}; supported: {', '.join(IO_BACKENDS)}")
 
 
-def copy_runs(dst, src, runs: Runs, *, layer: int | None, page_bytes: int, io_backend: str, threads: int) -> None:
-    """Copy page runs from ``src`` to ``dst`` (both ``PageViews`` of one component).
-
-    ``layer=None`` copies every layer, else only ``layer``. ``page_bytes`` is the size
-    of one page of this component over the layers copied (for thread scheduling).
-    """
-    check_io_backend(io_backend)
-    use_numpy = dst.np_layers is not None and src.np_layers is not None
+def _pairs(dst, src, runs: Runs, layer: int | None, use_numpy: bool) -> list:
+    """``(dst_view, src_view)`` per run (per layer when no all-layer view exists)."""
     d_all, d_layers = dst.arrays(use_numpy)
     s_all, s_layers = src.arrays(use_numpy)
     runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
     if layer is not None:
         d, s = d_layers[layer], s_layers[layer]
-        pairs = [(d[a:a + n], s[b:b + n]) for a, b, n in runs3]
-    elif d_all is not None and s_all is not None:
-        pairs = [(d_all[a:a + n], s_all[b:b + n]) for a, b, n in runs3]
-    else:
-        pairs = [(d[a:a + n], s[b:b + n]) for d, s in zip(d_layers, s_layers) for a, b, n in runs3]
+        return [(d[a:a + n], s[b:b + n]) for a, b, n in runs3]
+    if d_all is not None and s_all is not None:
+        return [(d_all[a:a + n], s_all[b:b + n]) for a, b, n in runs3]
+    return [(d[a:a + n], s[b:b + n]) for d, s in zip(d_layers, s_layers) for a, b, n in runs3]
+
+
+def copy_runs(views: Sequence[tuple], runs: Runs, *, layer: int | None, nbytes: int, io_backend: str,
+              threads: int) -> None:
+    """Copy page runs for every ``(dst, src)`` pair of ``PageViews`` in ``views`` (one per
+    component), as one batch. ``layer=None`` copies every layer, else only ``layer``;
+    ``nbytes`` is the total to move (it decides whether threads pay off)."""
+    check_io_backend(io_backend)
+    use_numpy = all(d.np_layers is not None and s.np_layers is not None for d, s in views)
+    pairs = [p for d, s in views for p in _pairs(d, s, runs, layer, use_numpy)]
     if use_numpy:
-        copy_numpy(pairs, sum(runs.length) * page_bytes, threads)
+        copy_numpy(pairs, nbytes, threads)
     else:
         copy_torch(pairs)
 

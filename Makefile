@@ -1,0 +1,31 @@
+# Two commands run everything: `make demo` (kvtier's main job) and `make test`.
+# Each creates .venv and installs what it needs. TORCH pins a CPU build where one is
+# available locally; the package itself only needs torch>=2.4.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvtier-installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvtier inspect --mha layers=61,heads=8,head_dim=192,v_head_dim=128 --dtype bf16 --page-size 64
+	$(BIN)/kvtier selfcheck
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/kvtier bench transfer
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,117 @@
+"""``kvtier bench transfer``: device <-> host page copies per layout and io backend.
+
+Backup copies every layer of ``pages`` pages in one call; load copies the same
+pages one layer per call, for every layer. Page order is randomly permuted on
+both sides, so no two pages coalesce. Each GB/s figure is reported as a ratio to
+a contiguous memcpy of the same number of bytes, measured in the same process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..layout import LAYOUTS
+from ..pools import DeviceKVPool, HostKVPool
+from ..pools.indices import page_slots
+from ..spec import KVSpec
+from ..transfer import IO_BACKENDS
+from .timing import best_seconds, memcpy_gbps
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    spec: str
+    layout: str
+    io_backend: str
+    direction: str  # "backup" (device->host, all layers) or "load" (host->device, per layer)
+    gbytes: float
+    gbps: float
+    ratio: float  # gbps / memcpy_gbps
+
+
+@dataclass(frozen=True)
+class MetaRow:
+    layout: str
+    kind: str  # "page" or "split_heads/<factor>"
+    pages: int
+    spans: int
+    ms: float
+
+
+def _permuted_slots(pages: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    return page_slots(torch.randperm(pages, generator=gen), page_size)
+
+
+def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, repeat: int,
+               seed: int) -> tuple[list[TransferRow], float]:
+    """Transfer rows for one spec, and the best memcpy GB/s seen while measuring them."""
+    gen = torch.Generator().manual_seed(seed)
+    size = pages * page_size
+    dev = DeviceKVPool(spec, size, page_size)
+    dev.raw.fill_(1)  # fault the device pages in before anything is timed
+    nbytes = size * spec.bytes_per_token
+    host_idx, dev_idx = _permuted_slots(pages, page_size, gen), _permuted_slots(pages, page_size, gen)
+    timed, limit = [], 0.0
+    for layout in layouts:
+        host = HostKVPool(spec, size, page_size, layout=layout, pin_memory=False)
+        host.raw.fill_(0)
+        limit = max(limit, memcpy_gbps(host.raw, dev.raw, nbytes, repeat))
+        for backend in backends:
+            t_backup = best_seconds(lambda: host.backup_from_device_all_layer(dev, host_idx, dev_idx, backend), repeat)
+
+            def load_all_layers():
+                for layer in range(spec.layer_num):
+                    host.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
+
+            t_load = best_seconds(load_all_layers, repeat)
+            timed += [(layout, backend, "backup", t_backup), (layout, backend, "load", t_load)]
+        del host
+    fp = spec.fingerprint()
+    rows = [TransferRow(fp, lay, be, direction, nbytes / 1e9, nbytes / t / 1e9, nbytes / t / 1e9 / limit)
+            for lay, be, direction, t in timed]
+    return rows, limit
+
+
+def bench_meta(spec: KVSpec, *, page_size: int, pages: int, repeat: int, seed: int) -> list[MetaRow]:
+    """Time span metadata for ``pages`` random pages. The pool lives on the ``meta``
+    device: addresses start at 0 but the arithmetic is the real one, with no memory."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = _permuted_slots(pages, page_size, gen)
+    rows = []
+    for name in LAYOUTS:
+        host = HostKVPool(spec, pages * page_size, page_size, layout=name, device="meta")
+        calls = [("page", lambda: host.get_page_buffer_meta(idx))]
+        if host.supports_split_heads:
+            for f in (2, min(c.head_num for c in spec.components)):
+                calls.append((f"split_heads/{f}", lambda f=f: host.get_split_heads_page_buffer_meta(idx, f)))
+        for kind, fn in calls:
+            spans = len(fn()[0])
+            rows.append(MetaRow(name, kind, pages, spans, best_seconds(fn, repeat) * 1e3))
+    return rows
+
+
+def run(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_size: int = 64,
+        pages: int = 256, layouts=tuple(LAYOUTS), backends=IO_BACKENDS, repeat: int = 3,
+        meta_pages: int = 4096, seed: int = 0) -> dict:
+    """The whole benchmark as a JSON-ready dict."""
+    started = time.time()
+    rows, limits = [], {}
+    for k_dim, v_dim in dims:
+        spec = KVSpec.mha(layers, heads, k_dim, v_dim)
+        spec_rows, limits[spec.fingerprint()] = bench_spec(
+            spec, page_size=page_size, pages=pages, layouts=layouts, backends=backends, repeat=repeat, seed=seed)
+        rows += spec_rows
+    meta = bench_meta(KVSpec.mha(layers, heads, *dims[-1]), page_size=page_size, pages=meta_pages,
+                      repeat=max(repeat, 5), seed=seed)
+    return {
+        "config": {"layers": layers, "heads": heads, "dims": [list(d) for d in dims], "page_size": page_size,
+                   "pages": pages, "repeat": repeat, "torch_threads": torch.get_num_threads(),
+                   "dtype": "bf16"},
+        "memcpy_gbps": limits,
+        "transfer": [asdict(r) for r in rows],
+        "meta": [asdict(r) for r in meta],
+        "seconds": round(time.time() - started, 1),
+    }

@@ -1,0 +1,136 @@
+"""The ``kvtier`` command line: ``inspect``, ``selfcheck``, ``bench transfer``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .cli_spec import add_spec_arguments, spec_from_args
+from .table import human_bytes, print_table
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .layout_report import layout_reports
+
+    spec = spec_from_args(args)
+    reports = layout_reports(spec, args.page_size)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({"spec": spec.fingerprint(), "page_size": args.page_size,
+                          "layouts": [asdict(r) for r in reports]}, indent=2))
+        return 0
+    comps = ", ".join(f"{c.name} {c.head_num}x{c.head_dim}" for c in spec.components)
+    print(f"spec {spec.fingerprint()}: {spec.layer_num} layers, {comps}, "
+          f"{human_bytes(spec.bytes_per_token)} per token, page_size {args.page_size}")
+    rows = []
+    for r in reports:
+        lo, hi = r.span_bytes
+        spans = human_bytes(lo) if lo == hi else f"{human_bytes(lo)}..{human_bytes(hi)}"
+        rows.append([r.layout, human_bytes(r.page_bytes), f"{r.spans_per_page} x {spans}",
+                     f"yes (up to {r.max_split})" if r.split_heads else "no",
+                     f"{r.load_chunks_per_page} x {human_bytes(r.load_chunk_bytes)}", r.page_format])
+    print_table("host layouts", ["layout", "page", "zero-copy spans / page", "split heads",
+                                 "per-layer load chunks / page", "page format"], rows)
+    print("Bigger spans and load chunks copy faster; split heads lets engines with other "
+          "tensor-parallel sizes share pages zero-copy.")
+    return 0
+
+
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from .bench import transfer
+
+    dims = []
+    for item in args.dims.split(","):
+        k, _, v = item.partition("/")
+        dims.append((int(k), int(v or k)))
+    result = transfer.run(layers=args.layers, heads=args.heads, dims=tuple(dims), page_size=args.page_size,
+                          pages=args.pages, layouts=tuple(args.layouts.split(",")),
+                          backends=tuple(args.backends.split(",")), repeat=args.repeat,
+                          meta_pages=args.meta_pages, seed=args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    cfg = result["config"]
+    print(f"{cfg['layers']} layers, {cfg['heads']} KV heads, bf16, page_size {cfg['page_size']}, "
+          f"{cfg['pages']} pages in random order on both sides; torch threads {cfg['torch_threads']}")
+    for fp, gbps in result["memcpy_gbps"].items():
+        print(f"memcpy limit for {fp}: {gbps:.2f} GB/s")
+    rows = [[r["spec"], r["layout"], r["io_backend"], r["direction"], f"{r['gbps']:.2f}", f"{r['ratio']:.2f}x"]
+            for r in result["transfer"]]
+    print_table("transfer (ratio = GB/s / memcpy GB/s, same run)",
+                ["spec", "layout", "io_backend", "direction", "GB/s", "x memcpy"], rows)
+    rows = [[r["layout"], r["kind"], r["pages"], r["spans"], f"{r['ms']:.3f}"] for r in result["meta"]]
+    print_table("span metadata", ["layout", "kind", "pages", "spans", "ms"], rows)
+    return 0
+
+
+def _selfcheck(args: argparse.Namespace) -> int:
+    from . import selfcheck
+
+    spec = spec_from_args(args) if any(getattr(args, k) for k in ("mha", "mla", "k_only", "components")) \
+        else selfcheck_default_spec()
+    print(f"round trip device -> host -> flat page -> other layout -> device, spec {spec.fingerprint()}")
+    rows = selfcheck.run(spec, page_size=args.page_size, pages=args.pages, seed=args.seed)
+    print_table("self-check (bytes compared bit for bit)", ["layouts", "io_backend", "result", "ms"],
+                [[r["layout"], r["io_backend"], "identical" if r["ok"] else "MISMATCH", f"{r['ms']:.1f}"]
+                 for r in rows])
+    failed = sum(not r["ok"] for r in rows)
+    print(f"{len(rows) - failed} of {len(rows)} round trips identical")
+    return 1 if failed else 0
+
+
+def selfcheck_default_spec():
+    from .spec import KVSpec
+
+    return KVSpec.mha(8, 4, 192, v_head_dim=128)  # MiMo-V2-Flash-like K/V dims, few layers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="compare host layouts for a KV geometry")
+    add_spec_arguments(p)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("selfcheck", help="round-trip random KV through every layout and backend")
+    add_spec_arguments(p)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--pages", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_selfcheck)
+
+    bench = sub.add_parser("bench", help="benchmarks, each figure a ratio to a limit measured in the same run")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    p = bsub.add_parser("transfer", help="device<->host page copies per layout and io backend")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dims", default="128,192/128", help="K[/V] head dims, comma separated (default 128,192/128)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--pages", type=int, default=256)
+    p.add_argument("--layouts", default="layer_first,page_first,page_first_direct,page_head")
+    p.add_argument("--backends", default="direct,kernel")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--meta-pages", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_transfer)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:
+        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The console script's subcommands, run in-process through ``kvtier.cli.main``."""
+
+import json
+
+import pytest
+
+from kvtier.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_inspect_prints_every_layout(capsys):
+    code, out, _ = run(capsys, "inspect", "--mha", "layers=61,heads=8,head_dim=192,v_head_dim=128",
+                       "--dtype", "bf16", "--page-size", "64")
+    assert code == 0
+    for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
+        assert layout in out
+    assert "L61-bf16-k=8x192-v=8x128" in out and "122 x" in out and "1024 x 256 B" in out
+
+
+def test_inspect_json_and_other_geometries(capsys):
+    code, out, _ = run(capsys, "inspect", "--mla", "layers=4,kv_lora_rank=512,qk_rope_head_dim=64",
+                       "--page-size", "16", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["spec"] == "L4-bf16-kv=1x576"
+    assert {r["layout"]: r["spans_per_page"] for r in data["layouts"]}["layer_first"] == 4
+    code, out, _ = run(capsys, "inspect", "--components", "2:k=2x8,v=2x4,idx=1x6", "--dtype", "fp32", "--json")
+    assert code == 0 and json.loads(out)["spec"] == "L2-fp32-k=2x8-v=2x4-idx=1x6"
+    code, out, _ = run(capsys, "inspect", "--k-only", "layers=2,heads=1,head_dim=128", "--json")
+    assert code == 0 and json.loads(out)["spec"] == "L2-bf16-k=1x128"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mha", "layers=2,heads=8"], "missing head_dim"),
+    (["--mha", "layers=2,heads=8,head_dim=x"], "head_dim='x' is not an integer"),
+    (["--mha", "layers=2,heads=8,head_dim=64,rope=2"], "bad item 'rope=2'"),
+    (["--mha", "layers=0,heads=8,head_dim=64"], "layer_num must be a positive int, got 0"),
+    (["--mha", "layers=2,heads=8,head_dim=64", "--dtype", "bf17"], "unknown dtype 'bf17'"),
+    ([], "exactly one of"),
+    (["--mha", "layers=2,heads=8,head_dim=64", "--page-size", "0"], "page_size must be a positive int"),
+])
+def test_inspect_bad_spec_is_a_clear_error(capsys, argv, message):
+    code, _, err = run(capsys, "inspect", *argv)
+    assert code == 2 and message in err
+
+
+def test_selfcheck_round_trips_every_layout(capsys):
+    code, out, _ = run(capsys, "selfcheck", "--pages", "3", "--page-size", "4")
+    assert code == 0
+    assert "8 of 8 round trips identical" in out and "MISMATCH" not in out
+
+
+def test_bench_transfer_json_reports_ratios(capsys):
+    code, out, _ = run(capsys, "bench", "transfer", "--layers", "2", "--heads", "2", "--dims", "16,24/16",
+                       "--page-size", "4", "--pages", "8", "--repeat", "1", "--meta-pages", "16", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert set(data["memcpy_gbps"]) == {"L2-bf16-k=2x16-v=2x16", "L2-bf16-k=2x24-v=2x16"}
+    assert len(data["transfer"]) == 2 * 4 * 2 * 2  # specs x layouts x backends x directions
+    for row in data["transfer"]:
+        limit = data["memcpy_gbps"][row["spec"]]
+        assert row["gbps"] > 0 and row["ratio"] == pytest.approx(row["gbps"] / limit)
+    assert data["transfer"][0]["gbytes"] == pytest.approx(8 * 4 * 2 * 2 * 2 * 32 / 1e9)
+    spans = {(r["layout"], r["kind"]): r["spans"] for r in data["meta"]}
+    assert spans[("layer_first", "page")] == 16 * 2 * 2 and spans[("page_head", "split_heads/2")] == 16 * 2 * 2
