@@ -62,14 +62,15 @@ def test_layer_id_out_of_range(pools, layer_id):
     assert unchanged(before, snapshot(dev, host))
 
 
-def test_duplicate_destination_pages_are_rejected(pools):
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+def test_duplicate_destination_pages_are_rejected(pools, io_backend):
     dev, host = pools
     with pytest.raises(ValueError, match="host_indices names the same page more than once"):
         host.backup_from_device_all_layer(dev, slots([1, 1], 4), slots([0, 2], 4))
     with pytest.raises(ValueError, match="device_indices names the same page more than once"):
         host.load_to_device_per_layer(dev, slots([0, 2], 4), slots([3, 3], 4), 0)
     # reading one source page into two destinations is fine
-    host.load_to_device_per_layer(dev, slots([1, 1], 4), slots([5, 6], 4), 0)
+    host.load_to_device_per_layer(dev, slots([1, 1], 4), slots([5, 6], 4), 0, io_backend=io_backend)
     assert torch.equal(bits(dev.buffer("v", 0))[20:24], bits(dev.buffer("v", 0))[24:28])
 
 

@@ -8,7 +8,7 @@ import torch
 
 from ..layout import get_layout, require_split_heads
 from ..spec import KVSpec
-from ..transfer import check_io_backend, coalesce, copy_runs
+from ..transfer import check_io_backend, copy_pages
 from .allocator import PageAllocator
 from .common import carve, check_sizes, check_spec, parse_device
 from .device import DeviceKVPool
@@ -90,9 +90,8 @@ class HostKVPool:
         """Copy whole pages, every layer and component, device -> host."""
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=True)
-        runs = coalesce(host_pages, dev_pages)
         views = [(self.page_views[n], device_pool.page_views[n]) for n in self.spec.names]
-        copy_runs(views, runs, layer=None, nbytes=len(host_pages) * self.page_bytes, io_backend=io_backend,
+        copy_pages(views, host_pages, dev_pages, layer=None, nbytes=len(host_pages) * self.page_bytes, io_backend=io_backend,
                   threads=self.copy_threads)
 
     def load_to_device_per_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
@@ -102,9 +101,8 @@ class HostKVPool:
             raise ValueError(f"layer_id {layer_id!r} out of range [0, {self.spec.layer_num})")
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=False)
-        runs = coalesce(dev_pages, host_pages)
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
-        copy_runs(views, runs, layer=layer_id, nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
+        copy_pages(views, dev_pages, host_pages, layer=layer_id, nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
                   io_backend=io_backend, threads=self.copy_threads)
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
