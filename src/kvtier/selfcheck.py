@@ -15,12 +15,7 @@ from .layout import LAYOUTS
 from .pools import DeviceKVPool, HostKVPool
 from .spec import KVSpec
 from .transfer import IO_BACKENDS
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT[t.element_size()])
+from .transfer.copy import int_view as _bits
 
 
 def run(spec: KVSpec, page_size: int = 16, pages: int = 8, seed: int = 0) -> list[dict]:

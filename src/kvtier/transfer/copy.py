@@ -24,9 +24,15 @@ PARALLEL_MIN_BYTES = 4 << 20
 Pair = tuple[Any, Any]
 
 
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """The same memory with elements reinterpreted as same-width ints: numpy-friendly
+    and compared bit for bit (NaN payloads included)."""
+    return t.detach().view(_NP_BY_SIZE[t.element_size()])
+
+
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view (no copy) of a CPU tensor, elements reinterpreted as same-width ints."""
-    return t.detach().view(_NP_BY_SIZE[t.element_size()]).numpy()
+    return int_view(t).numpy()
 
 
 def _copy_serial(pairs: Sequence[Pair]) -> None:
