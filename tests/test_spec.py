@@ -64,3 +64,26 @@ def test_specs_are_hashable_values():
 def test_invalid_numbers_name_the_field(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+def test_shard_splits_multi_head_components_and_replicates_single_head():
+    full = KVSpec(2, (Component("k", 8, 192), Component("v", 8, 128), Component("idx", 1, 64)), torch.bfloat16)
+    s = full.shard(3, 4)
+    assert s.components == (Component("k", 2, 192), Component("v", 2, 128), Component("idx", 1, 64))
+    assert s.head_range("k") == (6, 8) and s.head_range("v") == (6, 8) and s.head_range("idx") == (0, 1)
+    assert s.fingerprint() == full.fingerprint() and s.full is full
+    assert s != full.shard(2, 4) and s == full.shard(3, 4)
+    assert full.head_range("k") == (0, 8)
+    assert KVSpec.mla(2, 16, 4).shard(1, 2).components == (Component("kv", 1, 20),)
+
+
+@pytest.mark.parametrize("rank, size, match", [
+    (0, 3, "8 heads, not divisible by shard size 3"),
+    (4, 4, r"rank must be in \[0, 4\)"),
+    (0, 0, "size must be a positive int"),
+])
+def test_bad_shards(rank, size, match):
+    with pytest.raises(ValueError, match=match):
+        KVSpec.mha(2, 8, 64).shard(rank, size)
+    with pytest.raises(ValueError, match="already a shard"):
+        KVSpec.mha(2, 8, 64).shard(0, 2).shard(0, 2)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,15 @@ class Component:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Where a tensor-parallel shard sits in its model: rank ``rank`` of ``size``."""
+
+    full: "KVSpec"
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
 class KVSpec:
     """The KV geometry of a model: layers, per-token components and dtype.
 
@@ -68,6 +77,7 @@ class KVSpec:
     layer_num: int
     components: tuple[Component, ...]
     dtype: torch.dtype
+    shard_of: Shard | None = field(default=None, repr=False)  # set by :meth:`shard`
 
     def __post_init__(self) -> None:
         _positive_int("KVSpec", "layer_num", self.layer_num)
@@ -136,8 +146,45 @@ class KVSpec:
                 return c
         raise ValueError(f"unknown component {name!r}; this spec has {list(self.names)}")
 
+    # -- tensor parallelism -------------------------------------------------
+    def shard(self, rank: int, size: int) -> "KVSpec":
+        """The part of this spec held by tensor-parallel rank ``rank`` of ``size``.
+
+        Each multi-head component's heads split evenly (``head_num % size == 0``);
+        single-head components (MLA latents) are replicated. The shard remembers the
+        full spec: its :meth:`fingerprint` names the full model and
+        :meth:`head_range` gives its global heads.
+        """
+        if self.shard_of is not None:
+            raise ValueError("shard() takes the full spec; this spec is already a shard")
+        _positive_int("KVSpec.shard", "size", size)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"KVSpec.shard rank must be in [0, {size}), got {rank!r}")
+        for c in self.components:
+            if c.head_num > 1 and c.head_num % size:
+                raise ValueError(f"component {c.name!r} has {c.head_num} heads, not divisible by shard size {size}")
+        comps = tuple(c if c.head_num == 1 else Component(c.name, c.head_num // size, c.head_dim)
+                      for c in self.components)
+        return KVSpec(self.layer_num, comps, self.dtype, Shard(self, rank, size))
+
+    @property
+    def full(self) -> "KVSpec":
+        """The whole model's spec (``self`` unless this is a shard)."""
+        return self if self.shard_of is None else self.shard_of.full
+
+    def head_range(self, name: str) -> tuple[int, int]:
+        """Global heads ``[start, stop)`` of component ``name`` held by this spec."""
+        c = self.component(name)
+        if self.shard_of is None or self.full.component(name).head_num == 1:
+            return 0, c.head_num
+        start = self.shard_of.rank * c.head_num
+        return start, start + c.head_num
+
     def fingerprint(self) -> str:
-        """Short stable text naming dims, dtype and component names, e.g.
-        ``L61-bf16-k=8x192-v=8x128``. Equal specs give equal fingerprints."""
+        """Short stable text naming dims, dtype and component names of the full model,
+        e.g. ``L61-bf16-k=8x192-v=8x128``. Equal specs give equal fingerprints, and
+        every shard of a spec gives the full spec's."""
+        if self.shard_of is not None:
+            return self.full.fingerprint()
         comps = "-".join(f"{c.name}={c.head_num}x{c.head_dim}" for c in self.components)
         return f"L{self.layer_num}-{DTYPE_NAMES[self.dtype]}-{comps}"
