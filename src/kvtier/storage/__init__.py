@@ -1,0 +1,48 @@
+"""L3 storage: ``open(url)`` picks a backend by URL scheme; ``page_keys`` names pages.
+
+| URL | backend |
+|---|---|
+| ``file:///path`` | :class:`kvtier.storage.file.FileStorage` (default, embedded) |
+| ``redis://host:port/db``, ``rediss://...``, ``redis+cluster://host:port`` | Redis / Valkey |
+| ``mooncake://master_host:port?metadata=...&protocol=tcp`` | Mooncake Store, zero-copy |
+"""
+
+from __future__ import annotations
+
+import importlib
+from urllib.parse import unquote, urlsplit
+
+from .base import ObjectStorage, Storage
+from .keys import page_keys
+
+# scheme -> "module:Class"; imported on use so that optional clients stay optional.
+BACKENDS = {
+    "file": "kvtier.storage.file:FileStorage",
+    "redis": "kvtier.storage.redis:RedisStorage",
+    "rediss": "kvtier.storage.redis:RedisStorage",
+    "redis+cluster": "kvtier.storage.redis:RedisStorage",
+    "mooncake": "kvtier.storage.mooncake:MooncakeStorage",
+}
+
+
+def open(url: str, **options) -> Storage:  # noqa: A001 - the contract's name
+    """A storage backend for ``url``; ``options`` are the backend's keyword options
+    (e.g. ``spec=``, ``head_groups=``, ``capacity_bytes=`` for files, ``ttl=`` for Redis)."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"storage url must look like scheme://..., got {url!r}; schemes: {', '.join(BACKENDS)}")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in BACKENDS:
+        raise ValueError(f"unknown storage scheme {scheme!r}; supported: {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[scheme].split(":")
+    backend = getattr(importlib.import_module(module), cls)
+    if scheme == "file":
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path")
+        if not parts.path:
+            raise ValueError(f"file URL {url!r} has no path; use file:///absolute/path")
+        return backend(unquote(parts.path), **options)
+    return backend(url, **options)
+
+
+__all__ = ["BACKENDS", "ObjectStorage", "Storage", "open", "page_keys"]

@@ -1,0 +1,289 @@
+"""The storage (L3) interface, and the shared machinery of the copy backends.
+
+Every backend turns a fault (server down, timeout, I/O error, corrupt object)
+into a miss and a counted error: the ``batch_*`` methods never raise for those.
+Caller mistakes (wrong key count, bad indices) raise ``ValueError`` before any
+byte moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..pools import HostKVPool
+from ..pools.indices import page_starts
+from ..spec import KVSpec
+from .codec import CorruptObject, decode, encode_header
+from .objects import PagePlan
+
+log = logging.getLogger("kvtier.storage")
+
+#: Payload bytes packed per backend round trip: bounds memory for large batches.
+BATCH_BYTES = 64 << 20
+
+
+class StorageStats:
+    """Thread-safe counters behind ``Storage.stats()``."""
+
+    _FIELDS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "pages_written",
+               "write_failures", "evictions")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self._FIELDS, 0)
+        self._latency: dict[str, list[float]] = {}  # op -> [calls, seconds]
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self._counts[k] += v
+
+    def timed(self, op: str, seconds: float) -> None:
+        with self._lock:
+            calls_secs = self._latency.setdefault(op, [0, 0.0])
+            calls_secs[0] += 1
+            calls_secs[1] += seconds
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = dict(self._counts)
+            out["latency_ms"] = {op: {"calls": c, "mean": s / c * 1e3, "total": s * 1e3}
+                                 for op, (c, s) in self._latency.items()}
+        return out
+
+
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+        raise ValueError("keys must be a list of non-empty str (see kvtier.storage.page_keys)")
+    return list(keys)
+
+
+class Storage(ABC):
+    """One interface for every L3 backend (see DESIGN section 4)."""
+
+    scheme = ""
+
+    def __init__(self, *, spec: KVSpec | None = None, head_groups: int | None = None) -> None:
+        if spec is not None and not isinstance(spec, KVSpec):
+            raise ValueError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        self._spec = spec
+        self._head_groups = head_groups
+        self._plans: dict[tuple[KVSpec, int], PagePlan] = {}
+        self._stats = StorageStats()
+        if spec is not None:
+            self._plan(spec, 1)  # validates head_groups against the spec now
+
+    # -- the contract ------------------------------------------------------------------
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are present (for this storage's geometry)."""
+
+    @abstractmethod
+    def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        """Fill host page ``i`` of ``host_indices`` from ``keys[i]``; ``False`` = miss."""
+
+    @abstractmethod
+    def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        """Store host page ``i`` of ``host_indices`` under ``keys[i]``; ``False`` = not stored."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove every object of ``keys`` (all geometries, all head ranges)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove everything this backend stored."""
+
+    def stats(self) -> dict:
+        """Counters: hits, misses, bytes_read, bytes_written, errors, corrupt, latency_ms per op."""
+        return {"backend": self.scheme, **self._stats.snapshot()}
+
+    def close(self) -> None:
+        """Release connections and handles; the object is unusable afterwards."""
+
+    def __enter__(self) -> "Storage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- helpers for backends -------------------------------------------------------------
+    def _plan(self, spec: KVSpec, page_size: int) -> PagePlan:
+        key = (spec, page_size)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = PagePlan(spec, page_size, self._head_groups)
+        return plan
+
+    def _check_pages(self, keys, host_pool, host_indices) -> tuple[list[str], list[int]]:
+        keys = _check_keys(keys)
+        if not isinstance(host_pool, HostKVPool):
+            raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
+        if not isinstance(host_indices, torch.Tensor) or host_indices.numel() != len(keys) * host_pool.page_size:
+            n = host_indices.numel() if isinstance(host_indices, torch.Tensor) else host_indices
+            raise ValueError(f"host_indices must hold len(keys) * page_size = {len(keys)} * {host_pool.page_size} "
+                             f"slots, got {n}")
+        pages = page_starts(host_indices, page_size=host_pool.page_size, size=host_pool.size, what="host_indices")
+        if host_pool.device.type != "cpu":
+            raise ValueError(f"storage moves bytes through host memory; the pool is on {host_pool.device}")
+        self._spec = host_pool.spec  # the geometry batch_exists answers for from now on
+        return keys, pages.tolist()
+
+    def _fault(self, op: str, error: BaseException) -> None:
+        self._stats.add(errors=1)
+        log.warning("kvtier storage %s: %s failed: %s: %s", self.scheme, op, type(error).__name__, error)
+
+
+class ObjectStorage(Storage):
+    """A copy backend: each page part is one object ``(key, field) -> header + payload``.
+
+    Subclasses implement the primitives below on their medium; this class does
+    validation, packing, checksums, batching, statistics and fault handling.
+    """
+
+    # -- primitives ---------------------------------------------------------------------
+    @abstractmethod
+    def _put(self, items: list[tuple[str, str, bytes, np.ndarray]]) -> list[bool]:
+        """Store ``(key, field, header, payload)`` objects; success per item."""
+
+    @abstractmethod
+    def _get(self, items: list[tuple[str, str]]) -> list[bytes | bytearray | memoryview | None]:
+        """Whole stored objects (header + payload) per ``(key, field)``; ``None`` if absent."""
+
+    @abstractmethod
+    def _has(self, items: list[tuple[str, str]]) -> list[bool]:
+        """Whether each ``(key, field)`` object exists."""
+
+    @abstractmethod
+    def _has_any(self, keys: list[str]) -> list[bool]:
+        """Whether any object of each key exists (used when no geometry is known)."""
+
+    @abstractmethod
+    def _remove(self, items: list[tuple[str, str]]) -> None:
+        """Remove single objects (corrupt ones)."""
+
+    @abstractmethod
+    def _remove_keys(self, keys: list[str]) -> None:
+        """Remove every object of each key."""
+
+    @abstractmethod
+    def _remove_all(self) -> None:
+        """Remove every object this backend stored."""
+
+    # -- the contract ----------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            if self._spec is None:
+                present = self._has_any(keys)
+            else:
+                fields = [p.field for p in self._plan(self._spec, 1).read_parts]
+                found = self._has([(k, f) for k in keys for f in fields])
+                present = [all(found[i * len(fields):(i + 1) * len(fields)]) for i in range(len(keys))]
+        except Exception as e:  # a storage fault is a miss, never an exception for the caller
+            self._fault("exists", e)
+            return 0
+        finally:
+            self._stats.timed("exists", time.perf_counter() - t0)
+        return next((i for i, p in enumerate(present) if not p), len(keys))
+
+    def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        keys, pages = self._check_pages(keys, host_pool, host_indices)
+        plan = self._plan(host_pool.spec, host_pool.page_size)
+        stored = [True] * len(keys)
+        t0 = time.perf_counter()
+        for chunk in self._chunks(len(keys), sum(p.nbytes for p in plan.write_parts)):
+            items, owners = [], []
+            for i in chunk:
+                for part in plan.write_parts:
+                    buf = np.empty(part.nbytes, dtype=np.uint8)
+                    plan.pack(host_pool, pages[i], part, buf)
+                    items.append((keys[i], part.field, encode_header(f"{keys[i]}#{part.field}", buf), buf))
+                    owners.append(i)
+            try:
+                ok = self._put(items)
+            except Exception as e:
+                self._fault("set", e)
+                ok = [False] * len(items)
+            for i, good, item in zip(owners, ok, items):
+                stored[i] = stored[i] and bool(good)
+                if good:
+                    self._stats.add(bytes_written=item[3].nbytes)
+        self._stats.add(pages_written=sum(stored), write_failures=len(keys) - sum(stored))
+        self._stats.timed("set", time.perf_counter() - t0)
+        return stored
+
+    def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        keys, pages = self._check_pages(keys, host_pool, host_indices)
+        plan = self._plan(host_pool.spec, host_pool.page_size)
+        parts = plan.read_parts
+        loaded = [False] * len(keys)
+        t0 = time.perf_counter()
+        for chunk in self._chunks(len(keys), sum(p.nbytes for p in parts)):
+            items = [(keys[i], p.field) for i in chunk for p in parts]
+            try:
+                blobs = self._get(items)
+            except Exception as e:
+                self._fault("get", e)
+                blobs = [None] * len(items)
+            for n, i in enumerate(chunk):
+                payloads = self._decode(items[n * len(parts):(n + 1) * len(parts)],
+                                        blobs[n * len(parts):(n + 1) * len(parts)], parts)
+                if payloads is None:
+                    continue
+                for part, payload in zip(parts, payloads):  # every part checked before any is copied
+                    plan.unpack(host_pool, pages[i], part, payload)
+                loaded[i] = True
+                self._stats.add(bytes_read=sum(p.nbytes for p in parts))
+        hits = sum(loaded)
+        self._stats.add(hits=hits, misses=len(keys) - hits)
+        self._stats.timed("get", time.perf_counter() - t0)
+        return loaded
+
+    def delete(self, keys: Sequence[str]) -> None:
+        keys = _check_keys(keys)
+        try:
+            self._remove_keys(keys)
+        except Exception as e:
+            self._fault("delete", e)
+
+    def clear(self) -> None:
+        try:
+            self._remove_all()
+        except Exception as e:
+            self._fault("clear", e)
+
+    # -- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _chunks(n: int, page_bytes: int) -> Iterator[range]:
+        step = max(1, BATCH_BYTES // max(page_bytes, 1))
+        for start in range(0, n, step):
+            yield range(start, min(n, start + step))
+
+    def _decode(self, items, blobs, parts) -> list[memoryview] | None:
+        """Checked payloads of one page's parts, or None (counting corrupt objects)."""
+        payloads = []
+        for (key, field), blob, part in zip(items, blobs, parts):
+            if blob is None:
+                return None
+            try:
+                payloads.append(decode(f"{key}#{field}", blob, part.nbytes))
+            except CorruptObject as e:
+                self._stats.add(corrupt=1, errors=1)
+                log.warning("kvtier storage %s: %s; deleting it", self.scheme, e)
+                try:
+                    self._remove([(key, field)])
+                except Exception as err:
+                    self._fault("remove", err)
+                return None
+        return payloads

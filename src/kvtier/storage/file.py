@@ -1,0 +1,200 @@
+"""``file:///dir``: one file per page part, in sharded directories; the embedded default.
+
+    <dir>/kvtier-v1/<h[0:2]>/<h[2:]>/<field>     h = sha256(key), field = "<fingerprint>.<part>"
+
+Key text never becomes a path (it is hashed), so no key can leave ``dir``. Writes
+go to a temporary file in the same directory and are renamed into place
+(``os.replace``), so readers see a whole object or none. With ``capacity_bytes``
+the least recently used keys are evicted; the LRU order is seeded from directory
+mtimes at open, and a hit touches its directory, so it survives restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from .base import ObjectStorage
+
+_ROOT = "kvtier-v1"
+_counter = itertools.count()
+
+
+class FileStorage(ObjectStorage):
+    scheme = "file"
+
+    def __init__(self, path: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = False,
+                 **options) -> None:
+        super().__init__(**options)
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                           or capacity_bytes <= 0):
+            raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
+        self.root = Path(path).resolve() / _ROOT
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[Path, int] = OrderedDict()  # key dir -> bytes, oldest first
+        self._total = 0  # sum of self._lru's values
+        if capacity_bytes is not None:
+            self._scan()
+
+    # -- paths -------------------------------------------------------------------------------
+    def _key_dir(self, key: str) -> Path:
+        h = hashlib.sha256(key.encode()).hexdigest()
+        return self.root / h[:2] / h[2:]
+
+    @staticmethod
+    def _file_name(field: str) -> str:
+        return field.replace("/", ".")  # fingerprints and part names hold [A-Za-z0-9=-_] only
+
+    def _path(self, key: str, field: str) -> Path:
+        return self._key_dir(key) / self._file_name(field)
+
+    # -- primitives ------------------------------------------------------------------------------
+    def _put(self, items) -> list[bool]:
+        ok = []
+        for key, field, header, payload in items:
+            try:
+                self._write(self._path(key, field), header, payload)
+                ok.append(True)
+            except OSError as e:
+                self._fault("write", e)
+                ok.append(False)
+        return ok
+
+    def _write(self, path: Path, header: bytes, payload: np.ndarray) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view, total = [memoryview(header), memoryview(payload)], len(header) + payload.nbytes
+            written = 0
+            while written < total:  # writev may write less than asked
+                n = os.writev(fd, view)
+                written += n
+                view = _advance(view, n)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        if self.capacity_bytes is not None:
+            self._account(path.parent, total)
+
+    def _get(self, items) -> list:
+        out = []
+        touched = set()
+        for key, field in items:
+            path = self._path(key, field)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    buf = bytearray(size)
+                    n = f.readinto(buf)
+                out.append(buf if n == size else buf[:n])
+                touched.add(path.parent)
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as e:
+                self._fault("read", e)
+                out.append(None)
+        if self.capacity_bytes is not None:
+            for d in touched:
+                self._touch(d)
+        return out
+
+    def _has(self, items) -> list[bool]:
+        return [self._path(k, f).is_file() for k, f in items]
+
+    def _has_any(self, keys) -> list[bool]:
+        out = []
+        for key in keys:
+            d = self._key_dir(key)
+            try:
+                out.append(any(not e.name.startswith(".") for e in os.scandir(d)))
+            except FileNotFoundError:
+                out.append(False)
+        return out
+
+    def _remove(self, items) -> None:
+        for key, field in items:
+            self._path(key, field).unlink(missing_ok=True)
+
+    def _remove_keys(self, keys) -> None:
+        for key in keys:
+            d = self._key_dir(key)
+            shutil.rmtree(d, ignore_errors=True)
+            with self._lock:
+                self._total -= self._lru.pop(d, 0)
+
+    def _remove_all(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._lru.clear()
+            self._total = 0
+
+    # -- capacity ------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        dirs = []
+        for shard in self.root.iterdir():
+            for d in shard.iterdir():
+                size = sum(f.stat().st_size for f in d.iterdir() if not f.name.startswith("."))
+                dirs.append((d.stat().st_mtime, d, size))
+        for _, d, size in sorted(dirs, key=lambda t: t[0]):
+            self._lru[d] = size
+            self._total += size
+        self._evict()
+
+    def _account(self, key_dir: Path, nbytes: int) -> None:
+        with self._lock:
+            self._lru[key_dir] = self._lru.pop(key_dir, 0) + nbytes
+            self._total += nbytes
+        self._evict(keep=key_dir)
+
+    def _touch(self, key_dir: Path) -> None:
+        with self._lock:
+            if key_dir in self._lru:
+                self._lru.move_to_end(key_dir)
+        try:
+            os.utime(key_dir)
+        except OSError:
+            pass
+
+    def _evict(self, keep: Path | None = None) -> None:
+        """Drop least recently used keys (never ``keep``) until the total fits the capacity."""
+        while True:
+            with self._lock:
+                victims = [d for d in self._lru if d != keep][:1]
+                if self._total <= self.capacity_bytes or not victims:
+                    return
+                self._total -= self._lru.pop(victims[0])
+            shutil.rmtree(victims[0], ignore_errors=True)
+            self._stats.add(evictions=1)
+
+    def usage_bytes(self) -> int:
+        """Bytes held, as tracked for the capacity (0 when no capacity is set)."""
+        with self._lock:
+            return self._total
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out

@@ -1,0 +1,72 @@
+"""Topology-free page keys: a chain of hashes over token ids, salted by namespace.
+
+Key ``i`` is ``hash(key_{i-1}, tokens of page i)``; key 0 hashes the namespace and
+the tenant salt first, so different models or tenants never share a key. The key
+text is ``<namespace>/<hex digest>``; it holds no rank, layout or dtype — those go
+into object names (see ``kvtier.storage.objects``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+_DOMAIN = b"kvtier-page-v1"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    import xxhash
+
+    return xxhash.xxh3_128_digest(data)
+
+
+HASHES: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxh3": _xxh3_128}
+
+
+def namespace_tag(namespace: str) -> str:
+    """Filesystem- and URL-safe form of a namespace (``meta-llama/Llama-3`` -> ``meta-llama%2FLlama-3``)."""
+    return _SAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), namespace)
+
+
+def _token_array(token_ids) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"token_ids must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    return arr.astype("<i8", copy=False)
+
+
+def page_keys(token_ids: Sequence[int] | np.ndarray | torch.Tensor, page_size: int, namespace: str = "default",
+              salt: str | bytes | None = None, hash: str = "sha256") -> list[str]:
+    """One key per *full* page of ``token_ids``; key ``i`` depends on pages ``0..i``.
+
+    ``namespace`` names the model (and deployment); ``salt`` separates tenants within
+    it; ``hash`` is ``"sha256"`` (default) or ``"xxh3"`` (128-bit, needs ``xxhash``).
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+    if hash not in HASHES:
+        raise ValueError(f"unknown hash {hash!r}; supported: {', '.join(HASHES)}")
+    fn = HASHES[hash]
+    tokens = _token_array(token_ids)
+    salt_bytes = salt.encode() if isinstance(salt, str) else (salt or b"")
+    ns = namespace.encode()
+    parent = fn(b"\0".join([_DOMAIN, hash.encode(), len(ns).to_bytes(4, "little") + ns, salt_bytes]))
+    tag = namespace_tag(namespace)
+    keys = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = fn(parent + tokens[start:start + page_size].tobytes())
+        keys.append(f"{tag}/{parent.hex()}")
+    return keys

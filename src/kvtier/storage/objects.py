@@ -1,0 +1,85 @@
+"""How the pages of one host pool map to stored objects ("parts"), and the bytes of each.
+
+A page is stored as parts cut from its canonical flat form, so that pools holding
+different head ranges (tensor-parallel shards of any size) share them:
+
+- ``h{j}of{G}``: head group ``j`` of ``G`` of every multi-head component, each as
+  ``(layer, slot, head, dim)`` over the group's heads, concatenated in spec order;
+- ``rep``: the single-head components (MLA latents, replicated on every rank).
+
+``G`` defaults to the greatest common divisor of the multi-head components' head
+counts, the finest cut every shard size divides. A part's field name is
+``<spec fingerprint>/<part>``, so dtype and dims are part of every object's identity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from ..spec import KVSpec
+
+
+@dataclass(frozen=True)
+class Part:
+    field: str                                 # "<fingerprint>/<part name>"
+    pieces: tuple[tuple[str, int, int], ...]   # (component, local head start, stop)
+    nbytes: int
+
+
+class PagePlan:
+    """The parts a pool of ``spec`` writes and reads, and copies between pages and bytes."""
+
+    def __init__(self, spec: KVSpec, page_size: int, head_groups: int | None = None) -> None:
+        full = spec.full
+        multi = [c for c in full.components if c.head_num > 1]
+        groups = head_groups or (math.gcd(*(c.head_num for c in multi)) if multi else 1)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+            raise ValueError(f"head_groups must be a positive int, got {head_groups!r}")
+        for c in multi:
+            if c.head_num % groups:
+                raise ValueError(f"head_groups {groups} does not divide component {c.name!r}'s {c.head_num} heads")
+        rank, size = (spec.shard_of.rank, spec.shard_of.size) if spec.shard_of else (0, 1)
+        if multi and groups % size:
+            raise ValueError(f"head_groups {groups} is not divisible by the shard size {size}")
+        self.spec, self.page_size, self.groups = spec, page_size, groups
+        fp, es = full.fingerprint(), spec.element_size
+        token_bytes = page_size * spec.layer_num * es
+        self.read_parts: list[Part] = []
+        if multi:
+            per_rank = groups // size
+            for j in range(rank * per_rank, (rank + 1) * per_rank):
+                local = j - rank * per_rank
+                pieces = tuple((c.name, local * c.head_num // groups, (local + 1) * c.head_num // groups)
+                               for c in multi)
+                nbytes = sum(c.head_num // groups * c.head_dim for c in multi) * token_bytes
+                self.read_parts.append(Part(f"{fp}/h{j}of{groups}", pieces, nbytes))
+        single = [c for c in full.components if c.head_num == 1]
+        if single:
+            self.read_parts.append(Part(f"{fp}/rep", tuple((c.name, 0, 1) for c in single),
+                                        sum(c.head_dim for c in single) * token_bytes))
+        # NOTE: replicated parts are written by rank 0 only; every rank reads them.
+        self.write_parts = [p for p in self.read_parts if rank == 0 or not p.field.endswith("/rep")]
+
+    def _piece_views(self, pool, page: int, part: Part, buf: np.ndarray):
+        """Pairs ``(view into buf, view into the pool page)``, both numpy
+        ``(layer, slot, head, dim)`` with elements as same-width ints."""
+        item = np.dtype(f"<i{self.spec.element_size}")
+        offset = 0
+        for name, h0, h1 in part.pieces:
+            pool_view = pool.page_views[name].np_all_layers[page][:, :, h0:h1].transpose(1, 0, 2, 3)
+            n = pool_view.size * item.itemsize
+            yield buf[offset:offset + n].view(item).reshape(pool_view.shape), pool_view
+            offset += n
+
+    def pack(self, pool, page: int, part: Part, buf: np.ndarray) -> None:
+        """Write page ``page``'s bytes of ``part`` into ``buf`` (``part.nbytes`` uint8)."""
+        for flat, pool_view in self._piece_views(pool, page, part, buf):
+            np.copyto(flat, pool_view)
+
+    def unpack(self, pool, page: int, part: Part, buf) -> None:
+        """Write ``part``'s bytes from ``buf`` (any buffer, may be read-only) into page ``page``."""
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        for flat, pool_view in self._piece_views(pool, page, part, arr):
+            np.copyto(pool_view, flat)
