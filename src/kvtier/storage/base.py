@@ -20,7 +20,7 @@ import torch
 from ..pools import HostKVPool
 from ..pools.indices import page_starts
 from ..spec import KVSpec
-from .codec import CorruptObject, decode, encode_header
+from .codec import CorruptObject, decode, header_size, write_header
 from .objects import PagePlan
 
 log = logging.getLogger("kvtier.storage")
@@ -150,8 +150,8 @@ class ObjectStorage(Storage):
 
     # -- primitives ---------------------------------------------------------------------
     @abstractmethod
-    def _put(self, items: list[tuple[str, str, bytes, np.ndarray]]) -> list[bool]:
-        """Store ``(key, field, header, payload)`` objects; success per item."""
+    def _put(self, items: list[tuple[str, str, np.ndarray]]) -> list[bool]:
+        """Store ``(key, field, blob)`` objects (blob: uint8, header + payload); success per item."""
 
     @abstractmethod
     def _get(self, items: list[tuple[str, str]]) -> list[bytes | bytearray | memoryview | None]:
@@ -203,22 +203,25 @@ class ObjectStorage(Storage):
         stored = [True] * len(keys)
         t0 = time.perf_counter()
         for chunk in self._chunks(len(keys), sum(p.nbytes for p in plan.write_parts)):
-            items, owners = [], []
+            items, owners, sizes = [], [], []
             for i in chunk:
                 for part in plan.write_parts:
-                    buf = np.empty(part.nbytes, dtype=np.uint8)
-                    plan.pack(host_pool, pages[i], part, buf)
-                    items.append((keys[i], part.field, encode_header(f"{keys[i]}#{part.field}", buf), buf))
+                    name = f"{keys[i]}#{part.field}"
+                    blob = np.empty(header_size(name) + part.nbytes, dtype=np.uint8)
+                    plan.pack(host_pool, pages[i], part, blob[header_size(name):])
+                    write_header(name, blob)
+                    items.append((keys[i], part.field, blob))
                     owners.append(i)
+                    sizes.append(part.nbytes)
             try:
                 ok = self._put(items)
             except Exception as e:
                 self._fault("set", e)
                 ok = [False] * len(items)
-            for i, good, item in zip(owners, ok, items):
+            for i, good, nbytes in zip(owners, ok, sizes):
                 stored[i] = stored[i] and bool(good)
                 if good:
-                    self._stats.add(bytes_written=item[3].nbytes)
+                    self._stats.add(bytes_written=nbytes)
         self._stats.add(pages_written=sum(stored), write_failures=len(keys) - sum(stored))
         self._stats.timed("set", time.perf_counter() - t0)
         return stored

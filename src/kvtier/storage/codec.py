@@ -37,13 +37,13 @@ def header_size(name: str) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def encode_header(name: str, payload: np.ndarray | memoryview) -> bytes:
-    """Header for ``payload`` (a contiguous uint8 buffer) stored under ``name``."""
+def write_header(name: str, blob: np.ndarray) -> None:
+    """Fill the header of ``blob`` (uint8: ``header_size(name)`` bytes, then the payload)."""
     raw_name = name.encode()
     size = header_size(name)
-    head = _FIXED.pack(MAGIC, VERSION, size, len(memoryview(payload)), xxhash.xxh3_64_intdigest(payload),
-                       len(raw_name)) + raw_name
-    return head + bytes(size - len(head))
+    payload = blob[size:]
+    head = _FIXED.pack(MAGIC, VERSION, size, payload.nbytes, xxhash.xxh3_64_intdigest(payload), len(raw_name))
+    blob[:size] = np.frombuffer(head + raw_name + bytes(size - len(head) - len(raw_name)), dtype=np.uint8)
 
 
 def decode(name: str, blob: bytes | bytearray | memoryview, payload_len: int) -> memoryview:

@@ -61,36 +61,31 @@ class FileStorage(ObjectStorage):
     # -- primitives ------------------------------------------------------------------------------
     def _put(self, items) -> list[bool]:
         ok = []
-        for key, field, header, payload in items:
+        for key, field, blob in items:
             try:
-                self._write(self._path(key, field), header, payload)
+                self._write(self._path(key, field), blob)
                 ok.append(True)
             except OSError as e:
                 self._fault("write", e)
                 ok.append(False)
         return ok
 
-    def _write(self, path: Path, header: bytes, payload: np.ndarray) -> None:
+    def _write(self, path: Path, blob: np.ndarray) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view, total = [memoryview(header), memoryview(payload)], len(header) + payload.nbytes
-            written = 0
-            while written < total:  # writev may write less than asked
-                n = os.writev(fd, view)
-                written += n
-                view = _advance(view, n)
-            if self.fsync:
-                os.fsync(fd)
+            with open(tmp, "xb", buffering=0) as f:
+                view = memoryview(blob)
+                while view:  # one raw write may take fewer bytes than offered
+                    view = view[f.write(view):]
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
         except BaseException:
-            os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        os.replace(tmp, path)
         if self.capacity_bytes is not None:
-            self._account(path.parent, total)
+            self._account(path.parent, blob.nbytes)
 
     def _get(self, items) -> list:
         out = []
@@ -188,13 +183,3 @@ class FileStorage(ObjectStorage):
         with self._lock:
             return self._total
 
-
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out

@@ -1,0 +1,35 @@
+"""Pools filled with known KV, and comparisons of what storage gave back."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier import HostKVPool, KVSpec
+from helpers import bits, random_device_pool
+
+
+def filled_host(spec: KVSpec, pages: int, page_size: int = 4, layout: str = "page_first", seed: int = 0):
+    """A host pool whose first ``pages`` pages hold random KV; returns (pool, slots)."""
+    dev = random_device_pool(spec, pages * page_size, page_size, seed=seed)
+    host = HostKVPool(spec, pages * page_size, page_size, layout=layout)
+    idx = host.alloc(pages * page_size)
+    host.backup_from_device_all_layer(dev, idx, torch.arange(pages * page_size))
+    return host, idx
+
+
+def flat_pages(host: HostKVPool, idx: torch.Tensor) -> list[torch.Tensor]:
+    return [bits(host.get_data_page(int(s))) for s in idx[:: host.page_size]]
+
+
+def shard_flat(full_page: torch.Tensor, spec: KVSpec, page_size: int, rank: int, size: int) -> torch.Tensor:
+    """Cut a full-spec flat page down to what ``spec.shard(rank, size)`` holds."""
+    parts, offset = [], 0
+    for c in spec.components:
+        n = spec.layer_num * page_size * c.token_elems
+        page = full_page[offset:offset + n].view(spec.layer_num, page_size, c.head_num, c.head_dim)
+        if c.head_num > 1:
+            h = c.head_num // size
+            page = page[:, :, rank * h:(rank + 1) * h]
+        parts.append(page.reshape(-1))
+        offset += n
+    return torch.cat(parts)

@@ -1,0 +1,142 @@
+"""Every storage backend against the same contract: round trips, prefixes, isolation, TP sharing."""
+
+import uuid
+
+import pytest
+import torch
+
+import kvtier.storage
+from kvtier import Component, HostKVPool, KVSpec
+from helpers import SPECS, bits
+from storage_helpers import filled_host, flat_pages, shard_flat
+
+BACKENDS = ["file", "redis"]
+
+
+@pytest.fixture(params=BACKENDS)
+def open_store(request, tmp_path):
+    """``open_store(**options)`` opens the backend under test, isolated per test."""
+    opened, prefix = [], f"t{uuid.uuid4().hex[:8]}:"
+
+    def _open(**options):
+        if request.param == "file":
+            store = kvtier.storage.open(f"file://{tmp_path}/store", **options)
+        else:
+            server = request.getfixturevalue("redis_server")
+            store = kvtier.storage.open(server.url, prefix=prefix, **options)
+        opened.append(store)
+        return store
+
+    yield _open
+    for store in opened:
+        store.clear()
+        store.close()
+
+
+def keys_for(n_pages, page_size=4, namespace="model", salt=None, start=0):
+    return kvtier.storage.page_keys(list(range(start, start + n_pages * page_size)), page_size,
+                                    namespace=namespace, salt=salt)
+
+
+@pytest.mark.parametrize("layouts", [("page_first", "page_head"), ("page_head", "layer_first")])
+@pytest.mark.parametrize("spec_name", ["mha", "asym", "mla"])
+def test_round_trip_across_layouts(open_store, spec_name, layouts):
+    spec = SPECS[spec_name]
+    writer, idx = filled_host(spec, 5, layout=layouts[0])
+    store = open_store()
+    keys = keys_for(5)
+    assert store.batch_set(keys, writer, idx) == [True] * 5
+    reader = HostKVPool(spec, 8 * 4, 4, layout=layouts[1])
+    ridx = reader.alloc(5 * 4).flip(0).view(-1, 4).flip(1).reshape(-1)  # other pages, other order
+    assert store.batch_get(keys, reader, ridx) == [True] * 5
+    for a, b in zip(flat_pages(writer, idx), flat_pages(reader, ridx)):
+        assert torch.equal(a, b)
+    stats = store.stats()
+    assert stats["hits"] == 5 and stats["errors"] == 0 and stats["bytes_read"] == stats["bytes_written"] > 0
+
+
+def test_exists_counts_leading_pages(open_store):
+    spec = SPECS["asym"]
+    host, idx = filled_host(spec, 4)
+    store = open_store()
+    keys = keys_for(4)
+    assert store.batch_exists(keys) == 0 and store.batch_exists([]) == 0
+    store.batch_set([keys[0], keys[1], keys[3]], host, torch.cat([idx[:8], idx[12:]]))
+    assert store.batch_exists(keys) == 2
+    assert store.batch_exists(keys[3:]) == 1
+    assert store.batch_get(keys, host, idx) == [True, True, False, True]
+    store.delete(keys[:1])
+    assert store.batch_exists(keys) == 0 and store.batch_exists(keys[1:]) == 1
+    store.clear()
+    assert store.batch_exists(keys[1:]) == 0
+
+
+def test_exists_without_a_known_geometry_sees_any_geometry(open_store):
+    host, idx = filled_host(SPECS["mha"], 2)
+    keys = keys_for(2)
+    open_store().batch_set(keys, host, idx)
+    fresh = open_store()  # same medium, nothing bound yet
+    assert fresh.batch_exists(keys) == 2
+    bound = open_store(spec=SPECS["asym"])
+    assert bound.batch_exists(keys) == 0
+
+
+def test_namespaces_salts_dtypes_and_dims_are_isolated(open_store):
+    spec = SPECS["mha"]
+    host, idx = filled_host(spec, 2)
+    store = open_store()
+    store.batch_set(keys_for(2), host, idx)
+    assert store.batch_exists(keys_for(2, namespace="other")) == 0
+    assert store.batch_exists(keys_for(2, salt="tenant-b")) == 0
+    assert store.batch_exists(keys_for(2)) == 2
+    for other in (KVSpec.mha(3, 2, 8, dtype=torch.float16), KVSpec.mha(3, 2, 8, v_head_dim=4), KVSpec.mha(2, 2, 8)):
+        reader = HostKVPool(other, 8, 4)
+        ridx = reader.alloc(8)
+        before = bits(reader.get_data_page(0)).clone()
+        assert store.batch_get(keys_for(2), reader, ridx) == [False, False]
+        assert torch.equal(bits(reader.get_data_page(0)), before)
+
+
+def test_bad_calls_raise_before_any_io(open_store):
+    host, idx = filled_host(SPECS["mha"], 2)
+    store = open_store()
+    with pytest.raises(ValueError, match="len\\(keys\\) \\* page_size = 3 \\* 4"):
+        store.batch_set(keys_for(3), host, idx)
+    with pytest.raises(ValueError, match="list of non-empty str"):
+        store.batch_get("abc", host, idx[:4])
+    with pytest.raises(ValueError, match="HostKVPool"):
+        store.batch_get(keys_for(2), None, idx)
+    with pytest.raises(ValueError, match="not a multiple of page_size"):
+        store.batch_set(keys_for(1), host, idx[2:6])
+    assert store.stats()["bytes_written"] == 0
+
+
+THREE = KVSpec(2, (Component("k", 4, 12), Component("v", 4, 8), Component("idx", 1, 6)), torch.bfloat16)
+
+
+@pytest.mark.parametrize("spec", [SPECS["asym"], THREE], ids=["asym", "with_replicated"])
+def test_tensor_parallel_writers_and_readers_of_other_sizes(open_store, spec):
+    """2 ranks with half the heads write; 1 full rank and 4 quarter ranks read bit-exactly."""
+    page_size, pages = 4, 3
+    full_host, full_idx = filled_host(spec, pages, page_size, seed=5)
+    truth = flat_pages(full_host, full_idx)
+    keys = keys_for(pages)
+    store = open_store()
+    for rank in range(2):  # each writer rank holds its heads of the same KV
+        shard = spec.shard(rank, 2)
+        host = HostKVPool(shard, pages * page_size, page_size, layout="page_head")
+        idx = host.alloc(pages * page_size)
+        for i, s in enumerate(idx[::page_size].tolist()):
+            host.set_from_flat_data_page(s, shard_flat(truth[i].view(spec.dtype), spec, page_size, rank, 2))
+        assert store.batch_set(keys, host, idx) == [True] * pages
+    reader = HostKVPool(spec, pages * page_size, page_size, layout="page_first")
+    ridx = reader.alloc(pages * page_size)
+    assert store.batch_get(keys, reader, ridx) == [True] * pages
+    assert all(torch.equal(a, b) for a, b in zip(truth, flat_pages(reader, ridx)))
+    for rank in range(4):
+        shard = spec.shard(rank, 4)
+        quarter = HostKVPool(shard, pages * page_size, page_size, layout="layer_first")
+        qidx = quarter.alloc(pages * page_size)
+        assert store.batch_get(keys, quarter, qidx) == [True] * pages
+        for i, got in enumerate(flat_pages(quarter, qidx)):
+            assert torch.equal(got, bits(shard_flat(truth[i].view(spec.dtype), spec, page_size, rank, 4)))
