@@ -1,0 +1,129 @@
+"""File backend: corruption, restarts across processes, capacity, path safety."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier.storage
+from kvtier import HostKVPool
+from helpers import SPECS
+from storage_helpers import filled_host, flat_pages
+
+SPEC = SPECS["asym"]
+
+
+def keys_for(n, start=0):
+    return kvtier.storage.page_keys(list(range(start, start + 4 * n)), 4, namespace="m")
+
+
+def object_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "header"])
+def test_corrupt_object_is_a_counted_miss_and_is_deleted(tmp_path, damage):
+    host, idx = filled_host(SPEC, 2)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    keys = keys_for(2)
+    store.batch_set(keys, host, idx)
+    files = object_files(tmp_path)
+    assert len(files) == 2 * 4  # 2 pages x 4 head groups (gcd of the 4 K and 4 V heads)
+    victim = files[0]
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[-1] ^= 0x40
+    elif damage == "truncate":
+        data = data[:-7]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data[0:4] = b"XXXX"
+    victim.write_bytes(bytes(data))
+    reader = HostKVPool(SPEC, 8, 4)
+    ridx = reader.alloc(8)
+    before = [p.clone() for p in flat_pages(reader, ridx)]
+    got = store.batch_get(keys, reader, ridx)
+    assert got.count(False) == 1
+    bad = got.index(False)
+    assert torch.equal(flat_pages(reader, ridx)[bad], before[bad]), "a corrupt page must not touch KV"
+    assert store.stats()["corrupt"] == 1 and not victim.exists()
+
+
+def test_a_second_process_reads_what_the_first_wrote(tmp_path):
+    host, idx = filled_host(SPEC, 3, seed=4)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    assert store.batch_set(keys_for(3), host, idx) == [True] * 3
+    want = [p.tolist() for p in flat_pages(host, idx)]
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        import kvtier.storage
+        from kvtier import HostKVPool
+        from helpers import SPECS, bits
+        store = kvtier.storage.open("file://{tmp_path}")
+        keys = kvtier.storage.page_keys(list(range(12)), 4, namespace="m")
+        host = HostKVPool(SPECS["asym"], 12, 4, layout="page_head")
+        idx = host.alloc(12)
+        print(json.dumps({{"exists": store.batch_exists(keys), "got": store.batch_get(keys, host, idx),
+                          "pages": [bits(host.get_data_page(s)).tolist() for s in (0, 4, 8)]}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    import json
+
+    result = json.loads(out.stdout)
+    assert result["exists"] == 3 and result["got"] == [True] * 3 and result["pages"] == want
+
+
+def test_capacity_evicts_least_recently_used_keys(tmp_path):
+    host, idx = filled_host(SPEC, 5)
+    probe = kvtier.storage.open(f"file://{tmp_path}/probe")
+    probe.batch_set(keys_for(1), host, idx[:4])
+    page_bytes = sum(p.stat().st_size for p in object_files(tmp_path / "probe"))
+    store = kvtier.storage.open(f"file://{tmp_path}/lru", capacity_bytes=3 * page_bytes)
+    keys = keys_for(5)
+    store.batch_set(keys[:3], host, idx[:12])
+    assert store.batch_get(keys[:1], host, idx[:4]) == [True]  # key 0 becomes most recent
+    store.batch_set(keys[3:4], host, idx[12:16])  # evicts key 1, the least recently used
+    present = [store.batch_exists([k]) for k in keys]
+    assert present == [1, 0, 1, 1, 0] and store.stats()["evictions"] == 1
+    assert store.usage_bytes() == 3 * page_bytes
+    reopened = kvtier.storage.open(f"file://{tmp_path}/lru", capacity_bytes=2 * page_bytes)
+    assert reopened.usage_bytes() == 2 * page_bytes  # shrinking the capacity evicts at open
+
+
+def test_keys_never_leave_the_directory(tmp_path):
+    host, idx = filled_host(SPEC, 1)
+    root = tmp_path / "store"
+    store = kvtier.storage.open(f"file://{root}")
+    evil = ["../../escape", "/etc/passwd", "a/../../../b"]
+    for key in evil:
+        assert store.batch_set([key], host, idx) == [True]
+        assert store.batch_exists([key]) == 1
+    assert all(root in p.parents for p in object_files(tmp_path))
+    assert {p.parent.parent.parent.name for p in object_files(tmp_path)} == {"kvtier-v1"}
+
+
+def test_open_rejects_bad_urls(tmp_path):
+    for url, match in [("file://host/x", "names host 'host'"), ("s3://bucket", "unknown storage scheme 's3'"),
+                       ("/tmp/x", "scheme://"), ("file://", "no path")]:
+        with pytest.raises(ValueError, match=match):
+            kvtier.storage.open(url)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=0)
+    with pytest.raises(ValueError, match="head_groups 3 does not divide"):
+        kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, head_groups=3)
+
+
+def test_unwritable_directory_is_a_counted_failure(tmp_path):
+    host, idx = filled_host(SPEC, 1)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    blocker = store._key_dir(keys_for(1)[0])
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("a file where the key directory should be")
+    assert store.batch_set(keys_for(1), host, idx) == [False]
+    assert store.stats()["errors"] >= 1 and store.stats()["write_failures"] == 1
+    assert store.batch_get(keys_for(1), host, idx) == [False]
