@@ -79,7 +79,7 @@ class MooncakeMaster:
         if not binary.exists():
             missing("mooncake_master")
         self.binary = str(binary)
-        self.rpc_port, self.http_port = free_port(), free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -91,7 +91,8 @@ class MooncakeMaster:
         self.proc = subprocess.Popen(
             [self.binary, f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1",
              "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
-             f"-http_metadata_server_port={self.http_port}", "-default_kv_lease_ttl=100"],
+             f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
+             "-default_kv_lease_ttl=100"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.rpc_port)
         wait_port(self.http_port)

@@ -1,4 +1,7 @@
 import pytest
+import os
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every fault at INFO/WARNING
 
 from services import MooncakeMaster, RedisServer
 

@@ -10,23 +10,29 @@ from kvtier import Component, HostKVPool, KVSpec
 from helpers import SPECS, bits
 from storage_helpers import filled_host, flat_pages, shard_flat
 
-BACKENDS = ["file", "redis"]
+BACKENDS = ["file", "redis", "mooncake"]
+ZERO_COPY = {"mooncake"}  # raw objects in the writer's page format: readers use the same layout
 
 
 @pytest.fixture(params=BACKENDS)
 def open_store(request, tmp_path):
-    """``open_store(**options)`` opens the backend under test, isolated per test."""
+    """``open_store(**options)`` opens the backend under test, isolated per test.
+    ``open_store.zero_copy`` tells whether readers must share the writer's layout."""
     opened, prefix = [], f"t{uuid.uuid4().hex[:8]}:"
 
     def _open(**options):
         if request.param == "file":
             store = kvtier.storage.open(f"file://{tmp_path}/store", **options)
-        else:
+        elif request.param == "redis":
             server = request.getfixturevalue("redis_server")
             store = kvtier.storage.open(server.url, prefix=prefix, **options)
+        else:
+            master = request.getfixturevalue("mooncake_master")
+            store = kvtier.storage.open(master.url, prefix=prefix, **options)
         opened.append(store)
         return store
 
+    _open.zero_copy = request.param in ZERO_COPY
     yield _open
     for store in opened:
         store.clear()
@@ -46,7 +52,7 @@ def test_round_trip_across_layouts(open_store, spec_name, layouts):
     store = open_store()
     keys = keys_for(5)
     assert store.batch_set(keys, writer, idx) == [True] * 5
-    reader = HostKVPool(spec, 8 * 4, 4, layout=layouts[1])
+    reader = HostKVPool(spec, 8 * 4, 4, layout=layouts[0 if open_store.zero_copy else 1])
     ridx = reader.alloc(5 * 4).flip(0).view(-1, 4).flip(1).reshape(-1)  # other pages, other order
     assert store.batch_get(keys, reader, ridx) == [True] * 5
     for a, b in zip(flat_pages(writer, idx), flat_pages(reader, ridx)):
@@ -77,7 +83,7 @@ def test_exists_without_a_known_geometry_sees_any_geometry(open_store):
     open_store().batch_set(keys, host, idx)
     fresh = open_store()  # same medium, nothing bound yet
     assert fresh.batch_exists(keys) == 2
-    bound = open_store(spec=SPECS["asym"])
+    bound = open_store(spec=SPECS["asym"], **({"layout": "page_first"} if open_store.zero_copy else {}))
     assert bound.batch_exists(keys) == 0
 
 
@@ -129,13 +135,15 @@ def test_tensor_parallel_writers_and_readers_of_other_sizes(open_store, spec):
         for i, s in enumerate(idx[::page_size].tolist()):
             host.set_from_flat_data_page(s, shard_flat(truth[i].view(spec.dtype), spec, page_size, rank, 2))
         assert store.batch_set(keys, host, idx) == [True] * pages
-    reader = HostKVPool(spec, pages * page_size, page_size, layout="page_first")
+    reader = HostKVPool(spec, pages * page_size, page_size,
+                        layout="page_head" if open_store.zero_copy else "page_first")
     ridx = reader.alloc(pages * page_size)
     assert store.batch_get(keys, reader, ridx) == [True] * pages
     assert all(torch.equal(a, b) for a, b in zip(truth, flat_pages(reader, ridx)))
     for rank in range(4):
         shard = spec.shard(rank, 4)
-        quarter = HostKVPool(shard, pages * page_size, page_size, layout="layer_first")
+        quarter = HostKVPool(shard, pages * page_size, page_size,
+                             layout="page_head" if open_store.zero_copy else "layer_first")
         qidx = quarter.alloc(pages * page_size)
         assert store.batch_get(keys, quarter, qidx) == [True] * pages
         for i, got in enumerate(flat_pages(quarter, qidx)):

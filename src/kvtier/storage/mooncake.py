@@ -1,0 +1,308 @@
+"""``mooncake://master_host:port?metadata=...&protocol=tcp``: Mooncake Store, zero-copy.
+
+The host pool's one allocation is registered with the Mooncake client once; pages
+then move straight between pool memory and the store with
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, using the
+spans of the pool's page buffer metadata. Object keys carry the page format
+(the byte order inside the spans), so a reader with another layout never reads
+another layout's bytes.
+
+- ``page_head`` pools store one object per head group (and one for replicated
+  single-head components), so tensor-parallel shards of any size share pages:
+  ``<prefix><key>/<fingerprint>/<format>/h<j>of<G>``.
+- Other layouts store one object per page: ``.../<format>/page`` (full specs only;
+  a shard must use ``page_head``).
+- A marker ``<prefix><key>`` (1 byte) is written last, so ``batch_exists`` works
+  before any geometry is known; once one is (``spec=`` and ``layout=`` options, or
+  the last pool used), it also checks that geometry's objects.
+
+Query options of the URL: ``metadata`` (metadata server URL, e.g.
+``http://host:port/metadata``), ``protocol`` (``tcp`` or ``rdma``),
+``local_hostname``, ``global_segment_size``, ``local_buffer_size``, ``rdma_devices``.
+A failed zero-copy read may have written part of the page: the page is reported as
+a miss (``False``) and must not be used, exactly as for any miss.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+
+from ..errors import UnsupportedLayoutError
+from ..layout import Layout, get_layout
+from ..pools import HostKVPool
+from .base import Storage, _check_keys
+from .objects import PagePlan
+
+_NOT_FOUND = -704  # OBJECT_NOT_FOUND in Mooncake's error codes
+_RETRY_SETUP_S = 5.0
+
+
+class MooncakeStorage(Storage):
+    scheme = "mooncake"
+
+    def __init__(self, url: str, *, prefix: str = "kvtier/", metadata: str | None = None, protocol: str = "tcp",
+                 local_hostname: str = "127.0.0.1", global_segment_size: int = 256 << 20,
+                 local_buffer_size: int = 64 << 20, rdma_devices: str = "", layout: str | None = None,
+                 connect_timeout: float = 2.0, **options) -> None:
+        super().__init__(**options)
+        self._layout: Layout | None = None if layout is None else get_layout(layout)
+        parts = urlsplit(url)
+        if not parts.hostname or not parts.port:
+            raise ValueError(f"mooncake URL {url!r} needs the master's host:port")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        unknown = set(query) - {"metadata", "protocol", "local_hostname", "global_segment_size",
+                                "local_buffer_size", "rdma_devices"}
+        if unknown:
+            raise ValueError(f"mooncake URL has unknown options {sorted(unknown)}")
+        self.prefix = prefix
+        self._config = {
+            "local_hostname": query.get("local_hostname", local_hostname),
+            "metadata_server": query.get("metadata", metadata or "P2PHANDSHAKE"),
+            "global_segment_size": int(query.get("global_segment_size", global_segment_size)),
+            "local_buffer_size": int(query.get("local_buffer_size", local_buffer_size)),
+            "protocol": query.get("protocol", protocol),
+            "rdma_devices": query.get("rdma_devices", rdma_devices),
+            "master_server_addr": f"{parts.hostname}:{parts.port}",
+        }
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ValueError("mooncake:// needs Mooncake Store: pip install mooncake-transfer-engine "
+                             "(or mooncake-transfer-engine-non-cuda on CPU machines)") from None
+        self._cls = MooncakeDistributedStore
+        self._lock = threading.Lock()
+        self._store = None
+        self._closed = False
+        self._connect_timeout = connect_timeout
+        self._last_setup = 0.0
+        self._suspect = False  # an RPC failed: probe the master before the next call
+        self._retry_at = 0.0
+        self._registered: dict[int, HostKVPool] = {}  # raw data_ptr -> pool (kept alive while registered)
+        self._marker = torch.ones(64, dtype=torch.uint8)
+        self._connect()
+
+    # -- connection ----------------------------------------------------------------------
+    # NOTE: Mooncake's setup() retries an unreachable master for minutes while holding
+    # the GIL, so a thread cannot bound it. A plain TCP connect to the master (and to an
+    # HTTP metadata server) first turns "down" into a quick, counted failure.
+    def _connect(self):
+        """The set-up client, or None while the master is unreachable (retried every few seconds)."""
+        with self._lock:
+            if self._store is not None or self._closed:
+                return self._store
+            if self._last_setup and time.monotonic() - self._last_setup < _RETRY_SETUP_S:
+                return None
+            self._last_setup = time.monotonic()
+            try:
+                for host, port in self._endpoints():
+                    socket.create_connection((host, port), timeout=self._connect_timeout).close()
+                store = self._cls()
+                c = self._config
+                rc = store.setup(c["local_hostname"], c["metadata_server"], c["global_segment_size"],
+                                 c["local_buffer_size"], c["protocol"], c["rdma_devices"], c["master_server_addr"])
+                if rc != 0:
+                    raise RuntimeError(f"setup returned {rc}")
+                if store.register_buffer(self._marker.data_ptr(), self._marker.numel()) != 0:
+                    raise RuntimeError("register_buffer failed for the marker buffer")
+            except Exception as e:
+                self._fault("setup", e)
+                return None
+            self._store = store
+            return store
+
+    def _client(self):
+        """The client for one operation, or None: while the master was seen failing, calls
+        return misses at once (Mooncake's RPCs would block seconds each) and a TCP probe
+        every few seconds decides when to try again."""
+        store = self._connect()
+        if store is None or not self._suspect:
+            return store
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        try:
+            for host, port in self._endpoints():
+                socket.create_connection((host, port), timeout=self._connect_timeout).close()
+        except OSError:
+            self._retry_at = now + _RETRY_SETUP_S
+            return None
+        self._suspect = False
+        return store
+
+    def _failed(self, op: str, error: BaseException | str) -> None:
+        self._suspect = True
+        self._retry_at = time.monotonic() + _RETRY_SETUP_S
+        self._fault(op, error if isinstance(error, BaseException) else RuntimeError(error))
+
+    def _endpoints(self) -> list[tuple[str, int]]:
+        host, port = self._config["master_server_addr"].rsplit(":", 1)
+        out = [(host, int(port))]
+        meta = urlsplit(self._config["metadata_server"])
+        if meta.scheme in ("http", "https") and meta.hostname:
+            out.append((meta.hostname, meta.port or (443 if meta.scheme == "https" else 80)))
+        return out
+
+    def _register(self, store, pool: HostKVPool) -> None:
+        ptr = pool.raw.data_ptr()
+        with self._lock:
+            if ptr in self._registered:
+                return
+            rc = store.register_buffer(ptr, pool.raw.numel())
+            if rc != 0:
+                raise RuntimeError(f"register_buffer of the host pool returned {rc}")
+            self._registered[ptr] = pool
+
+    # -- objects -------------------------------------------------------------------------
+    def _objects(self, spec, layout: Layout, plan: PagePlan, writing: bool):
+        """``(suffix, pieces)`` per object of one page; pieces give the spans."""
+        fmt = layout.page_format
+        if layout.supports_split_heads:
+            parts = plan.write_parts if writing else plan.read_parts
+            return [(f"{p.field.rsplit('/', 1)[0]}/{fmt}/{p.field.rsplit('/', 1)[1]}", p.pieces) for p in parts]
+        if spec.shard_of is not None:
+            raise UnsupportedLayoutError(
+                f"zero-copy storage of a tensor-parallel shard needs contiguous head groups, which layout "
+                f"{layout.name!r} does not give; use layout='page_head'")
+        return [(f"{spec.fingerprint()}/{fmt}/page", None)]
+
+    def _spans(self, pool: HostKVPool, slot: int, pieces) -> tuple[list[int], list[int]]:
+        if pieces is None:
+            return pool.get_page_buffer_meta(torch.arange(slot, slot + pool.page_size))
+        es, page = pool.spec.element_size, slot // pool.page_size
+        ptrs, sizes = [], []
+        for name, h0, h1 in pieces:  # page_head buffers: (page, head, slot, layer, dim)
+            buf = pool.buffers[name]
+            ptrs.append(buf.data_ptr() + (page * buf.stride(0) + h0 * buf.stride(1)) * es)
+            sizes.append((h1 - h0) * buf.stride(1) * es)
+        return ptrs, sizes
+
+    def _batch(self, keys, pool, host_indices, writing):
+        keys, pages = self._check_pages(keys, pool, host_indices)
+        self._layout = get_layout(pool.layout)
+        plan = self._plan(pool.spec, pool.page_size)
+        objects = self._objects(pool.spec, self._layout, plan, writing)
+        names, ptrs, sizes, owners = [], [], [], []
+        for i, (key, page) in enumerate(zip(keys, pages)):
+            for suffix, pieces in objects:
+                p, s = self._spans(pool, page * pool.page_size, pieces)
+                names.append(f"{self.prefix}{key}/{suffix}")
+                ptrs.append(p)
+                sizes.append(s)
+                owners.append(i)
+        return keys, names, ptrs, sizes, owners
+
+    # -- the contract ----------------------------------------------------------------------
+    def batch_set(self, keys, host_pool, host_indices) -> list[bool]:
+        keys, names, ptrs, sizes, owners = self._batch(keys, host_pool, host_indices, writing=True)
+        stored = [False] * len(keys)
+        store = self._client()
+        if store is None or not keys:
+            return stored
+        t0 = time.perf_counter()
+        try:
+            self._register(store, host_pool)
+            rcs = store.batch_put_from_multi_buffers(names, ptrs, sizes)
+            stored = [True] * len(keys)
+            for i, rc in zip(owners, rcs):
+                stored[i] = stored[i] and rc == 0
+            if any(rc != 0 for rc in rcs):
+                self._failed("set", f"batch_put_from_multi_buffers codes {sorted(set(rcs))}")
+            done = [k for k, ok in zip(keys, stored) if ok]
+            if done:
+                marks = store.batch_put_from([self.prefix + k for k in done], [self._marker.data_ptr()] * len(done),
+                                             [1] * len(done))
+                if any(rc != 0 for rc in marks):
+                    self._failed("set", f"marker put codes {sorted(set(marks))}")
+        except Exception as e:
+            self._failed("set", e)
+            stored = [False] * len(keys)
+        nbytes = sum(sum(s) for i, s in zip(owners, sizes) if stored[i])
+        self._stats.add(bytes_written=nbytes, pages_written=sum(stored), write_failures=len(keys) - sum(stored))
+        self._stats.timed("set", time.perf_counter() - t0)
+        return stored
+
+    def batch_get(self, keys, host_pool, host_indices) -> list[bool]:
+        keys, names, ptrs, sizes, owners = self._batch(keys, host_pool, host_indices, writing=False)
+        loaded = [False] * len(keys)
+        store = self._client()
+        if store is not None and keys:
+            t0 = time.perf_counter()
+            try:
+                self._register(store, host_pool)
+                rcs = store.batch_get_into_multi_buffers(names, ptrs, sizes)
+                loaded = [True] * len(keys)
+                for i, rc, s in zip(owners, rcs, sizes):
+                    loaded[i] = loaded[i] and rc == sum(s)
+                faults = sorted({rc for rc in rcs if rc < 0 and rc != _NOT_FOUND})
+                if faults:
+                    self._failed("get", f"batch_get_into_multi_buffers codes {faults}")
+            except Exception as e:
+                self._failed("get", e)
+                loaded = [False] * len(keys)
+            self._stats.timed("get", time.perf_counter() - t0)
+        nbytes = sum(sum(s) for i, s in zip(owners, sizes) if loaded[i])
+        self._stats.add(hits=sum(loaded), misses=len(keys) - sum(loaded), bytes_read=nbytes)
+        return loaded
+
+    def batch_exists(self, keys) -> int:
+        keys = _check_keys(keys)
+        store = self._client()
+        if store is None or not keys:
+            return 0
+        t0 = time.perf_counter()
+        names = [self.prefix + k for k in keys]  # markers: any geometry
+        per_key = 1
+        if self._spec is not None and self._layout is not None:  # and this geometry's objects
+            suffixes = [s for s, _ in self._objects(self._spec, self._layout, self._plan(self._spec, 1), False)]
+            per_key += len(suffixes)
+            names = [n for k in keys for n in (self.prefix + k, *(f"{self.prefix}{k}/{s}" for s in suffixes))]
+        try:
+            rcs = store.batch_is_exist(names)
+        except Exception as e:
+            self._failed("exists", e)
+            return 0
+        finally:
+            self._stats.timed("exists", time.perf_counter() - t0)
+        if any(rc < 0 for rc in rcs):
+            self._failed("exists", f"batch_is_exist codes {sorted({rc for rc in rcs if rc < 0})}")
+        present = [all(rc == 1 for rc in rcs[i * per_key:(i + 1) * per_key]) for i in range(len(keys))]
+        return next((i for i, p in enumerate(present) if not p), len(keys))
+
+    def delete(self, keys) -> None:
+        keys = _check_keys(keys)
+        store = self._client()
+        if store is None or not keys:
+            return
+        try:
+            alternatives = "|".join(re.escape(self.prefix + k) for k in keys)
+            if store.remove_by_regex(f"^({alternatives})(/.*)?$", True) < 0:
+                self._failed("delete", "remove_by_regex failed")
+        except Exception as e:
+            self._failed("delete", e)
+
+    def clear(self) -> None:
+        store = self._client()
+        if store is None:
+            return
+        try:
+            if store.remove_by_regex(f"^{re.escape(self.prefix)}", True) < 0:
+                self._failed("clear", "remove_by_regex failed")
+        except Exception as e:
+            self._failed("clear", e)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            store, self._store = self._store, None
+            if store is None:
+                return
+            for ptr in list(self._registered):
+                store.unregister_buffer(ptr)
+            self._registered.clear()
+            store.close()
