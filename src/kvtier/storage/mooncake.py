@@ -117,22 +117,24 @@ class MooncakeStorage(Storage):
             return store
 
     def _client(self):
-        """The client for one operation, or None: while the master was seen failing, calls
-        return misses at once (Mooncake's RPCs would block seconds each) and a TCP probe
-        every few seconds decides when to try again."""
+        """The client for one operation, or None (counted as an error): while the master
+        was seen failing, calls return misses at once (Mooncake's RPCs would block for
+        seconds each) and a TCP probe every few seconds decides when to try again."""
         store = self._connect()
-        if store is None or not self._suspect:
-            return store
-        now = time.monotonic()
-        if now < self._retry_at:
-            return None
-        try:
-            for host, port in self._endpoints():
-                socket.create_connection((host, port), timeout=self._connect_timeout).close()
-        except OSError:
-            self._retry_at = now + _RETRY_SETUP_S
-            return None
-        self._suspect = False
+        if store is not None and self._suspect:
+            now = time.monotonic()
+            if now < self._retry_at:
+                store = None
+            else:
+                try:
+                    for host, port in self._endpoints():
+                        socket.create_connection((host, port), timeout=self._connect_timeout).close()
+                    self._suspect = False
+                except OSError:
+                    self._retry_at = now + _RETRY_SETUP_S
+                    store = None
+        if store is None and not self._closed:
+            self._stats.add(errors=1)
         return store
 
     def _failed(self, op: str, error: BaseException | str) -> None:
