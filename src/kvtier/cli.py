@@ -87,6 +87,27 @@ def selfcheck_default_spec():
     return KVSpec.mha(8, 4, 192, v_head_dim=128)  # MiMo-V2-Flash-like K/V dims, few layers
 
 
+def _bench_storage(args: argparse.Namespace) -> int:
+    from .bench import storage
+
+    result = storage.run(layers=args.layers, heads=args.heads, head_dim=args.head_dim, v_head_dim=args.v_head_dim,
+                         page_size=args.page_size, pages=args.pages, layout=args.layout,
+                         backends=tuple(args.backends.split(",")), directory=args.dir, repeat=args.repeat)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    cfg = result["config"]
+    print(f"{cfg['spec']}, page_size {cfg['page_size']}, {cfg['pages']} pages ({cfg['objects_per_page']} objects "
+          f"each), layout {cfg['layout']}; raw = the backend's own client moving the same objects")
+    rows = [[r["backend"], r["op"], r["objects"], f"{r['gbytes']:.3f}", f"{r['kvtier_gbps']:.2f}",
+             f"{r['raw_gbps']:.2f}", f"{r['ratio']:.2f}x"] for r in result["rows"]]
+    print_table("storage (ratio = kvtier GB/s / raw client GB/s, same run)",
+                ["backend", "op", "objects", "GB", "kvtier GB/s", "raw GB/s", "x raw"], rows)
+    for name, why in result["skipped"].items():
+        print(f"skipped {name}: {why}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_transfer)
+
+    p = bsub.add_parser("storage", help="put/get GB/s per storage backend vs its raw client")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--v-head-dim", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--pages", type=int, default=64)
+    p.add_argument("--layout", default="page_head")
+    p.add_argument("--backends", default="file,redis,mooncake")
+    p.add_argument("--dir", default=None, help="directory for the file backend (default: a temporary one)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_storage)
     return parser
 
 

@@ -83,7 +83,8 @@ def test_capacity_evicts_least_recently_used_keys(tmp_path):
     probe = kvtier.storage.open(f"file://{tmp_path}/probe")
     probe.batch_set(keys_for(1), host, idx[:4])
     page_bytes = sum(p.stat().st_size for p in object_files(tmp_path / "probe"))
-    store = kvtier.storage.open(f"file://{tmp_path}/lru", capacity_bytes=3 * page_bytes)
+    # one I/O thread: with more, the pages of one batch enter the LRU in completion order
+    store = kvtier.storage.open(f"file://{tmp_path}/lru", capacity_bytes=3 * page_bytes, io_threads=1)
     keys = keys_for(5)
     store.batch_set(keys[:3], host, idx[:12])
     assert store.batch_get(keys[:1], host, idx[:4]) == [True]  # key 0 becomes most recent

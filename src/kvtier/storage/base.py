@@ -12,7 +12,8 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -146,7 +147,30 @@ class ObjectStorage(Storage):
 
     Subclasses implement the primitives below on their medium; this class does
     validation, packing, checksums, batching, statistics and fault handling.
+    Objects are packed into (and read into) a per-thread staging arena that is
+    reused across calls: fresh buffers of this size would be page-faulted in on
+    every call, which costs as much as the copy itself.
     """
+
+    def __init__(self, *, io_threads: int = 2, **options) -> None:
+        super().__init__(**options)
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads <= 0:
+            raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
+        self.io_threads = io_threads
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def _arena(self, nbytes: int) -> np.ndarray:
+        arena = getattr(self._local, "arena", None)
+        if arena is None or arena.nbytes < nbytes:
+            arena = self._local.arena = np.empty(nbytes, dtype=np.uint8)
+        return arena[:nbytes]
+
+    @staticmethod
+    def _carve(arena: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+        offsets = np.cumsum([0, *sizes]).tolist()
+        return [arena[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
     # -- primitives ---------------------------------------------------------------------
     @abstractmethod
@@ -154,8 +178,10 @@ class ObjectStorage(Storage):
         """Store ``(key, field, blob)`` objects (blob: uint8, header + payload); success per item."""
 
     @abstractmethod
-    def _get(self, items: list[tuple[str, str]]) -> list[bytes | bytearray | memoryview | None]:
-        """Whole stored objects (header + payload) per ``(key, field)``; ``None`` if absent."""
+    def _get(self, items: list[tuple[str, str]], dest: list[np.ndarray]) -> list:
+        """Whole stored objects (header + payload) per ``(key, field)``; ``None`` if absent.
+        ``dest[i]`` is a buffer of the expected object size that a backend may read into
+        (and return); an object of another size is returned as read, and is then corrupt."""
 
     @abstractmethod
     def _has(self, items: list[tuple[str, str]]) -> list[bool]:
@@ -202,26 +228,26 @@ class ObjectStorage(Storage):
         plan = self._plan(host_pool.spec, host_pool.page_size)
         stored = [True] * len(keys)
         t0 = time.perf_counter()
-        for chunk in self._chunks(len(keys), sum(p.nbytes for p in plan.write_parts)):
-            items, owners, sizes = [], [], []
-            for i in chunk:
-                for part in plan.write_parts:
-                    name = f"{keys[i]}#{part.field}"
-                    blob = np.empty(header_size(name) + part.nbytes, dtype=np.uint8)
-                    plan.pack(host_pool, pages[i], part, blob[header_size(name):])
-                    write_header(name, blob)
-                    items.append((keys[i], part.field, blob))
-                    owners.append(i)
-                    sizes.append(part.nbytes)
+
+        def set_chunk(chunk: range) -> None:
+            names = [(i, part, f"{keys[i]}#{part.field}") for i in chunk for part in plan.write_parts]
+            sizes = [header_size(name) + part.nbytes for _, part, name in names]
+            items = []
+            for (i, part, name), blob in zip(names, self._carve(self._arena(sum(sizes)), sizes)):
+                plan.pack(host_pool, pages[i], part, blob[header_size(name):])
+                write_header(name, blob)
+                items.append((keys[i], part.field, blob))
             try:
                 ok = self._put(items)
             except Exception as e:
                 self._fault("set", e)
                 ok = [False] * len(items)
-            for i, good, nbytes in zip(owners, ok, sizes):
+            for (i, part, _), good in zip(names, ok):
                 stored[i] = stored[i] and bool(good)
                 if good:
-                    self._stats.add(bytes_written=nbytes)
+                    self._stats.add(bytes_written=part.nbytes)
+
+        self._run(set_chunk, len(keys), sum(p.nbytes for p in plan.write_parts))
         self._stats.add(pages_written=sum(stored), write_failures=len(keys) - sum(stored))
         self._stats.timed("set", time.perf_counter() - t0)
         return stored
@@ -232,10 +258,12 @@ class ObjectStorage(Storage):
         parts = plan.read_parts
         loaded = [False] * len(keys)
         t0 = time.perf_counter()
-        for chunk in self._chunks(len(keys), sum(p.nbytes for p in parts)):
+
+        def get_chunk(chunk: range) -> None:
             items = [(keys[i], p.field) for i in chunk for p in parts]
+            sizes = [header_size(f"{k}#{f}") + p.nbytes for (k, f), p in zip(items, parts * len(chunk))]
             try:
-                blobs = self._get(items)
+                blobs = self._get(items, self._carve(self._arena(sum(sizes)), sizes))
             except Exception as e:
                 self._fault("get", e)
                 blobs = [None] * len(items)
@@ -248,6 +276,8 @@ class ObjectStorage(Storage):
                     plan.unpack(host_pool, pages[i], part, payload)
                 loaded[i] = True
                 self._stats.add(bytes_read=sum(p.nbytes for p in parts))
+
+        self._run(get_chunk, len(keys), sum(p.nbytes for p in parts))
         hits = sum(loaded)
         self._stats.add(hits=hits, misses=len(keys) - hits)
         self._stats.timed("get", time.perf_counter() - t0)
@@ -267,11 +297,28 @@ class ObjectStorage(Storage):
             self._fault("clear", e)
 
     # -- internals ---------------------------------------------------------------------------
-    @staticmethod
-    def _chunks(n: int, page_bytes: int) -> Iterator[range]:
-        step = max(1, BATCH_BYTES // max(page_bytes, 1))
-        for start in range(0, n, step):
-            yield range(start, min(n, start + step))
+    def _run(self, fn, n: int, page_bytes: int) -> None:
+        """``fn(range)`` over chunks of the ``n`` pages: at most ``BATCH_BYTES`` each, and
+        spread over ``io_threads`` threads (file reads, socket I/O and numpy copies all
+        release the GIL, so two threads overlap one's I/O with the other's copies)."""
+        per_thread = -(-n // self.io_threads)
+        step = max(1, min(per_thread, BATCH_BYTES // max(page_bytes, 1)))
+        chunks = [range(a, min(n, a + step)) for a in range(0, n, step)]
+        if len(chunks) <= 1 or self.io_threads == 1:
+            for chunk in chunks:
+                fn(chunk)
+            return
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.scheme}")
+        for future in [self._pool.submit(fn, chunk) for chunk in chunks]:
+            future.result()
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _decode(self, items, blobs, parts) -> list[memoryview] | None:
         """Checked payloads of one page's parts, or None (counting corrupt objects)."""

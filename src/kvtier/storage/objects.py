@@ -4,8 +4,13 @@ A page is stored as parts cut from its canonical flat form, so that pools holdin
 different head ranges (tensor-parallel shards of any size) share them:
 
 - ``h{j}of{G}``: head group ``j`` of ``G`` of every multi-head component, each as
-  ``(layer, slot, head, dim)`` over the group's heads, concatenated in spec order;
-- ``rep``: the single-head components (MLA latents, replicated on every rank).
+  ``(head, slot, layer, dim)`` over the group's heads, concatenated in spec order;
+- ``rep``: the single-head components (MLA latents, replicated on every rank), same order.
+
+NOTE: head-major is the order of a ``page_head`` pool, the layout for sharing across
+tensor-parallel sizes: there each component of a part is one ``memcpy``. Every other
+layout interleaves heads with slots or layers, so any part order costs it a strided
+gather of ``dim``-sized pieces.
 
 ``G`` defaults to the greatest common divisor of the multi-head components' head
 counts, the finest cut every shard size divides. A part's field name is
@@ -64,11 +69,11 @@ class PagePlan:
 
     def _piece_views(self, pool, page: int, part: Part, buf: np.ndarray):
         """Pairs ``(view into buf, view into the pool page)``, both numpy
-        ``(layer, slot, head, dim)`` with elements as same-width ints."""
+        ``(head, slot, layer, dim)`` with elements as same-width ints."""
         item = np.dtype(f"<i{self.spec.element_size}")
         offset = 0
         for name, h0, h1 in part.pieces:
-            pool_view = pool.page_views[name].np_all_layers[page][:, :, h0:h1].transpose(1, 0, 2, 3)
+            pool_view = pool.page_views[name].np_all_layers[page][:, :, h0:h1].transpose(2, 0, 1, 3)
             n = pool_view.size * item.itemsize
             yield buf[offset:offset + n].view(item).reshape(pool_view.shape), pool_view
             offset += n

@@ -59,7 +59,7 @@ class RedisStorage(ObjectStorage):
         per_item = len(results) // len(items) if items else 1
         return [all(self._ok(r) for r in results[i * per_item:(i + 1) * per_item]) for i in range(len(items))]
 
-    def _get(self, items) -> list:
+    def _get(self, items, dest) -> list:
         results = self._pipeline([("hget", self._name(k), f) for k, f in items])
         return [r if self._ok(r) else None for r in results]
 
@@ -86,4 +86,5 @@ class RedisStorage(ObjectStorage):
             self._pipeline([("delete", n) for n in batch])
 
     def close(self) -> None:
+        super().close()
         self._client.close()

@@ -1,0 +1,189 @@
+"""``kvtier bench storage``: put/get GB/s of each backend against its raw client.
+
+For 64-token pages of the reference spec, kvtier's ``batch_set``/``batch_get``
+move pages between a host pool and the backend; the raw client moves the same
+number of objects of the same payload sizes from/to one contiguous buffer:
+plain ``open``/``write``/``readinto`` files, redis-py pipelined ``SET``/``GET``,
+Mooncake ``batch_put_from``/``batch_get_into``. Each kvtier figure is reported as
+a ratio to the raw figure measured in the same run. Objects are removed between
+repetitions (untimed), so every put writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import storage
+from ..pools import DeviceKVPool, HostKVPool
+from ..pools.indices import page_slots
+from ..spec import KVSpec
+from ..storage.objects import PagePlan
+from .servers import MooncakeMaster, RedisServer, ServerUnavailable
+
+
+@dataclass(frozen=True)
+class StorageRow:
+    backend: str
+    op: str            # "put" or "get"
+    objects: int
+    gbytes: float
+    kvtier_gbps: float
+    raw_gbps: float
+    ratio: float
+
+
+def _best(fn, prepare, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat + 1):  # the first run warms up
+        prepare()
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+class _RawFile:
+    def __init__(self, root: Path, sizes: list[int]) -> None:
+        self.root, self.sizes = root, sizes
+        self.buf = np.ones(sum(sizes), dtype=np.uint8)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True)
+
+    def put(self) -> None:
+        view, off = memoryview(self.buf), 0
+        for i, n in enumerate(self.sizes):
+            with open(self.root / str(i), "wb", buffering=0) as f:
+                f.write(view[off:off + n])
+            off += n
+
+    def get(self) -> None:
+        view, off = memoryview(self.buf), 0
+        for i, n in enumerate(self.sizes):
+            with open(self.root / str(i), "rb", buffering=0) as f:
+                f.readinto(view[off:off + n])
+            off += n
+
+
+class _RawRedis:
+    def __init__(self, url: str, sizes: list[int]) -> None:
+        import redis
+
+        self.client, self.sizes = redis.Redis.from_url(url), sizes
+        self.buf = np.ones(sum(sizes), dtype=np.uint8)
+
+    def clear(self) -> None:
+        self.client.flushdb()
+
+    def put(self) -> None:
+        pipe, view, off = self.client.pipeline(transaction=False), memoryview(self.buf), 0
+        for i, n in enumerate(self.sizes):
+            pipe.set(f"raw:{i}", view[off:off + n])
+            off += n
+        pipe.execute()
+
+    def get(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(len(self.sizes)):
+            pipe.get(f"raw:{i}")
+        for value in pipe.execute():
+            assert value is not None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _RawMooncake:
+    def __init__(self, mc_store, sizes: list[int]) -> None:
+        self.store, self.sizes = mc_store, sizes
+        self.buf = torch.ones(sum(sizes), dtype=torch.uint8)
+        assert self.store.register_buffer(self.buf.data_ptr(), self.buf.numel()) == 0
+        self.keys = [f"raw/{i}" for i in range(len(sizes))]
+        self.ptrs = list(self.buf.data_ptr() + np.cumsum([0] + sizes[:-1]))
+
+    def clear(self) -> None:
+        self.store.remove_by_regex("^raw/", True)
+
+    def put(self) -> None:
+        assert all(rc == 0 for rc in self.store.batch_put_from(self.keys, self.ptrs, self.sizes))
+
+    def get(self) -> None:
+        assert all(rc > 0 for rc in self.store.batch_get_into(self.keys, self.ptrs, self.sizes))
+
+
+def _measure(name, store, raw, host, idx, keys, payload, objects, repeat) -> list[StorageRow]:
+    rows = []
+    for op in ("put", "get"):
+        if op == "put":
+            ours = _best(lambda: store.batch_set(keys, host, idx), store.clear, repeat)
+            base = _best(raw.put, raw.clear, repeat)
+        else:
+            store.batch_set(keys, host, idx)
+            raw.put()
+            ours = _best(lambda: store.batch_get(keys, host, idx), lambda: None, repeat)
+            base = _best(raw.get, lambda: None, repeat)
+        rows.append(StorageRow(name, op, objects, payload / 1e9, payload / ours / 1e9, payload / base / 1e9,
+                               base / ours))
+    stats = store.stats()
+    assert stats["errors"] == 0 and stats["misses"] == 0, f"{name}: storage errors during the benchmark: {stats}"
+    store.clear()
+    raw.clear()
+    return rows
+
+
+def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
+        page_size: int = 64, pages: int = 64, layout: str = "page_head", backends=("file", "redis", "mooncake"),
+        directory: str | None = None, repeat: int = 3) -> dict:
+    spec = KVSpec.mha(layers, heads, head_dim, v_head_dim)
+    size = pages * page_size
+    dev = DeviceKVPool(spec, size, page_size)
+    dev.raw.fill_(1)
+    host = HostKVPool(spec, size, page_size, layout=layout, pin_memory=False)
+    idx = page_slots(torch.randperm(pages, generator=torch.Generator().manual_seed(0)), page_size)
+    host.backup_from_device_all_layer(dev, idx, torch.arange(size))
+    keys = storage.page_keys(list(range(size)), page_size, namespace="bench")
+    plan = PagePlan(spec, page_size)
+    sizes = [p.nbytes for _ in range(pages) for p in plan.write_parts]
+    payload = sum(sizes)
+    rows, skipped = [], {}
+    workdir = Path(directory or tempfile.mkdtemp(prefix="kvtier-bench-"))
+    for name in backends:
+        with contextlib.ExitStack() as stack:
+            try:
+                if name == "file":
+                    store = storage.open(f"file://{workdir / 'kvtier'}")
+                    raw = _RawFile(workdir / "raw", sizes)
+                elif name == "redis":
+                    server = stack.enter_context(RedisServer())
+                    store = storage.open(server.url)
+                    raw = _RawRedis(server.url, sizes)
+                    stack.callback(raw.close)
+                else:
+                    master = stack.enter_context(MooncakeMaster())
+                    segment = 4 * payload + (64 << 20)
+                    store = storage.open(f"{master.url}&global_segment_size={segment}")
+                    raw = _RawMooncake(store._client(), sizes)
+                stack.callback(store.close)
+            except ServerUnavailable as e:
+                skipped[name] = f"{e} not installed"
+                continue
+            rows += _measure(name, store, raw, host, idx, keys, payload, len(sizes), repeat)
+    if directory is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {
+        "config": {"spec": spec.fingerprint(), "page_size": page_size, "pages": pages, "layout": layout,
+                   "objects_per_page": len(plan.write_parts), "repeat": repeat, "dir": str(workdir),
+                   "filesystem_note": "files go through the page cache; no fsync"},
+        "rows": [asdict(r) for r in rows],
+        "skipped": skipped,
+    }
