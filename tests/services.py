@@ -29,3 +29,4 @@ def _available(cls):
 
 RedisServer = _available(servers.RedisServer)
 MooncakeMaster = _available(servers.MooncakeMaster)
+RedisCluster = _available(servers.RedisCluster)

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--v-head-dim", type=int, default=None)
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--pages", type=int, default=64)
+    p.add_argument("--pages", type=int, default=32)
     p.add_argument("--layout", default="page_head")
     p.add_argument("--backends", default="file,redis,mooncake")
     p.add_argument("--dir", default=None, help="directory for the file backend (default: a temporary one)")

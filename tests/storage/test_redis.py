@@ -80,3 +80,27 @@ def test_clear_removes_only_its_prefix(redis_server):
     a.clear()
     assert a.batch_exists(keys_for(1)) == 0 and b.batch_exists(keys_for(1)) == 1
     b.clear()
+
+
+def test_redis_cluster_round_trip():
+    from services import RedisCluster
+
+    cluster = RedisCluster().start()
+    try:
+        host, idx = filled_host(SPEC, 6)
+        store = kvtier.storage.open(cluster.url)
+        keys = keys_for(6)
+        assert store.batch_set(keys, host, idx) == [True] * 6
+        assert store.batch_exists(keys) == 6
+        reader, ridx = filled_host(SPEC, 6, seed=3, layout="page_head")
+        assert store.batch_get(keys, reader, ridx) == [True] * 6
+        assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(reader, ridx)))
+        import redis
+
+        spread = [redis.Redis(port=n.port).dbsize() for n in cluster.nodes]
+        assert sum(spread) == 6 and sum(1 for n in spread if n) >= 2, spread  # pages spread over the masters
+        store.clear()
+        assert store.batch_exists(keys) == 0
+        store.close()
+    finally:
+        cluster.stop()

@@ -19,6 +19,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port p <= 55535 whose cluster bus port p + 10000 is free too."""
+    import random
+
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a redis cluster node")
+
+
 def wait_port(port: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -99,3 +119,48 @@ class MooncakeMaster(_Process):
                      f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
                      "-default_kv_lease_ttl=100"], self.rpc_port, self.http_port)
         return self
+
+
+class RedisCluster(_Process):
+    """Three ``redis-server`` masters in cluster mode, joined with ``redis-cli --cluster create``."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.nodes = [RedisServer(free_cluster_port()) for _ in range(nodes)]
+        self.cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if self.cli is None:
+            raise ServerUnavailable("redis-cli")
+        self._dir: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> "RedisCluster":
+        import tempfile
+
+        self._dir = tempfile.mkdtemp(prefix="kvtier-cluster-")
+        self.procs = []
+        for node in self.nodes:
+            node.proc = subprocess.Popen(
+                [node.binary, "--port", str(node.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--cluster-enabled", "yes", "--cluster-config-file", f"{self._dir}/nodes-{node.port}.conf",
+                 "--dir", self._dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_port(node.port)
+        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # wait until every slot is served
+            info = subprocess.run([self.cli, "-p", str(self.nodes[0].port), "cluster", "info"],
+                                  capture_output=True, text=True).stdout
+            if "cluster_state:ok" in info:
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None

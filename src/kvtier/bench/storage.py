@@ -118,7 +118,8 @@ class _RawMooncake:
         assert all(rc == 0 for rc in self.store.batch_put_from(self.keys, self.ptrs, self.sizes))
 
     def get(self) -> None:
-        assert all(rc > 0 for rc in self.store.batch_get_into(self.keys, self.ptrs, self.sizes))
+        rcs = self.store.batch_get_into(self.keys, self.ptrs, self.sizes)
+        assert all(rc > 0 for rc in rcs), f"raw batch_get_into codes {sorted(set(rcs))}"
 
 
 def _measure(name, store, raw, host, idx, keys, payload, objects, repeat) -> list[StorageRow]:
@@ -128,6 +129,8 @@ def _measure(name, store, raw, host, idx, keys, payload, objects, repeat) -> lis
             ours = _best(lambda: store.batch_set(keys, host, idx), store.clear, repeat)
             base = _best(raw.put, raw.clear, repeat)
         else:
+            store.clear()
+            raw.clear()
             store.batch_set(keys, host, idx)
             raw.put()
             ours = _best(lambda: store.batch_get(keys, host, idx), lambda: None, repeat)
@@ -142,7 +145,7 @@ def _measure(name, store, raw, host, idx, keys, payload, objects, repeat) -> lis
 
 
 def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
-        page_size: int = 64, pages: int = 64, layout: str = "page_head", backends=("file", "redis", "mooncake"),
+        page_size: int = 64, pages: int = 32, layout: str = "page_head", backends=("file", "redis", "mooncake"),
         directory: str | None = None, repeat: int = 3) -> dict:
     spec = KVSpec.mha(layers, heads, head_dim, v_head_dim)
     size = pages * page_size
