@@ -149,10 +149,10 @@ class RedisCluster(_Process):
         subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # wait until every slot is served
-            info = subprocess.run([self.cli, "-p", str(self.nodes[0].port), "cluster", "info"],
-                                  capture_output=True, text=True).stdout
-            if "cluster_state:ok" in info:
+        while time.monotonic() < deadline:  # wait until every node serves every slot
+            infos = [subprocess.run([self.cli, "-p", str(n.port), "cluster", "info"], capture_output=True,
+                                    text=True).stdout for n in self.nodes]
+            if all("cluster_state:ok" in i and "cluster_slots_ok:16384" in i for i in infos):
                 return self
             time.sleep(0.2)
         self.stop()

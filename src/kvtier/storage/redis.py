@@ -56,6 +56,9 @@ class RedisStorage(ObjectStorage):
             if self.ttl:
                 commands.append(("expire", self._name(key), self.ttl))
         results = self._pipeline(commands)
+        failed = [r for r in results if not self._ok(r)]
+        if failed:
+            self._fault("set", failed[0])
         per_item = len(results) // len(items) if items else 1
         return [all(self._ok(r) for r in results[i * per_item:(i + 1) * per_item]) for i in range(len(items))]
 
