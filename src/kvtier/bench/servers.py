@@ -136,16 +136,21 @@ class RedisCluster(_Process):
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self) -> "RedisCluster":
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # no node outlives a failed start
+            raise
+
+    def _start(self) -> "RedisCluster":
         import tempfile
 
         self._dir = tempfile.mkdtemp(prefix="kvtier-cluster-")
-        self.procs = []
         for node in self.nodes:
-            node.proc = subprocess.Popen(
-                [node.binary, "--port", str(node.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--cluster-enabled", "yes", "--cluster-config-file", f"{self._dir}/nodes-{node.port}.conf",
-                 "--dir", self._dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            wait_port(node.port)
+            node._spawn([node.binary, "--port", str(node.port), "--bind", "127.0.0.1", "--save", "",
+                         "--appendonly", "no", "--cluster-enabled", "yes",
+                         "--cluster-config-file", f"{self._dir}/nodes-{node.port}.conf", "--dir", self._dir],
+                        node.port)
         subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         deadline = time.monotonic() + 20
@@ -155,7 +160,6 @@ class RedisCluster(_Process):
             if all("cluster_state:ok" in i and "cluster_slots_ok:16384" in i for i in infos):
                 return self
             time.sleep(0.2)
-        self.stop()
         raise RuntimeError("redis cluster did not reach cluster_state:ok")
 
     def stop(self) -> None:
