@@ -52,3 +52,12 @@ def test_input_types_agree_and_namespace_is_escaped():
 def test_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         page_keys(*args)
+
+
+def test_extend_keys_continues_a_chain():
+    from kvtier.storage.keys import extend_keys
+
+    tokens = list(range(20))
+    full = page_keys(tokens, 4, namespace="m", salt="s")
+    assert extend_keys(full[1], tokens[8:], 4, namespace="m", salt="s") == full[2:]
+    assert extend_keys(None, tokens, 4, namespace="m", salt="s") == full

@@ -53,6 +53,15 @@ def page_keys(token_ids: Sequence[int] | np.ndarray | torch.Tensor, page_size: i
     ``namespace`` names the model (and deployment); ``salt`` separates tenants within
     it; ``hash`` is ``"sha256"`` (default) or ``"xxh3"`` (128-bit, needs ``xxhash``).
     """
+    return extend_keys(None, token_ids, page_size, namespace, salt, hash)
+
+
+def extend_keys(parent: str | None, token_ids, page_size: int, namespace: str = "default",
+                salt: str | bytes | None = None, hash: str = "sha256") -> list[str]:
+    """Keys of the full pages of ``token_ids`` that follow the page whose key is
+    ``parent`` (``None``: they start the sequence). ``extend_keys(keys[i - 1], pages
+    i.., ...)`` equals ``page_keys(all pages, ...)[i:]``, so a prefix tree can key
+    each new page without rehashing its ancestors."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     if not isinstance(namespace, str) or not namespace:
@@ -61,12 +70,15 @@ def page_keys(token_ids: Sequence[int] | np.ndarray | torch.Tensor, page_size: i
         raise ValueError(f"unknown hash {hash!r}; supported: {', '.join(HASHES)}")
     fn = HASHES[hash]
     tokens = _token_array(token_ids)
-    salt_bytes = salt.encode() if isinstance(salt, str) else (salt or b"")
-    ns = namespace.encode()
-    parent = fn(b"\0".join([_DOMAIN, hash.encode(), len(ns).to_bytes(4, "little") + ns, salt_bytes]))
     tag = namespace_tag(namespace)
+    if parent is None:
+        salt_bytes = salt.encode() if isinstance(salt, str) else (salt or b"")
+        ns = namespace.encode()
+        digest = fn(b"\0".join([_DOMAIN, hash.encode(), len(ns).to_bytes(4, "little") + ns, salt_bytes]))
+    else:
+        digest = bytes.fromhex(parent.rsplit("/", 1)[1])
     keys = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        parent = fn(parent + tokens[start:start + page_size].tobytes())
-        keys.append(f"{tag}/{parent.hex()}")
+        digest = fn(digest + tokens[start:start + page_size].tobytes())
+        keys.append(f"{tag}/{digest.hex()}")
     return keys

@@ -1,0 +1,410 @@
+"""``HierarchicalCache``: prefix matching across device, host and storage, and the policies
+that move pages between them. Background threads (``kvtier.cache.workers``) do the
+slow parts: per-layer loads, storage writes, storage prefetches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from typing import Sequence
+
+import torch
+
+from ..pools import DeviceKVPool, HostKVPool
+from ..storage.keys import extend_keys
+from ..transfer import check_io_backend
+from .handles import LoadHandle, MatchResult, PrefetchHandle
+from .radix import Node, RadixTree
+from .stats import CacheStats
+from .workers import Worker
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
+PREFETCH_CHUNK_PAGES = 8
+
+
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; supported: {', '.join(choices)}")
+
+
+def _tokens(token_ids) -> list[int]:
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.tolist()
+    return list(token_ids)
+
+
+class HierarchicalCache:
+    """Prefix cache over a device pool (L1), a host pool (L2) and optional storage (L3).
+
+    Thread-safe: one lock guards the tree and the allocators; copies to and from
+    storage and per-layer loads run on worker threads outside it.
+    """
+
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, storage=None, *,
+                 write_policy: str = "write_through", prefetch_policy: str = "best_effort",
+                 namespace: str = "default", prefetch_timeout: float = 1.0, io_backend: str = "direct",
+                 allocator=None, hash: str = "sha256") -> None:
+        _check_choice("write_policy", write_policy, WRITE_POLICIES)
+        _check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
+        check_io_backend(io_backend)
+        if not isinstance(device_pool, DeviceKVPool) or not isinstance(host_pool, HostKVPool):
+            raise ValueError("device_pool must be a DeviceKVPool and host_pool a HostKVPool")
+        if device_pool.spec != host_pool.spec or device_pool.page_size != host_pool.page_size:
+            raise ValueError(f"device pool ({device_pool.spec.fingerprint()}, page_size {device_pool.page_size}) "
+                             f"and host pool ({host_pool.spec.fingerprint()}, page_size {host_pool.page_size}) differ")
+        self.device_pool, self.host_pool, self.storage = device_pool, host_pool, storage
+        self.allocator = allocator or device_pool
+        self.page_size = host_pool.page_size
+        self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
+        self.prefetch_timeout, self.io_backend = prefetch_timeout, io_backend
+        self.namespace, self.hash = namespace, hash
+        self.tree = RadixTree(self.page_size)
+        self._lock = threading.RLock()
+        self._stats = CacheStats(device_pool.spec.bytes_per_token)
+        self._loader = Worker("kvtier-load")
+        self._writer = Worker("kvtier-store") if storage is not None else None
+        self._prefetcher = Worker("kvtier-prefetch") if storage is not None else None
+
+    # -- matching ----------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
+        """The longest cached prefix of ``token_ids`` (whole pages), tier by tier."""
+        tokens = _tokens(token_ids)
+        with self._lock:
+            path, matched = self.tree.match(tokens, salt)
+            device_nodes = [n for n in path if n.device is not None]
+            device_len = sum(len(n.key) for n in device_nodes)
+            for node in path:
+                node.hits += 1
+                if self.write_policy == "write_through_selective" and node.hits >= SELECTIVE_HITS:
+                    self._backup(node)
+            device = (torch.cat([n.device for n in device_nodes]) if device_nodes
+                      else torch.empty(0, dtype=torch.int64, device=self.device_pool.device))
+            last = path[-1] if path else self.tree.root(salt)
+            last_key = self._last_store_key(last, salt) if self.storage is not None else None
+        storage_len = self._storage_hit(tokens, matched, last_key, salt)
+        self._stats.matched(device_len, matched - device_len, storage_len)
+        return MatchResult(device, device_len, matched - device_len, storage_len, last, tuple(path),
+                           tuple(tokens), salt)
+
+    def _storage_hit(self, tokens, matched, last_key, salt) -> int:
+        if self.storage is None:
+            return 0
+        usable = len(tokens) - len(tokens) % self.page_size
+        if usable <= matched:
+            return 0
+        keys = extend_keys(last_key, tokens[matched:usable], self.page_size, self.namespace, salt, self.hash)
+        return self.storage.batch_exists(keys) * self.page_size
+
+    # -- locking -----------------------------------------------------------------------------------
+    def lock(self, match: MatchResult) -> None:
+        """Keep the matched pages from eviction until :meth:`unlock`."""
+        with self._lock:
+            self.tree.lock(match.last_node, +1)
+
+    def unlock(self, match: MatchResult) -> None:
+        with self._lock:
+            self.tree.lock(match.last_node, -1)
+
+    def locked(self, match: MatchResult):
+        """``with cache.locked(match): ...``"""
+        cache = self
+
+        class _Locked:
+            def __enter__(self):
+                cache.lock(match)
+                return match
+
+            def __exit__(self, *exc):
+                cache.unlock(match)
+
+        return _Locked()
+
+    # -- host -> device -------------------------------------------------------------------------------
+    def load_back(self, match: MatchResult) -> LoadHandle:
+        """Bring the host hit of ``match`` to the device, layer by layer, in the background.
+
+        The handle's ``device_indices`` cover the device hit and every host page that
+        got device slots (all of them unless the device is full of locked pages).
+        """
+        with self._lock:
+            path = match.last_node.path() if self.tree.attached(match.last_node) else []
+            depends = tuple({id(n.loading): n.loading for n in path if n.loading is not None}.values())
+            slots, host_slots, loaded_nodes = [], [], []
+            for node in path:
+                if node.device is None:
+                    if node.host is None:
+                        break
+                    got = self._alloc_device(len(node.key))
+                    if got is None:
+                        break
+                    node.device = got
+                    host_slots.append(node.host)
+                    loaded_nodes.append(node)
+                slots.append(node.device)
+            device = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=self.device_pool.device)
+            handle = LoadHandle(device, self.device_pool.spec.layer_num, depends)
+            if not loaded_nodes:
+                handle._finish()
+                return handle
+            last = loaded_nodes[-1]
+            for node in loaded_nodes:
+                node.loading = handle
+            self.tree.lock(last, +1)
+        host_idx, dev_idx = torch.cat(host_slots), torch.cat([n.device for n in loaded_nodes])
+        self._stats.add(loaded_tokens=host_idx.numel())
+        self._loader.submit(lambda: self._load(handle, host_idx, dev_idx, loaded_nodes, last))
+        return handle
+
+    def _load(self, handle, host_idx, dev_idx, nodes, last) -> None:
+        error = None
+        try:
+            for layer in range(self.device_pool.spec.layer_num):
+                self.host_pool.load_to_device_per_layer(self.device_pool, host_idx, dev_idx, layer, self.io_backend)
+                handle._layer_done(layer)
+        except BaseException as e:  # surfaced on the handle; the pages stay on the host
+            error = e
+            self._stats.add(errors=1)
+        with self._lock:
+            for node in nodes:
+                if node.loading is handle:
+                    node.loading = None
+            self.tree.lock(last, -1)
+        handle._finish(error)
+
+    # -- inserting ------------------------------------------------------------------------------------
+    def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: torch.Tensor, salt=None) -> int:
+        """Record KV the engine computed: ``device_indices[i]`` holds token ``i``.
+
+        Only full pages are cached. Returns how many leading tokens were already cached
+        on the device: their slots stay the caller's (to free); the cache owns the
+        slots of the rest of the full pages from now on.
+        """
+        tokens = _tokens(token_ids)
+        usable = len(tokens) - len(tokens) % self.page_size
+        if not isinstance(device_indices, torch.Tensor) or device_indices.dim() != 1 \
+                or device_indices.numel() < usable:
+            n = device_indices.numel() if isinstance(device_indices, torch.Tensor) else device_indices
+            raise ValueError(f"device_indices must be a 1-D tensor of at least {usable} slots (the full pages of "
+                             f"{len(tokens)} tokens), got {n}")
+        with self._lock:
+            path, matched = self.tree.match(tokens[:usable], salt)
+            already, offset = 0, 0
+            for node in path:  # device copies are prefix-closed: device nodes come first
+                if node.device is None:  # host-only: adopt the caller's freshly computed slots
+                    node.device = device_indices[offset:offset + len(node.key)].clone()
+                elif already == offset:
+                    already += len(node.key)
+                offset += len(node.key)
+            new = []
+            if matched < usable:
+                parent = path[-1] if path else self.tree.root(salt)
+                node = self.tree.add_child(parent, tokens[matched:usable])
+                node.device = device_indices[matched:usable].clone()
+                new.append(node)
+            if self.write_policy == "write_through":
+                for node in path + new:
+                    self._backup(node)
+        self._stats.add(inserted_tokens=usable - matched)
+        return already
+
+    # -- device -> host -> storage ------------------------------------------------------------------------
+    def _backup(self, node: Node) -> bool:
+        """Copy a device node to the host (now) and queue it for storage; lock held."""
+        if node.host is not None or node.device is None:
+            self._store(node)
+            return node.host is not None
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            return False
+        self.host_pool.backup_from_device_all_layer(self.device_pool, host, node.device, self.io_backend)
+        node.host = host
+        self._stats.add(backed_up_tokens=len(node.key))
+        self._store(node)
+        return True
+
+    def _store(self, node: Node) -> None:
+        if self._writer is None or node.stored or node.host is None:
+            return
+        keys = self._store_keys(node)
+        host = node.host
+        node.stored = True  # claimed: written once, by this job
+        self.tree.lock(node, +1)
+
+        def job():
+            ok = self.storage.batch_set(keys, self.host_pool, host)
+            with self._lock:
+                if not all(ok):
+                    node.stored = False
+                    self._stats.add(errors=1)
+                else:
+                    self._stats.add(stored_tokens=len(keys) * self.page_size)
+                self.tree.lock(node, -1)
+
+        self._writer.submit(job)
+
+    def _store_keys(self, node: Node) -> list[str]:
+        if node.store_keys is None:
+            salt = self._salt_of(node)
+            parent_key = self._last_store_key(node.parent, salt)
+            node.store_keys = extend_keys(parent_key, node.key, self.page_size, self.namespace, salt, self.hash)
+        return node.store_keys
+
+    def _last_store_key(self, node: Node, salt) -> str | None:
+        return None if node.parent is None else self._store_keys(node)[-1]
+
+    def _salt_of(self, node: Node):
+        while node.parent is not None:
+            node = node.parent
+        return next(salt for salt, root in self.tree.roots.items() if root is node)
+
+    # -- storage -> host ----------------------------------------------------------------------------------
+    def prefetch(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> PrefetchHandle:
+        """Fetch the pages after the device/host hit of ``token_ids`` from storage to the
+        host in the background; they become host hits as each chunk lands."""
+        if self.storage is None:
+            return PrefetchHandle(0, self.prefetch_policy, self.prefetch_timeout)
+        match = self.match_prefix(token_ids, salt)
+        pages = match.storage_len // self.page_size
+        with self._lock:
+            host = self._alloc_host(pages * self.page_size) if pages else None
+            while host is None and pages:
+                pages //= 2  # settle for a shorter prefix when the host is full of locked pages
+                host = self._alloc_host(pages * self.page_size) if pages else None
+            if pages:
+                self.tree.lock(match.last_node, +1)
+        handle = PrefetchHandle(pages * self.page_size, self.prefetch_policy, self.prefetch_timeout)
+        if pages:
+            self._prefetcher.submit(lambda: self._prefetch(handle, match, host))
+        return handle
+
+    def _prefetch(self, handle: PrefetchHandle, match: MatchResult, host: torch.Tensor) -> None:
+        ps, tokens, start = self.page_size, list(match.tokens), match.cached_len
+        with self._lock:
+            parent_key = self._last_store_key(match.last_node, match.salt)
+        keys = extend_keys(parent_key, tokens[start:start + handle.target], ps, self.namespace, match.salt, self.hash)
+        done = 0
+        try:
+            for c in range(0, len(keys), PREFETCH_CHUNK_PAGES):
+                if handle._cancel.is_set():
+                    break
+                chunk = keys[c:c + PREFETCH_CHUNK_PAGES]
+                got = self.storage.batch_get(chunk, self.host_pool, host[c * ps:(c + len(chunk)) * ps])
+                n = next((i for i, ok in enumerate(got) if not ok), len(got))
+                if n:
+                    self._adopt_host(tokens[:start + (done + n * ps)], host[done:done + n * ps], start + done,
+                                     match.salt, chunk[:n])
+                    done += n * ps
+                    handle.tokens = done
+                    self._stats.add(prefetched_tokens=n * ps)
+                if n < len(chunk):
+                    break
+        finally:
+            with self._lock:
+                if done < host.numel():
+                    self.host_pool.free(host[done:])
+                self.tree.lock(match.last_node, -1)
+            handle._done.set()
+
+    def _adopt_host(self, tokens, host_slots, start, salt, keys) -> None:
+        """Insert ``tokens[start:]`` as host-resident pages in ``host_slots`` (fetched from storage)."""
+        with self._lock:
+            path, matched = self.tree.match(tokens, salt)
+            if matched > start:  # someone cached part of it meanwhile: keep theirs
+                self.host_pool.free(host_slots[:matched - start])
+            if matched < len(tokens):
+                parent = path[-1] if path else self.tree.root(salt)
+                node = self.tree.add_child(parent, tokens[matched:])
+                node.host = host_slots[matched - start:]
+                node.stored = True
+                node.store_keys = keys[(matched - start) // self.page_size:]
+
+    # -- eviction ------------------------------------------------------------------------------------------
+    def evict_device(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots (least recently used first), if
+        unlocked pages allow; a page with a host copy is demoted, not lost."""
+        with self._lock:
+            return self._evict("device", num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        with self._lock:
+            return self._evict("host", num_tokens)
+
+    def _evictable(self, node: Node, tier: str) -> bool:
+        if node.lock_ref or node.loading is not None or getattr(node, tier) is None:
+            return False
+        if tier == "device":  # device copies are prefix-closed: children first
+            return all(c.device is None for c in node.children.values())
+        return node.device is not None or not node.children  # a host-only node goes with its leaf
+
+    def _evict(self, tier: str, num_tokens: int) -> int:
+        heap = [(n.last_access, id(n), n) for n in self.tree.nodes() if self._evictable(n, tier)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._evictable(node, tier):
+                continue
+            if tier == "device":
+                if node.host is None and (self.write_policy == "write_back" or node.children):
+                    self._backup(node)
+                if node.host is None and node.children:
+                    continue  # cannot drop a page that host-only children hang from
+                self.allocator.free(node.device)
+                node.device = None
+            else:
+                self.host_pool.free(node.host)
+                node.host = None
+            freed += len(node.key)
+            self._stats.evicted(tier, len(node.key))
+            parent = node.parent
+            if node.device is None and node.host is None:
+                self.tree.remove(node)
+            if parent.parent is not None and self._evictable(parent, tier):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _alloc_device(self, n: int) -> torch.Tensor | None:
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self._evict("device", n - self.allocator.available_size())
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def _alloc_host(self, n: int) -> torch.Tensor | None:
+        slots = self.host_pool.alloc(n)
+        if slots is None:
+            self._evict("host", n - self.host_pool.available_size())
+            slots = self.host_pool.alloc(n)
+        return slots
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait until every queued load, storage write and prefetch has finished."""
+        for worker in (self._loader, self._writer, self._prefetcher):
+            if worker is not None:
+                worker.join_queue()
+
+    def stats(self) -> dict:
+        with self._lock:
+            tiers = {"device_tokens": sum(len(n.key) for n in self.tree.nodes() if n.device is not None),
+                     "host_tokens": sum(len(n.key) for n in self.tree.nodes() if n.host is not None)}
+        queues = {w.name: w.depth() for w in (self._loader, self._writer, self._prefetcher) if w is not None}
+        out = {**self._stats.snapshot(), **tiers, "queue_depths": queues}
+        if self.storage is not None:
+            out["storage"] = self.storage.stats()
+        return out
+
+    def close(self) -> None:
+        """Finish queued work and join every thread."""
+        for worker in (self._loader, self._writer, self._prefetcher):
+            if worker is not None:
+                worker.close()
+
+    def __enter__(self) -> "HierarchicalCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

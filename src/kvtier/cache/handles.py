@@ -1,0 +1,107 @@
+"""What ``HierarchicalCache`` hands back: match results and handles on background work."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The cached prefix of a prompt, tier by tier (all lengths in tokens, whole pages).
+
+    ``device_indices``: ``(device_len,)`` device slots of the device hit. Some of them
+    may still be arriving from the host for another request: call
+    :meth:`HierarchicalCache.load_back` and wait on its handle before reading them.
+    The next ``host_len`` tokens are on the host, the ``storage_len`` after those in
+    storage. Only safe to act on while locked (:meth:`HierarchicalCache.lock`).
+    """
+
+    device_indices: torch.Tensor
+    device_len: int
+    host_len: int
+    storage_len: int
+    last_node: object = field(repr=False)   # deepest matched node (the tenant's root when none)
+    path: tuple = field(repr=False, default=())
+    tokens: tuple = field(repr=False, default=())
+    salt: object = field(repr=False, default=None)
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens whose KV the device can have without recomputation (device + host)."""
+        return self.device_len + self.host_len
+
+
+class LoadHandle:
+    """Host -> device loading of a match's host hit, one layer at a time, in the background.
+
+    ``device_indices`` holds the device slots of the whole prefix (the device hit, then
+    the loaded pages); ``wait_layer(i)`` returns once layer ``i`` of every page in it is
+    on the device, ``wait()`` once all layers are.
+    """
+
+    def __init__(self, device_indices: torch.Tensor, layer_num: int, depends: tuple["LoadHandle", ...] = ()) -> None:
+        self.device_indices = device_indices
+        self._layers = [threading.Event() for _ in range(layer_num)]
+        self._depends = depends
+        self.error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return self.device_indices.numel()
+
+    def _layer_done(self, layer: int) -> None:
+        self._layers[layer].set()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        for event in self._layers:
+            event.set()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` is on the device; False on timeout."""
+        if not all(d.wait_layer(layer, timeout) for d in self._depends):
+            return False
+        return self._layers[layer].wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return all(self.wait_layer(layer, timeout) for layer in range(len(self._layers)))
+
+    def done(self) -> bool:
+        return all(e.is_set() for e in self._layers) and all(d.done() for d in self._depends)
+
+
+class PrefetchHandle:
+    """Storage -> host prefetch of the pages after a prompt's device/host hit.
+
+    ``tokens`` counts tokens already brought to the host (and visible to
+    ``match_prefix``); ``target`` is what storage said it holds. ``wait()`` applies
+    the cache's stop policy: ``best_effort`` returns at once, ``wait_complete``
+    blocks until done, ``timeout`` blocks at most ``prefetch_timeout`` seconds.
+    """
+
+    def __init__(self, target: int, policy: str, timeout: float) -> None:
+        self.target = target
+        self.tokens = 0
+        self._policy, self._timeout = policy, timeout
+        self._done = threading.Event()
+        self._cancel = threading.Event()
+        if target == 0:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop after the chunk in flight; pages already fetched stay cached."""
+        self._cancel.set()
+
+    def wait(self) -> int:
+        """Tokens prefetched so far, after waiting as the stop policy says."""
+        if self._policy == "wait_complete":
+            self._done.wait()
+        elif self._policy == "timeout":
+            if not self._done.wait(self._timeout):
+                self.cancel()
+        return self.tokens

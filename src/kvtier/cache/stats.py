@@ -1,0 +1,37 @@
+"""Counters behind ``HierarchicalCache.stats()``."""
+
+from __future__ import annotations
+
+import threading
+
+
+class CacheStats:
+    _FIELDS = ("matches", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens", "loaded_tokens",
+               "backed_up_tokens", "stored_tokens", "prefetched_tokens", "inserted_tokens",
+               "device_evicted_tokens", "host_evicted_tokens", "errors")
+
+    def __init__(self, bytes_per_token: int) -> None:
+        self._lock = threading.Lock()
+        self._bytes_per_token = bytes_per_token
+        self._counts = dict.fromkeys(self._FIELDS, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self._counts[k] += v
+
+    def matched(self, device: int, host: int, storage: int) -> None:
+        self.add(matches=1, device_hit_tokens=device, host_hit_tokens=host, storage_hit_tokens=storage)
+
+    def evicted(self, tier: str, tokens: int) -> None:
+        self.add(**{f"{tier}_evicted_tokens": tokens})
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = dict(self._counts)
+        bpt = self._bytes_per_token
+        out["bytes"] = {"device_hit": out["device_hit_tokens"] * bpt, "host_hit": out["host_hit_tokens"] * bpt,
+                        "storage_hit": out["storage_hit_tokens"] * bpt, "loaded": out["loaded_tokens"] * bpt,
+                        "backed_up": out["backed_up_tokens"] * bpt, "stored": out["stored_tokens"] * bpt,
+                        "prefetched": out["prefetched_tokens"] * bpt}
+        return out

@@ -1,0 +1,46 @@
+"""A named background thread draining a queue of jobs: event-driven, never polling."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+log = logging.getLogger("kvtier.cache")
+_STOP = object()
+
+
+class Worker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._queue.put(job)
+
+    def depth(self) -> int:
+        """Jobs queued or running."""
+        return self._queue.unfinished_tasks
+
+    def join_queue(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is _STOP:
+                    return
+                job()
+            except Exception:  # a job reports its own errors; this keeps the worker alive
+                log.exception("kvtier %s: job failed", self.name)
+            finally:
+                self._queue.task_done()
