@@ -179,8 +179,9 @@ class HierarchicalCache:
         """Record KV the engine computed: ``device_indices[i]`` holds token ``i``.
 
         Only full pages are cached. Returns how many leading tokens were already cached
-        on the device: their slots stay the caller's (to free); the cache owns the
-        slots of the rest of the full pages from now on.
+        on the device. The cache owns the slots of the full pages from there on; slots in
+        ``device_indices[:returned]`` that the caller allocated itself (rather than got
+        from :meth:`match_prefix` / :meth:`load_back`) are duplicates for it to free.
         """
         tokens = _tokens(token_ids)
         usable = len(tokens) - len(tokens) % self.page_size
@@ -320,6 +321,18 @@ class HierarchicalCache:
                 node.host = host_slots[matched - start:]
                 node.stored = True
                 node.store_keys = keys[(matched - start) // self.page_size:]
+
+    # -- allocation for the engine -------------------------------------------------------------------------
+    def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Device slots for new KV (whole pages), evicting unlocked cached pages (LRU)
+        as needed; ``None`` if even that leaves too few."""
+        with self._lock:
+            return self._alloc_device(num_tokens)
+
+    def free_device(self, indices: torch.Tensor) -> None:
+        """Return slots the caller owns (e.g. duplicates reported by :meth:`insert`)."""
+        with self._lock:
+            self.allocator.free(indices)
 
     # -- eviction ------------------------------------------------------------------------------------------
     def evict_device(self, num_tokens: int) -> int:

@@ -1,0 +1,162 @@
+"""Deterministic scenarios: exact hit lengths per tier, eviction order, demotion and promotion."""
+
+import pytest
+import torch
+
+from engine import PAGE, SPEC, check_prefix, make_cache, serve
+
+A = list(range(100, 112))            # 3 pages
+B = list(range(200, 208))            # 2 pages
+C = list(range(300, 304))            # 1 page
+
+
+def hits(m):
+    return (m.device_len, m.host_len, m.storage_len)
+
+
+def test_match_lengths_are_page_granular_and_salted():
+    cache = make_cache()
+    serve(cache, A + [1, 2])                       # 14 tokens: 3 full pages cached
+    assert hits(cache.match_prefix(A + [7])) == (12, 0, 0)
+    assert hits(cache.match_prefix(A[:6])) == (4, 0, 0)   # the match stops at a page boundary
+    assert hits(cache.match_prefix(A[:4] + [0] * 8)) == (4, 0, 0)
+    assert hits(cache.match_prefix([5] + A[1:])) == (0, 0, 0)
+    assert hits(cache.match_prefix(A, salt="tenant-b")) == (0, 0, 0)
+    assert cache.stats()["host_tokens"] == 12     # write_through backed every page up
+    cache.close()
+
+
+def test_lru_eviction_order_and_demotion_to_host():
+    cache = make_cache()
+    for prompt in (A, B, C):
+        serve(cache, prompt)
+    cache.match_prefix(A)                          # A is now the most recently used
+    assert cache.evict_device(PAGE) == 8           # B goes first: its whole 2-page node
+    assert hits(cache.match_prefix(B)) == (0, 8, 0)
+    assert cache.evict_device(PAGE) == 4           # then C
+    assert hits(cache.match_prefix(C)) == (0, 4, 0)
+    assert hits(cache.match_prefix(A)) == (12, 0, 0)
+    assert cache.stats()["device_evicted_tokens"] == 12
+
+
+def test_children_leave_the_device_before_parents():
+    cache = make_cache()
+    serve(cache, A[:8])
+    serve(cache, A)                                # A[:8] then a child page A[8:12]
+    assert cache.evict_device(PAGE) == 4           # the child page, though the parent is older
+    assert hits(cache.match_prefix(A)) == (8, 4, 0)
+
+
+def test_promotion_loads_identical_kv_layer_by_layer():
+    cache = make_cache()
+    serve(cache, A)
+    cache.evict_device(64)
+    m = cache.match_prefix(A)
+    assert hits(m) == (0, 12, 0)
+    with cache.locked(m):
+        handle = cache.load_back(m)
+        for layer in range(SPEC.layer_num):
+            assert handle.wait_layer(layer, timeout=10)
+        assert handle.wait(timeout=10) and handle.done() and handle.error is None
+        check_prefix(cache, A, handle.device_indices)
+    assert hits(cache.match_prefix(A)) == (12, 0, 0)
+    assert cache.stats()["loaded_tokens"] == 12
+
+
+def test_write_back_copies_to_host_only_on_eviction():
+    cache = make_cache(write_policy="write_back")
+    serve(cache, A)
+    assert cache.stats()["host_tokens"] == 0
+    cache.evict_device(12)
+    assert hits(cache.match_prefix(A)) == (0, 12, 0) and cache.stats()["backed_up_tokens"] == 12
+    handle = cache.load_back(cache.match_prefix(A))
+    handle.wait()
+    check_prefix(cache, A, handle.device_indices)
+
+
+def test_write_through_selective_waits_for_the_second_hit():
+    cache = make_cache(write_policy="write_through_selective")
+    serve(cache, A)                                # insert: no backup
+    assert cache.stats()["host_tokens"] == 0
+    cache.match_prefix(A)                          # hit 1 (serve's own match was hit 0 of a new node)
+    assert cache.stats()["host_tokens"] == 0
+    cache.match_prefix(A)                          # hit 2: backed up
+    assert cache.stats()["host_tokens"] == 12
+    cache.evict_device(12)
+    assert hits(cache.match_prefix(A)) == (0, 12, 0)
+
+
+def test_without_a_host_copy_eviction_drops_pages():
+    cache = make_cache(write_policy="write_through_selective")
+    serve(cache, B)
+    assert cache.evict_device(8) == 8
+    assert hits(cache.match_prefix(B)) == (0, 0, 0)
+    assert cache.device_pool.available_size() == 64
+
+
+def test_locked_pages_are_never_evicted():
+    cache = make_cache()
+    serve(cache, A)
+    serve(cache, B)
+    m = cache.match_prefix(A)
+    cache.lock(m)
+    assert cache.evict_device(64) == 8             # only B could go
+    assert cache.evict_host(64) == 8               # B's host copy (a host-only leaf); A is locked
+    assert hits(cache.match_prefix(A)) == (12, 0, 0)
+    cache.unlock(m)
+    assert cache.evict_device(64) == 12
+    assert cache.evict_host(64) == 12
+    assert hits(cache.match_prefix(A)) == (0, 0, 0)
+    assert cache.host_pool.available_size() == 64 and cache.device_pool.available_size() == 64
+
+
+def test_evicting_the_host_copy_of_a_device_page_keeps_it_on_device():
+    cache = make_cache()
+    serve(cache, A)
+    assert cache.evict_host(12) == 12
+    assert hits(cache.match_prefix(A)) == (12, 0, 0) and cache.stats()["host_tokens"] == 0
+
+
+def test_insert_reports_cached_prefix_and_adopts_recomputed_host_pages():
+    cache = make_cache()
+    serve(cache, A)
+    cache.evict_device(64)                          # A only on the host now
+    slots = cache.alloc_device(12)
+    from engine import compute
+
+    compute(cache, A, slots, 0)                     # the engine recomputed A instead of loading it
+    assert cache.insert(A, slots) == 0
+    assert hits(cache.match_prefix(A)) == (12, 0, 0)
+    assert torch.equal(cache.match_prefix(A).device_indices, slots)
+    dup = cache.alloc_device(8)
+    compute(cache, A[:8], dup, 0)
+    assert cache.insert(A[:8], dup) == 8            # already cached: dup is the caller's to free
+    cache.free_device(dup)
+
+
+def test_alloc_device_evicts_for_the_engine():
+    cache = make_cache(device_tokens=16, host_tokens=64)
+    serve(cache, A)                                 # 12 of 16 device slots
+    slots = cache.alloc_device(8)
+    assert slots is not None and slots.numel() == 8
+    assert hits(cache.match_prefix(A)) == (0, 12, 0)  # eviction demotes whole nodes (A is one node)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"write_policy": "write_around"}, "unknown write_policy 'write_around'; supported: write_through"),
+    ({"prefetch_policy": "eager"}, "unknown prefetch_policy 'eager'"),
+    ({"io_backend": "dma"}, "unknown io_backend 'dma'"),
+])
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_cache(**kwargs)
+
+
+def test_bad_insert_and_mismatched_pools():
+    from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, KVSpec
+
+    cache = make_cache()
+    with pytest.raises(ValueError, match="at least 8 slots"):
+        cache.insert(A[:8], torch.arange(4))
+    with pytest.raises(ValueError, match="differ"):
+        HierarchicalCache(DeviceKVPool(SPEC, 16, PAGE), HostKVPool(KVSpec.mha(2, 2, 6), 16, PAGE))
