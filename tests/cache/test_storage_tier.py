@@ -1,0 +1,102 @@
+"""The cache with an L3 store: backup to storage, storage hits, prefetch and its stop policies."""
+
+import threading
+
+import pytest
+
+import kvtier.storage
+from engine import check_prefix, make_cache, serve
+
+A = list(range(100, 116))  # 4 pages
+
+
+def hits(m):
+    return (m.device_len, m.host_len, m.storage_len)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = kvtier.storage.open(f"file://{tmp_path}")
+    yield s
+    s.close()
+
+
+def test_pages_survive_into_a_fresh_cache_through_storage(store):
+    first = make_cache(storage=store, namespace="m")
+    serve(first, A)
+    first.flush()
+    assert first.stats()["stored_tokens"] == 16
+    first.close()
+    second = make_cache(storage=store, namespace="m", prefetch_policy="wait_complete")
+    assert hits(second.match_prefix(A + [1])) == (0, 0, 16)
+    handle = second.prefetch(A)
+    assert handle.wait() == 16 and handle.done()
+    assert hits(second.match_prefix(A)) == (0, 16, 0)
+    load = second.load_back(second.match_prefix(A))
+    load.wait()
+    check_prefix(second, A, load.device_indices)
+    assert second.stats()["prefetched_tokens"] == 16
+    assert hits(make_cache(storage=store, namespace="other").match_prefix(A)) == (0, 0, 0)
+    assert hits(second.match_prefix(A, salt="tenant-b")) == (0, 0, 0)
+    second.close()
+
+
+def test_storage_hit_continues_after_a_host_hit(store):
+    first = make_cache(storage=store)
+    serve(first, A)
+    first.flush()
+    second = make_cache(storage=store, prefetch_policy="wait_complete")
+    serve(second, A[:8])                              # 2 pages cached locally
+    assert hits(second.match_prefix(A)) == (8, 0, 8)  # the next 2 come from storage
+    assert second.prefetch(A).wait() == 8
+    assert hits(second.match_prefix(A)) == (8, 8, 0)
+    load = second.load_back(second.match_prefix(A))
+    load.wait()
+    check_prefix(second, A, load.device_indices)
+
+
+class SlowStore:
+    """A storage whose gets wait for a gate: stop policies can be observed."""
+
+    def __init__(self, inner):
+        self.inner, self.gate = inner, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def batch_get(self, *args):
+        self.gate.wait(10)
+        return self.inner.batch_get(*args)
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_non_blocking_stop_policies_return_before_storage_answers(store, policy):
+    long = list(range(500, 548))                    # 12 pages: two prefetch chunks (8 + 4 pages)
+    first = make_cache(storage=store)
+    serve(first, long)
+    first.flush()
+    slow = SlowStore(store)
+    second = make_cache(storage=slow, prefetch_policy=policy, prefetch_timeout=0.05)
+    handle = second.prefetch(long)
+    assert handle.wait() == 0 and not handle.done()
+    slow.gate.set()
+    second.flush()
+    assert handle.done()
+    got = hits(second.match_prefix(long))
+    if policy == "best_effort":
+        assert got == (0, 48, 0)                    # the prefetch went on to the end
+    else:
+        assert got == (0, 32, 16)                   # cancelled at the timeout: the chunk in flight landed
+    assert second.host_pool.available_size() + second.stats()["host_tokens"] == second.host_pool.size
+
+
+def test_failed_storage_writes_are_counted_not_raised(tmp_path):
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    (tmp_path / "kvtier-v1").rmdir()
+    (tmp_path / "kvtier-v1").write_text("not a directory")
+    cache = make_cache(storage=store)
+    serve(cache, A)
+    cache.flush()
+    stats = cache.stats()
+    assert stats["errors"] >= 1 and stats["stored_tokens"] == 0 and stats["storage"]["errors"] >= 1
+    assert hits(cache.match_prefix(A)) == (16, 0, 0)
