@@ -67,3 +67,13 @@ def test_bench_transfer_json_reports_ratios(capsys):
     assert data["transfer"][0]["gbytes"] == pytest.approx(8 * 4 * 2 * 2 * 2 * 32 / 1e9)
     spans = {(r["layout"], r["kind"]): r["spans"] for r in data["meta"]}
     assert spans[("layer_first", "page")] == 16 * 2 * 2 and spans[("page_head", "split_heads/2")] == 16 * 2 * 2
+
+
+def test_bench_cache_json(capsys):
+    code, out, _ = run(capsys, "bench", "cache", "--page-sizes", "4,16", "--prompt-tokens", "256",
+                       "--tree-pages", "600", "--json")
+    rows = json.loads(out)["rows"]
+    assert code == 0 and [r["page_size"] for r in rows] == [4, 16]
+    for r in rows:
+        assert r["tree_pages"] >= 500 and r["match_hit_us"] > 0 and r["insert_us"] > 0
+        assert r["match_hit_x_floor"] == pytest.approx(r["match_hit_us"] / r["list_copy_us"])

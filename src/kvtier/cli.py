@@ -108,6 +108,24 @@ def _bench_storage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_cache(args: argparse.Namespace) -> int:
+    from .bench import cache
+
+    result = cache.run(page_sizes=tuple(int(x) for x in args.page_sizes.split(",")), prompt_tokens=args.prompt_tokens,
+                       tree_pages=args.tree_pages, seed=args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = [[r["page_size"], r["tree_pages"], f"{r['match_hit_us']:.1f}", f"{r['match_new_us']:.1f}",
+             f"{r['insert_us']:.1f}", f"{r['list_copy_us']:.1f}", f"{r['match_hit_x_floor']:.1f}x"]
+            for r in result["rows"]]
+    print_table(f"cache metadata, {result['rows'][0]['prompt_tokens']}-token prompts "
+                "(x floor = / copying the prompt's token list, same run)",
+                ["page_size", "tree pages", "match hit us", "match new us", "insert us", "list copy us",
+                 "match x floor"], rows)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_storage)
+
+    p = bsub.add_parser("cache", help="match_prefix / insert speed over a large tree")
+    p.add_argument("--page-sizes", default="16,64")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--tree-pages", type=int, default=100_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_cache)
     return parser
 
 
