@@ -5,6 +5,7 @@ slow parts: per-layer loads, storage writes, storage prefetches.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
 from typing import Sequence
@@ -160,10 +161,18 @@ class HierarchicalCache:
 
     def _load(self, handle, host_idx, dev_idx, nodes, last) -> None:
         error = None
+        device = self.device_pool.device
+        # NOTE: on CUDA the copies go on a side stream, and each layer records an event
+        # that wait_layer() makes the caller's stream wait on (no host synchronization).
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         try:
-            for layer in range(self.device_pool.spec.layer_num):
-                self.host_pool.load_to_device_per_layer(self.device_pool, host_idx, dev_idx, layer, self.io_backend)
-                handle._layer_done(layer)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for layer in range(self.device_pool.spec.layer_num):
+                    self.host_pool.load_to_device_per_layer(self.device_pool, host_idx, dev_idx, layer,
+                                                            self.io_backend)
+                    if stream is not None:
+                        handle._record_cuda_event(layer, stream)
+                    handle._layer_done(layer)
         except BaseException as e:  # surfaced on the handle; the pages stay on the host
             error = e
             self._stats.add(errors=1)
@@ -295,8 +304,9 @@ class HierarchicalCache:
                 got = self.storage.batch_get(chunk, self.host_pool, host[c * ps:(c + len(chunk)) * ps])
                 n = next((i for i, ok in enumerate(got) if not ok), len(got))
                 if n:
-                    self._adopt_host(tokens[:start + (done + n * ps)], host[done:done + n * ps], start + done,
-                                     match.salt, chunk[:n])
+                    if not self._adopt_host(tokens[:start + done + n * ps], host[done:done + n * ps], start + done,
+                                            match.salt, chunk[:n]):
+                        break
                     done += n * ps
                     handle.tokens = done
                     self._stats.add(prefetched_tokens=n * ps)
@@ -309,10 +319,14 @@ class HierarchicalCache:
                 self.tree.lock(match.last_node, -1)
             handle._done.set()
 
-    def _adopt_host(self, tokens, host_slots, start, salt, keys) -> None:
-        """Insert ``tokens[start:]`` as host-resident pages in ``host_slots`` (fetched from storage)."""
+    def _adopt_host(self, tokens, host_slots, start, salt, keys) -> bool:
+        """Insert ``tokens[start:]`` as host-resident pages in ``host_slots`` (fetched from
+        storage). False, taking nothing, when the pages before ``start`` left the tree
+        meanwhile (an earlier batch of this prefetch was evicted)."""
         with self._lock:
             path, matched = self.tree.match(tokens, salt)
+            if matched < start:
+                return False
             if matched > start:  # someone cached part of it meanwhile: keep theirs
                 self.host_pool.free(host_slots[:matched - start])
             if matched < len(tokens):
@@ -321,6 +335,7 @@ class HierarchicalCache:
                 node.host = host_slots[matched - start:]
                 node.stored = True
                 node.store_keys = keys[(matched - start) // self.page_size:]
+            return True
 
     # -- allocation for the engine -------------------------------------------------------------------------
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:

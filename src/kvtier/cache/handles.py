@@ -46,6 +46,7 @@ class LoadHandle:
         self.device_indices = device_indices
         self._layers = [threading.Event() for _ in range(layer_num)]
         self._depends = depends
+        self._cuda_events: list = [None] * layer_num
         self.error: BaseException | None = None
 
     def __len__(self) -> int:
@@ -54,16 +55,26 @@ class LoadHandle:
     def _layer_done(self, layer: int) -> None:
         self._layers[layer].set()
 
+    def _record_cuda_event(self, layer: int, stream) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._cuda_events[layer] = event
+
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
         for event in self._layers:
             event.set()
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
-        """Block until layer ``layer`` is on the device; False on timeout."""
+        """Block until layer ``layer`` is on the device; False on timeout. On CUDA it
+        returns once the copy is queued, and makes the current stream wait for it."""
         if not all(d.wait_layer(layer, timeout) for d in self._depends):
             return False
-        return self._layers[layer].wait(timeout)
+        if not self._layers[layer].wait(timeout):
+            return False
+        if self._cuda_events[layer] is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_events[layer])
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         return all(self.wait_layer(layer, timeout) for layer in range(len(self._layers)))
