@@ -12,14 +12,13 @@ STAMP := $(VENV)/.kvtier-installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,demo]"
 	touch $@
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvtier inspect --mha layers=61,heads=8,head_dim=192,v_head_dim=128 --dtype bf16 --page-size 64
-	$(BIN)/kvtier selfcheck
+	$(BIN)/kvtier demo --plot kvtier-demo.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

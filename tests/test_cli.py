@@ -77,3 +77,14 @@ def test_bench_cache_json(capsys):
     for r in rows:
         assert r["tree_pages"] >= 500 and r["match_hit_us"] > 0 and r["insert_us"] > 0
         assert r["match_hit_x_floor"] == pytest.approx(r["match_hit_us"] / r["list_copy_us"])
+
+
+def test_demo_small_runs_identical_and_plots(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    plot = tmp_path / "demo.png"
+    code, out, _ = run(capsys, "demo", "--sessions", "2", "--turns", "3", "--device-tokens", "256",
+                       "--host-tokens", "128", "--plot", str(plot), "--json", str(tmp_path / "d.json"))
+    assert code == 0 and "identical in 6 of 6 requests" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "d.json").read_text())["summary"]
+    assert summary["reused"]["device"] > 0 and summary["prefilled_tokens"] < summary["prompt_tokens"]

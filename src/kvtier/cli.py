@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``inspect``, ``selfcheck``, ``bench transfer``."""
+"""The ``kvtier`` command line: ``demo``, ``inspect``, ``selfcheck``, ``bench transfer|storage|cache``."""
 
 from __future__ import annotations
 
@@ -126,6 +126,59 @@ def _bench_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from . import demo
+
+    total = args.sessions * args.turns
+    print(f"kvtier demo: tiny {args.model} (random weights), {args.sessions} sessions x {args.turns} turns, "
+          f"device {args.device_tokens} / host {args.host_tokens} tokens, storage "
+          f"{args.storage or 'file (temporary directory)'}; every request is run again without kvtier")
+    try:
+        from rich.progress import Progress
+    except ImportError:  # pragma: no cover
+        Progress = None
+    if Progress is not None:
+        with Progress(transient=True) as bar:
+            task = bar.add_task("requests", total=total)
+            rows, summary = demo.run(**_demo_kwargs(args), progress=lambda: bar.advance(task))
+    else:
+        rows, summary = demo.run(**_demo_kwargs(args))
+    print_table("per request (tokens; prefill ms with and without kvtier)",
+                ["session", "turn", "prompt", "device", "host", "storage", "prefilled", "ms kvtier", "ms without",
+                 "output"],
+                [[r.session, r.turn, r.prompt, r.device, r.host, r.storage, r.prefilled, f"{r.prefill_ms:.1f}",
+                  f"{r.baseline_ms:.1f}", "identical" if r.identical else "DIFFERENT"] for r in rows])
+    s = summary
+    reused = sum(s["reused"].values())
+    print(f"prompt tokens {s['prompt_tokens']}: reused {reused} ({reused / s['prompt_tokens']:.0%}) = device "
+          f"{s['reused']['device']} + host {s['reused']['host']} + storage {s['reused']['storage']}; "
+          f"prefilled {s['prefilled_tokens']}")
+    print(f"prefill time {s['prefill_ms']:.0f} ms with kvtier vs {s['baseline_prefill_ms']:.0f} ms without "
+          f"({s['baseline_prefill_ms'] / max(s['prefill_ms'], 1e-9):.1f}x less); outputs identical in "
+          f"{s['identical']} of {s['requests']} requests")
+    if args.plot:
+        demo.plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": demo.rows_json(rows), "summary": summary}, f, indent=2)
+    if s["identical"] != s["requests"]:
+        print("FAILED: kvtier changed generated tokens", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _demo_kwargs(args: argparse.Namespace) -> dict:
+    return {"model": args.model, "sessions": args.sessions, "turns": args.turns, "storage": args.storage,
+            "layout": args.layout, "device_tokens": args.device_tokens, "host_tokens": args.host_tokens,
+            "page_size": args.page_size, "seed": args.seed}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("demo", help="multi-turn chat on a tiny Hugging Face model through all three tiers")
+    p.add_argument("--model", default="mimo", choices=["mimo", "llama", "deepseek"])
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--storage", default=None, help="storage URL (default: file:// in a temporary directory)")
+    p.add_argument("--layout", default="page_first")
+    p.add_argument("--device-tokens", type=int, default=256)
+    p.add_argument("--host-tokens", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    p.add_argument("--json", default=None, help="write the rows and summary as JSON here")
+    p.set_defaults(run=_demo)
 
     p = sub.add_parser("selfcheck", help="round-trip random KV through every layout and backend")
     add_spec_arguments(p)

@@ -1,0 +1,1 @@
+"""Bridges from model runtimes to kvtier."""

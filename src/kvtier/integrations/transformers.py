@@ -1,0 +1,186 @@
+"""Prefix reuse for Hugging Face transformers decoder-only models, across requests.
+
+Before a request, the prompt is matched in a :class:`kvtier.HierarchicalCache`; the
+hit (from device, host or storage) is copied into a ``DynamicCache`` and the model
+runs only on the missing tokens; afterwards the new full pages go back into the
+cache. Works for any model whose cache layers hold per-layer ``keys``/``values``
+tensors ``(batch, heads, seq, dim)`` — the KVSpec is read off those tensors, so K
+and V may differ in heads and dims (MiMo-V2-Flash K 192 / V 128; DeepSeek-V3,
+whose cache holds its MLA latent and rope key as two one-head tensors).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import HierarchicalCache
+from ..pools import DeviceKVPool, HostKVPool
+from ..spec import Component, KVSpec
+
+
+class UnsupportedModelError(ValueError):
+    """The model's cache cannot be mapped to pages (e.g. sliding-window layers)."""
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _forward(model, input_ids: torch.Tensor, cache):
+    with torch.no_grad():
+        return model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(model): cache})
+
+
+def spec_from_model(model) -> KVSpec:
+    """The KV geometry of ``model``, read off the cache tensors of a one-token forward."""
+    cache = _new_cache(model)
+    _forward(model, torch.zeros(1, 1, dtype=torch.long, device=model.device), cache)
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        raise UnsupportedModelError(f"{type(cache).__name__} exposes no per-layer keys/values")
+    kinds = {type(layer).__name__ for layer in layers}
+    if kinds != {"DynamicLayer"}:
+        raise UnsupportedModelError(
+            f"cache layers {sorted(kinds)} are not all full attention; configure full-attention layers "
+            "(e.g. layer_types=['full_attention'] * num_hidden_layers)")
+    k, v = layers[0].keys, layers[0].values
+    for i, layer in enumerate(layers):
+        if layer.keys.shape[1:] != k.shape[1:] or layer.values.shape[1:] != v.shape[1:]:
+            raise UnsupportedModelError(f"layer {i} caches other shapes than layer 0")
+    return KVSpec(len(layers), (Component("k", k.shape[1], k.shape[-1]), Component("v", v.shape[1], v.shape[-1])),
+                  k.dtype)
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    device_tokens: int      # reused from the device pool
+    host_tokens: int        # reused after a host -> device load
+    storage_tokens: int     # reused after a storage -> host prefetch and a load
+    prefill_tokens: int     # computed by the model
+    prefill_s: float        # match + prefetch + load + the model on the missing tokens
+    output: list[int]
+    first_logits: torch.Tensor  # (vocab,) logits that chose the first generated token
+
+
+class CachedGenerator:
+    """Greedy generation with KV reuse across requests through a HierarchicalCache."""
+
+    def __init__(self, model, cache: HierarchicalCache) -> None:
+        self.model, self.cache = model, cache
+        self.spec = cache.device_pool.spec
+
+    @classmethod
+    def build(cls, model, *, device_tokens: int, host_tokens: int, page_size: int = 16, storage=None,
+              layout: str = "page_first", write_policy: str = "write_through", namespace: str | None = None,
+              salt=None) -> "CachedGenerator":
+        spec = spec_from_model(model)
+        device = DeviceKVPool(spec, device_tokens, page_size, device=model.device)
+        host = HostKVPool(spec, host_tokens, page_size, layout=layout)
+        cache = HierarchicalCache(device, host, storage, write_policy=write_policy, prefetch_policy="wait_complete",
+                                  namespace=namespace or f"hf:{model.config.model_type}")
+        return cls(model, cache)
+
+    # -- DynamicCache <-> pool ------------------------------------------------------------------
+    def _to_dynamic(self, slots: torch.Tensor):
+        dyn = _new_cache(self.model)
+        dev = self.cache.device_pool
+        for layer in range(self.spec.layer_num):  # (tokens, heads, dim) -> (1, heads, tokens, dim)
+            k = dev.buffer("k", layer)[slots].permute(1, 0, 2).unsqueeze(0)
+            v = dev.buffer("v", layer)[slots].permute(1, 0, 2).unsqueeze(0)
+            dyn.update(k, v, layer)
+        return dyn
+
+    def _from_dynamic(self, dyn, slots: torch.Tensor, start: int, stop: int) -> None:
+        dev = self.cache.device_pool
+        for layer, cached in enumerate(dyn.layers):
+            dev.buffer("k", layer)[slots] = cached.keys[0, :, start:stop].permute(1, 0, 2)
+            dev.buffer("v", layer)[slots] = cached.values[0, :, start:stop].permute(1, 0, 2)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, input_ids, max_new_tokens: int = 16, salt=None, eos_token_id: int | None = None
+                 ) -> RequestStats:
+        """Greedy decoding of ``max_new_tokens`` (or until ``eos_token_id``) after ``input_ids``,
+        reusing every cached page of the prompt; the sequence's new full pages are cached after."""
+        tokens = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+        tokens = tokens[0] if tokens and isinstance(tokens[0], list) else tokens
+        reusable = tokens[:-1]  # the last prompt token is always computed: its logits pick the next token
+        cache = self.cache
+        t0 = time.perf_counter()  # prefill time includes finding and bringing in the reused KV
+        first = match = cache.match_prefix(reusable, salt)
+        if first.storage_len:  # storage -> host, then it is a host hit like any other
+            cache.prefetch(reusable, salt).wait()
+            match = cache.match_prefix(reusable, salt)
+        cache.lock(match)
+        try:
+            load = cache.load_back(match)
+            load.wait()
+            prefix = load.device_indices
+            reused = prefix.numel()
+            dyn = self._to_dynamic(prefix)
+            logits = _forward(self.model, torch.tensor([tokens[reused:]], device=self.model.device), dyn).logits
+            prefill_s = time.perf_counter() - t0
+            first_logits = logits[0, -1].detach().clone()
+            output = self._decode(logits, dyn, max_new_tokens, eos_token_id)
+            self._insert(tokens + output, dyn, prefix, salt)
+        finally:
+            cache.unlock(match)
+        device_hit = min(match.device_len, reused)
+        host_hit = min(first.host_len, reused - device_hit)
+        return RequestStats(len(tokens), device_hit, host_hit, reused - device_hit - host_hit, len(tokens) - reused,
+                            prefill_s, output, first_logits)
+
+    def _decode(self, logits, dyn, max_new_tokens, eos_token_id) -> list[int]:
+        output = []
+        for _ in range(max_new_tokens):
+            nxt = int(logits[0, -1].argmax())
+            output.append(nxt)
+            if nxt == eos_token_id or len(output) == max_new_tokens:
+                break
+            logits = _forward(self.model, torch.tensor([[nxt]], device=self.model.device), dyn).logits
+        return output
+
+    def _insert(self, sequence: list[int], dyn, prefix: torch.Tensor, salt) -> None:
+        ps = self.cache.page_size
+        have = dyn.get_seq_length()  # KV exists for sequence[:have] (not the last generated token)
+        full = have - have % ps
+        start = prefix.numel()
+        if full <= start:
+            return
+        slots = self.cache.alloc_device(full - start)
+        if slots is None:
+            return
+        self._from_dynamic(dyn, slots, start, full)
+        all_slots = torch.cat([prefix, slots])
+        already = self.cache.insert(sequence[:full], all_slots, salt)
+        if already > start:
+            self.cache.free_device(all_slots[start:already])
+
+
+def generate_uncached(model, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None
+                      ) -> tuple[list[int], float]:
+    """The same greedy loop without kvtier: the reference outputs and prefill time."""
+    tokens = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+    dyn = _new_cache(model)
+    t0 = time.perf_counter()
+    logits = _forward(model, torch.tensor([tokens], device=model.device), dyn).logits
+    prefill_s = time.perf_counter() - t0
+    output = []
+    for _ in range(max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        output.append(nxt)
+        if nxt == eos_token_id or len(output) == max_new_tokens:
+            break
+        logits = _forward(model, torch.tensor([[nxt]], device=model.device), dyn).logits
+    return output, prefill_s
