@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the rows and summary as JSON here")
     p.set_defaults(run=_demo)
 
+    from .sim import cli as sim_cli
+
+    p = sub.add_parser("simulate", help="replay a request trace through the cache policy (capacity planning)")
+    sim_cli.add_arguments(p)
+    p.set_defaults(run=sim_cli.run)
+
     p = sub.add_parser("selfcheck", help="round-trip random KV through every layout and backend")
     add_spec_arguments(p)
     p.add_argument("--page-size", type=int, default=16)

@@ -82,7 +82,7 @@ class HierarchicalCache:
                 if self.write_policy == "write_through_selective" and node.hits >= SELECTIVE_HITS:
                     self._backup(node)
             device = (torch.cat([n.device for n in device_nodes]) if device_nodes
-                      else torch.empty(0, dtype=torch.int64, device=self.device_pool.device))
+                      else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device))
             last = path[-1] if path else self.tree.root(salt)
             last_key = self._last_store_key(last, salt) if self.storage is not None else None
         storage_len = self._storage_hit(tokens, matched, last_key, salt)
@@ -145,7 +145,7 @@ class HierarchicalCache:
                     host_slots.append(node.host)
                     loaded_nodes.append(node)
                 slots.append(node.device)
-            device = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=self.device_pool.device)
+            device = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
             handle = LoadHandle(device, self.device_pool.spec.layer_num, depends)
             if not loaded_nodes:
                 handle._finish()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -17,6 +18,9 @@ class Worker:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        # NOTE: a daemon thread killed inside a torch op at interpreter exit aborts the
+        # process; finishing the queue at exit avoids that when close() was never called.
+        atexit.register(self.close)
 
     def submit(self, job: Callable[[], None]) -> None:
         self._queue.put(job)
@@ -32,6 +36,7 @@ class Worker:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
+        atexit.unregister(self.close)
 
     def _run(self) -> None:
         while True:

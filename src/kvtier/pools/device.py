@@ -100,10 +100,16 @@ class DeviceKVPool:
         return list(self._layers[name])
 
     # -- page allocation ----------------------------------------------------
+    @property
+    def index_device(self) -> torch.device:
+        """Where this pool's slot indices live: its device, or the CPU for a ``meta``
+        pool (the simulator's: metadata only, no memory)."""
+        return torch.device("cpu") if self.device.type == "meta" else self.device
+
     def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` token slots in whole pages, on the pool's device; ``None`` when full."""
+        """``n`` token slots in whole pages, on :attr:`index_device`; ``None`` when full."""
         slots = self._allocator.alloc(n)
-        return None if slots is None else slots.to(self.device)
+        return None if slots is None else slots.to(self.index_device)
 
     def free(self, indices: torch.Tensor) -> None:
         self._allocator.free(indices)
