@@ -135,7 +135,10 @@ def _plot(results, sweep: str, path: str) -> None:
     if any(r.oracle for _, r in results):
         ax.plot(xs, [r.oracle.get("device+host", 0) / r.prompt_tokens for _, r in results], linestyle=":",
                 marker="x", label="Belady, device+host")
-    ax.set_xlabel(name)
+    finite = [x for x in xs if 0 < x < float("inf")]
+    if finite and max(finite) / min(finite) >= 10:
+        ax.set_xscale("log")
+    ax.set_xlabel(f"{name} (tokens)")
     ax.set_ylabel("share of prompt tokens hit")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
