@@ -51,7 +51,10 @@ def test_inspect_bad_spec_is_a_clear_error(capsys, argv, message):
 def test_selfcheck_round_trips_every_layout(capsys):
     code, out, _ = run(capsys, "selfcheck", "--pages", "3", "--page-size", "4")
     assert code == 0
-    assert "8 of 8 round trips identical" in out and "MISMATCH" not in out
+    from kvtier.transfer import IO_BACKENDS
+
+    n = 4 * len(IO_BACKENDS)  # layouts x backends
+    assert f"{n} of {n} round trips identical" in out and "MISMATCH" not in out
 
 
 def test_bench_transfer_json_reports_ratios(capsys):
@@ -59,10 +62,10 @@ def test_bench_transfer_json_reports_ratios(capsys):
                        "--page-size", "4", "--pages", "8", "--repeat", "1", "--meta-pages", "16", "--json")
     data = json.loads(out)
     assert code == 0
-    assert set(data["memcpy_gbps"]) == {"L2-bf16-k=2x16-v=2x16", "L2-bf16-k=2x24-v=2x16"}
+    assert set(data["memcpy_gbps"]) == {"L2-bf16-k=2x16-v=2x16/p4", "L2-bf16-k=2x24-v=2x16/p4"}
     assert len(data["transfer"]) == 2 * 4 * 2 * 2  # specs x layouts x backends x directions
     for row in data["transfer"]:
-        limit = data["memcpy_gbps"][row["spec"]]
+        limit = data["memcpy_gbps"][f"{row['spec']}/p{row['page_size']}"][row["direction"]]
         assert row["gbps"] > 0 and row["ratio"] == pytest.approx(row["gbps"] / limit)
     assert data["transfer"][0]["gbytes"] == pytest.approx(8 * 4 * 2 * 2 * 2 * 32 / 1e9)
     spans = {(r["layout"], r["kind"]): r["spans"] for r in data["meta"]}

@@ -45,22 +45,25 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     for item in args.dims.split(","):
         k, _, v = item.partition("/")
         dims.append((int(k), int(v or k)))
-    result = transfer.run(layers=args.layers, heads=args.heads, dims=tuple(dims), page_size=args.page_size,
+    result = transfer.run(layers=args.layers, heads=args.heads, dims=tuple(dims),
+                          page_sizes=tuple(int(p) for p in str(args.page_size).split(",")),
                           pages=args.pages, layouts=tuple(args.layouts.split(",")),
                           backends=tuple(args.backends.split(",")), repeat=args.repeat,
-                          meta_pages=args.meta_pages, seed=args.seed)
+                          meta_pages=args.meta_pages, seed=args.seed, device=args.device)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     cfg = result["config"]
-    print(f"{cfg['layers']} layers, {cfg['heads']} KV heads, bf16, page_size {cfg['page_size']}, "
-          f"{cfg['pages']} pages in random order on both sides; torch threads {cfg['torch_threads']}")
-    for fp, gbps in result["memcpy_gbps"].items():
-        print(f"memcpy limit for {fp}: {gbps:.2f} GB/s")
-    rows = [[r["spec"], r["layout"], r["io_backend"], r["direction"], f"{r['gbps']:.2f}", f"{r['ratio']:.2f}x"]
-            for r in result["transfer"]]
-    print_table("transfer (ratio = GB/s / memcpy GB/s, same run)",
-                ["spec", "layout", "io_backend", "direction", "GB/s", "x memcpy"], rows)
+    print(f"{cfg['layers']} layers, {cfg['heads']} KV heads, bf16, page sizes {cfg['page_sizes']}, "
+          f"{cfg['pages']} pages (of the largest size) in random order on both sides; device {cfg['device_name']}; "
+          f"torch threads {cfg['torch_threads']}")
+    for key, gbps in result["memcpy_gbps"].items():
+        print(f"memcpy limit for {key}: backup (device->host) {gbps['backup']:.2f} GB/s, "
+              f"load (host->device) {gbps['load']:.2f} GB/s")
+    rows = [[r["spec"], r["page_size"], r["layout"], r["io_backend"], r["direction"], f"{r['gbps']:.2f}",
+             f"{r['ratio']:.2f}x"] for r in result["transfer"]]
+    print_table("transfer (ratio = GB/s / same-direction memcpy GB/s, same run)",
+                ["spec", "page", "layout", "io_backend", "direction", "GB/s", "x memcpy"], rows)
     rows = [[r["layout"], r["kind"], r["pages"], r["spans"], f"{r['ms']:.3f}"] for r in result["meta"]]
     print_table("span metadata", ["layout", "kind", "pages", "spans", "ms"], rows)
     return 0
@@ -222,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dims", default="128,192/128", help="K[/V] head dims, comma separated (default 128,192/128)")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", default="64", help="page size(s), comma separated, e.g. 16,64,256")
+    p.add_argument("--device", default="cpu", help="device pool's device: cpu (default) or cuda")
     p.add_argument("--pages", type=int, default=256)
     p.add_argument("--layouts", default="layer_first,page_first,page_first_direct,page_head")
     p.add_argument("--backends", default="direct,kernel")

@@ -6,7 +6,7 @@ import torch
 from kvtier import DeviceKVPool, HostKVPool
 from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
 
-BACKENDS = ["direct", "kernel"]
+BACKENDS = ["direct", "kernel", "auto"]
 PAGE_SIZES = [1, 16]
 
 

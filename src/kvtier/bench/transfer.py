@@ -17,19 +17,19 @@ from ..layout import LAYOUTS
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.indices import page_slots
 from ..spec import KVSpec
-from ..transfer import IO_BACKENDS
 from .timing import best_seconds, memcpy_gbps
 
 
 @dataclass(frozen=True)
 class TransferRow:
     spec: str
+    page_size: int
     layout: str
     io_backend: str
     direction: str  # "backup" (device->host, all layers) or "load" (host->device, per layer)
     gbytes: float
     gbps: float
-    ratio: float  # gbps / memcpy_gbps
+    ratio: float  # gbps / the same-direction memcpy GB/s
 
 
 @dataclass(frozen=True)
@@ -46,31 +46,37 @@ def _permuted_slots(pages: int, page_size: int, gen: torch.Generator) -> torch.T
 
 
 def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, repeat: int,
-               seed: int) -> tuple[list[TransferRow], float]:
-    """Transfer rows for one spec, and the best memcpy GB/s seen while measuring them."""
+               seed: int, device: str = "cpu") -> tuple[list[TransferRow], dict[str, float]]:
+    """Transfer rows for one spec, and the best memcpy GB/s per direction seen meanwhile
+    (backup = device -> host, load = host -> device)."""
     gen = torch.Generator().manual_seed(seed)
     size = pages * page_size
-    dev = DeviceKVPool(spec, size, page_size)
+    dev = DeviceKVPool(spec, size, page_size, device=device)
     dev.raw.fill_(1)  # fault the device pages in before anything is timed
     nbytes = size * spec.bytes_per_token
     host_idx, dev_idx = _permuted_slots(pages, page_size, gen), _permuted_slots(pages, page_size, gen)
-    timed, limit = [], 0.0
+    dev_idx = dev_idx.to(dev.index_device)
+    cuda = dev.device.type == "cuda"
+    timed, limit = [], {"backup": 0.0, "load": 0.0}
     for layout in layouts:
-        host = HostKVPool(spec, size, page_size, layout=layout, pin_memory=False)
+        host = HostKVPool(spec, size, page_size, layout=layout, pin_memory=cuda)
         host.raw.fill_(0)
-        limit = max(limit, memcpy_gbps(host.raw, dev.raw, nbytes, repeat))
+        limit["backup"] = max(limit["backup"], memcpy_gbps(host.raw, dev.raw, nbytes, repeat))
+        limit["load"] = max(limit["load"], memcpy_gbps(dev.raw, host.raw, nbytes, repeat))
         for backend in backends:
-            t_backup = best_seconds(lambda: host.backup_from_device_all_layer(dev, host_idx, dev_idx, backend), repeat)
+            t_backup = best_seconds(lambda: host.backup_from_device_all_layer(dev, host_idx, dev_idx, backend),
+                                    repeat, cuda=cuda)
 
             def load_all_layers():
                 for layer in range(spec.layer_num):
                     host.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
 
-            t_load = best_seconds(load_all_layers, repeat)
+            t_load = best_seconds(load_all_layers, repeat, cuda=cuda)
             timed += [(layout, backend, "backup", t_backup), (layout, backend, "load", t_load)]
         del host
     fp = spec.fingerprint()
-    rows = [TransferRow(fp, lay, be, direction, nbytes / 1e9, nbytes / t / 1e9, nbytes / t / 1e9 / limit)
+    rows = [TransferRow(fp, page_size, lay, be, direction, nbytes / 1e9, nbytes / t / 1e9,
+                        nbytes / t / 1e9 / limit[direction])
             for lay, be, direction, t in timed]
     return rows, limit
 
@@ -93,23 +99,28 @@ def bench_meta(spec: KVSpec, *, page_size: int, pages: int, repeat: int, seed: i
     return rows
 
 
-def run(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_size: int = 64,
-        pages: int = 256, layouts=tuple(LAYOUTS), backends=IO_BACKENDS, repeat: int = 3,
-        meta_pages: int = 4096, seed: int = 0) -> dict:
-    """The whole benchmark as a JSON-ready dict."""
+def run(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_sizes=(64,),
+        pages: int = 256, layouts=tuple(LAYOUTS), backends=("direct", "kernel"), repeat: int = 3,
+        meta_pages: int = 4096, seed: int = 0, device: str = "cpu") -> dict:
+    """The whole benchmark as a JSON-ready dict. ``pages`` is for the largest page
+    size; smaller pages keep the same bytes (more pages)."""
     started = time.time()
     rows, limits = [], {}
-    for k_dim, v_dim in dims:
-        spec = KVSpec.mha(layers, heads, k_dim, v_dim)
-        spec_rows, limits[spec.fingerprint()] = bench_spec(
-            spec, page_size=page_size, pages=pages, layouts=layouts, backends=backends, repeat=repeat, seed=seed)
-        rows += spec_rows
-    meta = bench_meta(KVSpec.mha(layers, heads, *dims[-1]), page_size=page_size, pages=meta_pages,
+    for page_size in page_sizes:
+        n_pages = pages * max(page_sizes) // page_size
+        for k_dim, v_dim in dims:
+            spec = KVSpec.mha(layers, heads, k_dim, v_dim)
+            spec_rows, limit = bench_spec(spec, page_size=page_size, pages=n_pages, layouts=layouts,
+                                          backends=backends, repeat=repeat, seed=seed, device=device)
+            limits[f"{spec.fingerprint()}/p{page_size}"] = limit
+            rows += spec_rows
+    meta = bench_meta(KVSpec.mha(layers, heads, *dims[-1]), page_size=page_sizes[0], pages=meta_pages,
                       repeat=max(repeat, 5), seed=seed)
     return {
-        "config": {"layers": layers, "heads": heads, "dims": [list(d) for d in dims], "page_size": page_size,
-                   "pages": pages, "repeat": repeat, "torch_threads": torch.get_num_threads(),
-                   "dtype": "bf16"},
+        "config": {"layers": layers, "heads": heads, "dims": [list(d) for d in dims], "page_sizes": list(page_sizes),
+                   "pages": pages, "repeat": repeat, "torch_threads": torch.get_num_threads(), "dtype": "bf16",
+                   "device": device, "device_name": torch.cuda.get_device_name() if device.startswith("cuda")
+                   else "cpu"},
         "memcpy_gbps": limits,
         "transfer": [asdict(r) for r in rows],
         "meta": [asdict(r) for r in meta],

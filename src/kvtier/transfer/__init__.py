@@ -2,11 +2,14 @@
 
 ``direct``: one strided copy per run of pages that are consecutive on both sides
 (numpy views on the CPU, threads splitting the runs; torch ``copy_`` elsewhere).
-``kernel``: batched gather/scatter index ops (``kvtier.transfer.gather``), whose
-cost does not grow with the number of runs. On the CPU, ``kernel`` still copies
-runs of at least ``KERNEL_MIN_RUN_BYTES`` with the direct engine, which moves each
-byte once and is faster there (measured: one 16-token page of one layer of the
-reference spec, 32 KiB, costs the same both ways).
+``kernel``: on CUDA, one launch of the strided Triton kernel per component
+(``kvtier.transfer.triton_kernel``); elsewhere batched gather/scatter index ops
+(``kvtier.transfer.gather``), whose cost does not grow with the number of runs. On
+the CPU, ``kernel`` still copies runs of at least ``KERNEL_MIN_RUN_BYTES`` with the
+direct engine, which moves each byte once and is faster there (measured: one
+16-token page of one layer of the reference spec, 32 KiB, costs the same both ways).
+``auto``: ``direct`` when the average run is at least ``KERNEL_MIN_RUN_BYTES``,
+else ``kernel`` — the same rule, applied on every device.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .copy import copy_numpy, copy_torch
 from .gather import gather_pages
 from .runs import Runs, coalesce
 
-IO_BACKENDS = ("direct", "kernel")
+IO_BACKENDS = ("direct", "kernel", "auto")
 
 KERNEL_MIN_RUN_BYTES = 32 << 10
 
@@ -63,6 +66,48 @@ def _copy_gather(views, dst_pages, src_pages, layer) -> None:
                 gather_pages(dl, sl, dst_pages, src_pages)
 
 
+def _triton():
+    """The Triton kernel module, or None where Triton is not installed."""
+    try:
+        from . import triton_kernel
+    except ImportError:
+        return None
+    return triton_kernel
+
+
+class _MappedHost:
+    """A pinned host view as a device pointer: with unified addressing, CUDA kernels
+    read pinned host memory at its host address (what Triton needs is data_ptr/dtype)."""
+
+    def __init__(self, view: torch.Tensor) -> None:
+        self._view, self.dtype = view, view.dtype
+
+    def data_ptr(self) -> int:
+        return self._view.data_ptr()
+
+    def __getattr__(self, name):
+        return getattr(self._view, name)
+
+
+def _copy_triton(views, dst_pages, src_pages, layer) -> None:
+    kernel = _triton()
+    device = next(v.layers[0].device for pair in views for v in pair if v.layers[0].device.type == "cuda")
+    dst_pages, src_pages = dst_pages.to(device), src_pages.to(device)
+
+    def arg(t: torch.Tensor):
+        return _MappedHost(t) if t.device.type == "cpu" else t
+
+    for d, s in views:
+        if layer is not None:
+            pairs = [(d.layers[layer], s.layers[layer])]
+        elif d.all_layers is not None and s.all_layers is not None:
+            pairs = [(d.all_layers, s.all_layers)]
+        else:
+            pairs = list(zip(d.layers, s.layers))
+        for dst, src in pairs:
+            kernel.copy_pages(arg(dst), arg(src), dst_pages, src_pages)
+
+
 def _mean_pair_bytes(views, dst_pages, src_pages, layer, nbytes) -> float:
     """Average bytes per copy call the direct engine would make."""
     pairs = len(coalesce(dst_pages, src_pages).length) * len(views)
@@ -81,9 +126,16 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch
     if n == 0:
         return
     d0, s0 = views[0]
-    if io_backend == "kernel" and d0.layers[0].device == s0.layers[0].device:
-        if d0.layers[0].device.type != "cpu" or _mean_pair_bytes(views, dst_pages, src_pages, layer, nbytes) \
-                < KERNEL_MIN_RUN_BYTES:
+    d_dev, s_dev = d0.layers[0].device, s0.layers[0].device
+    if io_backend == "auto":
+        small = _mean_pair_bytes(views, dst_pages, src_pages, layer, nbytes) < KERNEL_MIN_RUN_BYTES
+        io_backend = "kernel" if small else "direct"
+    if io_backend == "kernel":
+        if "cuda" in (d_dev.type, s_dev.type) and _triton() is not None:
+            _copy_triton(views, dst_pages, src_pages, layer)
+            return
+        if d_dev == s_dev and (d_dev.type != "cpu" or _mean_pair_bytes(views, dst_pages, src_pages, layer, nbytes)
+                               < KERNEL_MIN_RUN_BYTES):
             _copy_gather(views, dst_pages, src_pages, layer)
             return
     _copy_direct(views, dst_pages, src_pages, layer, nbytes, threads)
