@@ -15,7 +15,7 @@ import torch
 from ..pools import DeviceKVPool, HostKVPool
 from ..storage.keys import extend_keys
 from ..transfer import check_io_backend
-from .handles import LoadHandle, MatchResult, PrefetchHandle
+from .handles import Acquired, LoadHandle, MatchResult, PrefetchHandle
 from .radix import Node, RadixTree
 from .stats import CacheStats
 from .workers import Worker
@@ -122,6 +122,28 @@ class HierarchicalCache:
                 cache.unlock(match)
 
         return _Locked()
+
+    # -- one request's prefix, from whichever tier holds it -----------------------------------
+    def acquire(self, token_ids: Sequence[int] | torch.Tensor, salt=None, wait: bool = True) -> Acquired:
+        """Match ``token_ids``, prefetch a storage hit to the host (per ``prefetch_policy``),
+        lock the prefix and load its host part to the device. With ``wait`` the load is
+        finished on return; otherwise wait on ``acquired.load`` layer by layer.
+        Call :meth:`release` when the request is done with it."""
+        first = match = self.match_prefix(token_ids, salt)
+        if first.storage_len:  # storage -> host, then it is a host hit like any other
+            self.prefetch(token_ids, salt).wait()
+            match = self.match_prefix(token_ids, salt)
+        self.lock(match)
+        load = self.load_back(match)
+        if wait:
+            load.wait()
+        reused = len(load)
+        device_hit = min(first.device_len, reused)
+        host_hit = min(first.host_len, reused - device_hit)
+        return Acquired(match, load, device_hit, host_hit, reused - device_hit - host_hit)
+
+    def release(self, acquired: Acquired) -> None:
+        self.unlock(acquired.match)
 
     # -- host -> device -------------------------------------------------------------------------------
     def load_back(self, match: MatchResult) -> LoadHandle:

@@ -116,3 +116,20 @@ class PrefetchHandle:
             if not self._done.wait(self._timeout):
                 self.cancel()
         return self.tokens
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """A prompt's cached prefix brought to the device for one request (locked until
+    :meth:`HierarchicalCache.release`). ``device_indices`` holds its KV once
+    ``load`` is done; the ``*_hit`` counts say which tier each reused token came from."""
+
+    match: MatchResult
+    load: LoadHandle
+    device_hit: int
+    host_hit: int
+    storage_hit: int
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        return self.load.device_indices

@@ -118,38 +118,20 @@ class CachedGenerator:
         reusable = tokens[:-1]  # the last prompt token is always computed: its logits pick the next token
         cache = self.cache
         t0 = time.perf_counter()  # prefill time includes finding and bringing in the reused KV
-        first = match = cache.match_prefix(reusable, salt)
-        if first.storage_len:  # storage -> host, then it is a host hit like any other
-            cache.prefetch(reusable, salt).wait()
-            match = cache.match_prefix(reusable, salt)
-        cache.lock(match)
+        got = cache.acquire(reusable, salt)
         try:
-            load = cache.load_back(match)
-            load.wait()
-            prefix = load.device_indices
+            prefix = got.device_indices
             reused = prefix.numel()
             dyn = self._to_dynamic(prefix)
             logits = _forward(self.model, torch.tensor([tokens[reused:]], device=self.model.device), dyn).logits
             prefill_s = time.perf_counter() - t0
             first_logits = logits[0, -1].detach().clone()
-            output = self._decode(logits, dyn, max_new_tokens, eos_token_id)
+            output = _greedy(self.model, logits, dyn, max_new_tokens, eos_token_id)
             self._insert(tokens + output, dyn, prefix, salt)
         finally:
-            cache.unlock(match)
-        device_hit = min(match.device_len, reused)
-        host_hit = min(first.host_len, reused - device_hit)
-        return RequestStats(len(tokens), device_hit, host_hit, reused - device_hit - host_hit, len(tokens) - reused,
+            cache.release(got)
+        return RequestStats(len(tokens), got.device_hit, got.host_hit, got.storage_hit, len(tokens) - reused,
                             prefill_s, output, first_logits)
-
-    def _decode(self, logits, dyn, max_new_tokens, eos_token_id) -> list[int]:
-        output = []
-        for _ in range(max_new_tokens):
-            nxt = int(logits[0, -1].argmax())
-            output.append(nxt)
-            if nxt == eos_token_id or len(output) == max_new_tokens:
-                break
-            logits = _forward(self.model, torch.tensor([[nxt]], device=self.model.device), dyn).logits
-        return output
 
     def _insert(self, sequence: list[int], dyn, prefix: torch.Tensor, salt) -> None:
         ps = self.cache.page_size
@@ -176,6 +158,11 @@ def generate_uncached(model, input_ids, max_new_tokens: int = 16, eos_token_id: 
     t0 = time.perf_counter()
     logits = _forward(model, torch.tensor([tokens], device=model.device), dyn).logits
     prefill_s = time.perf_counter() - t0
+    return _greedy(model, logits, dyn, max_new_tokens, eos_token_id), prefill_s
+
+
+def _greedy(model, logits, dyn, max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """Greedy decoding from the prefill's ``logits``, extending ``dyn`` token by token."""
     output = []
     for _ in range(max_new_tokens):
         nxt = int(logits[0, -1].argmax())
@@ -183,4 +170,4 @@ def generate_uncached(model, input_ids, max_new_tokens: int = 16, eos_token_id: 
         if nxt == eos_token_id or len(output) == max_new_tokens:
             break
         logits = _forward(model, torch.tensor([[nxt]], device=model.device), dyn).logits
-    return output, prefill_s
+    return output

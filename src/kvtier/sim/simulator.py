@@ -106,15 +106,9 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
 
 def _serve(cache: HierarchicalCache, blocks: list[int]) -> tuple[int, int, int]:
     """One request as an engine runs it; returns blocks reused from device, host, storage."""
-    first = match = cache.match_prefix(blocks)
-    if first.storage_len:
-        cache.prefetch(blocks).wait()
-        match = cache.match_prefix(blocks)
-    cache.lock(match)
+    got = cache.acquire(blocks)
     try:
-        load = cache.load_back(match)
-        load.wait()
-        prefix = load.device_indices
+        prefix = got.device_indices
         reused = prefix.numel()
         new = cache.alloc_device(len(blocks) - reused) if len(blocks) > reused else prefix[:0]
         if new is not None:
@@ -123,10 +117,8 @@ def _serve(cache: HierarchicalCache, blocks: list[int]) -> tuple[int, int, int]:
             if already > reused:
                 cache.free_device(slots[reused:already])
     finally:
-        cache.unlock(match)
-    dev = min(first.device_len, reused)
-    host = min(first.host_len, reused - dev)
-    return dev, host, reused - dev - host
+        cache.release(got)
+    return got.device_hit, got.host_hit, got.storage_hit
 
 
 def _cost(result: SimResult, config: SimConfig, prompt: int, dev: int, host: int, storage: int) -> None:
