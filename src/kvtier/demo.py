@@ -33,7 +33,7 @@ class Turn:
 
 
 def run(*, model: str = "mimo", sessions: int = 4, turns: int = 5, storage: str | None = None,
-        layout: str = "page_first", device_tokens: int = 256, host_tokens: int = 512, page_size: int = 16,
+        layout: str = "page_first", device_tokens: int = 448, host_tokens: int = 768, page_size: int = 16,
         system_tokens: int = 96, user_tokens: int = 48, new_tokens: int = 8, seed: int = 0, progress=None
         ) -> tuple[list[Turn], dict]:
     rng = random.Random(seed)
