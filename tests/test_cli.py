@@ -91,3 +91,20 @@ def test_demo_small_runs_identical_and_plots(capsys, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((tmp_path / "d.json").read_text())["summary"]
     assert summary["reused"]["device"] > 0 and summary["prefilled_tokens"] < summary["prompt_tokens"]
+
+
+@pytest.mark.parametrize("spec, fingerprint", [
+    ("deepseek-v3", "L61-bf16-kv=1x576"),
+    ("mimo-v2-flash", "L48-bf16-k=4x192-v=4x128"),
+    ("mha:layers=61,heads=8,head_dim=192,v_head_dim=128", "L61-bf16-k=8x192-v=8x128"),
+    ("k-only:layers=2,heads=1,head_dim=64", "L2-bf16-k=1x64"),
+    ("components:2:k=2x8,v=2x4", "L2-bf16-k=2x8-v=2x4"),
+])
+def test_spec_option_takes_presets_and_kinds(capsys, spec, fingerprint):
+    code, out, _ = run(capsys, "inspect", "--spec", spec, "--json")
+    assert code == 0 and json.loads(out)["spec"] == fingerprint
+
+
+def test_spec_option_rejects_unknown(capsys):
+    code, _, err = run(capsys, "inspect", "--spec", "gpt-9")
+    assert code == 2 and "use a preset" in err

@@ -72,7 +72,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 def _selfcheck(args: argparse.Namespace) -> int:
     from . import selfcheck
 
-    spec = spec_from_args(args) if any(getattr(args, k) for k in ("mha", "mla", "k_only", "components")) \
+    spec = spec_from_args(args) if any(getattr(args, k) for k in ("spec", "mha", "mla", "k_only", "components")) \
         else selfcheck_default_spec()
     print(f"round trip device -> host -> flat page -> other layout -> device, spec {spec.fingerprint()}")
     rows = selfcheck.run(spec, page_size=args.page_size, pages=args.pages, seed=args.seed)

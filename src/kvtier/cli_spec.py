@@ -14,8 +14,20 @@ _FIELDS = {
 _OPTIONAL = {"v_head_dim"}
 
 
+# Published geometries (per model card / config.json), for --spec NAME.
+PRESETS = {
+    "llama3-8b": lambda dtype: KVSpec.mha(32, 8, 128, dtype=dtype),
+    "llama3-70b": lambda dtype: KVSpec.mha(80, 8, 128, dtype=dtype),
+    "qwen2-7b": lambda dtype: KVSpec.mha(28, 4, 128, dtype=dtype),
+    "mimo-v2-flash": lambda dtype: KVSpec.mha(48, 4, 192, v_head_dim=128, dtype=dtype),
+    "deepseek-v3": lambda dtype: KVSpec.mla(61, 512, 64, dtype=dtype),
+}
+
+
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("KV geometry (one of)")
+    g.add_argument("--spec", metavar="NAME|KIND:KEY=N,...",
+                   help=f"a preset ({', '.join(PRESETS)}) or e.g. mha:layers=61,heads=8,head_dim=192,v_head_dim=128")
     g.add_argument("--mha", metavar="KEY=N,...", help="layers=,heads=,head_dim=[,v_head_dim=]")
     g.add_argument("--mla", metavar="KEY=N,...", help="layers=,kv_lora_rank=,qk_rope_head_dim=")
     g.add_argument("--k-only", metavar="KEY=N,...", help="layers=,heads=,head_dim=")
@@ -56,11 +68,19 @@ def _parse_components(text: str) -> tuple[int, list[Component]]:
 
 def spec_from_args(args: argparse.Namespace) -> KVSpec:
     """Build the KVSpec named by exactly one of the geometry options."""
-    given = [k for k in ("mha", "mla", "k_only", "components") if getattr(args, k, None)]
+    given = [k for k in ("spec", "mha", "mla", "k_only", "components") if getattr(args, k, None)]
     if len(given) != 1:
-        raise ValueError("give exactly one of --mha, --mla, --k-only, --components")
+        raise ValueError("give exactly one of --spec, --mha, --mla, --k-only, --components")
     dtype = parse_dtype(args.dtype)
     kind, text = given[0], getattr(args, given[0])
+    if kind == "spec":
+        if text in PRESETS:
+            return PRESETS[text](dtype)
+        kind, sep, text = text.partition(":")
+        kind = kind.replace("-", "_")
+        if not sep or kind not in _FIELDS and kind != "components":
+            raise ValueError(f"--spec {getattr(args, 'spec')!r}: use a preset ({', '.join(PRESETS)}) or "
+                             "KIND:KEY=N,... with KIND mha, mla, k_only or components")
     if kind == "components":
         layers, comps = _parse_components(text)
         return KVSpec(layers, tuple(comps), dtype)

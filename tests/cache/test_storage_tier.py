@@ -100,3 +100,23 @@ def test_failed_storage_writes_are_counted_not_raised(tmp_path):
     stats = cache.stats()
     assert stats["errors"] >= 1 and stats["stored_tokens"] == 0 and stats["storage"]["errors"] >= 1
     assert hits(cache.match_prefix(A)) == (16, 0, 0)
+
+
+def test_acquire_attributes_reused_tokens_to_tiers(store):
+    first = make_cache(storage=store)
+    serve(first, A)                                   # 4 pages, all tiers
+    first.flush()
+    second = make_cache(storage=store, prefetch_policy="wait_complete")
+    serve(second, A[:4])
+    serve(second, A[:8])                              # 2 pages on this device, one node each
+    second.flush()                                    # (a page being written to storage is locked)
+    assert second.evict_device(4) == 4                # the second page is demoted to the host
+    got = second.acquire(A)
+    try:
+        assert (got.device_hit, got.host_hit, got.storage_hit) == (4, 4, 8)
+        assert got.load.done() and got.device_indices.numel() == 16
+        check_prefix(second, A, got.device_indices)
+        assert second.evict_device(64) == 0           # acquired pages are locked
+    finally:
+        second.release(got)
+    assert second.evict_device(64) == 16

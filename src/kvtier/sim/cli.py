@@ -47,7 +47,7 @@ def _tokens(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     requests = (synthetic(sessions=args.synthetic_sessions, block_tokens=args.block_tokens, seed=args.seed)
                 if args.trace == "synthetic" else read_mooncake(args.trace))
-    has_spec = any(getattr(args, k, None) for k in ("mha", "mla", "k_only", "components"))
+    has_spec = any(getattr(args, k, None) for k in ("spec", "mha", "mla", "k_only", "components"))
     base = SimConfig(device_tokens=args.device_tokens, host_tokens=args.host_tokens,
                      storage_tokens=args.storage_tokens, block_tokens=args.block_tokens, write_policy=args.policy,
                      cost=CostModel(args.prefill_tokens_per_s, args.host_gbps, args.storage_gbps),
