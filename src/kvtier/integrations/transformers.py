@@ -141,8 +141,12 @@ class CachedGenerator:
         if full <= start:
             return
         slots = self.cache.alloc_device(full - start)
-        if slots is None:
-            return
+        if slots is None:  # the device is full of locked pages: cache the leading pages that fit
+            room = self.cache.allocator.available_size() // ps * ps
+            slots = self.cache.alloc_device(room) if room else None
+            if slots is None:
+                return
+            full = start + room
         self._from_dynamic(dyn, slots, start, full)
         all_slots = torch.cat([prefix, slots])
         already = self.cache.insert(sequence[:full], all_slots, salt)
