@@ -12,7 +12,6 @@ repetitions (untimed), so every put writes.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 import time

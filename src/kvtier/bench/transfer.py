@@ -64,16 +64,18 @@ def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, r
         limit["backup"] = max(limit["backup"], memcpy_gbps(host.raw, dev.raw, nbytes, repeat))
         limit["load"] = max(limit["load"], memcpy_gbps(dev.raw, host.raw, nbytes, repeat))
         for backend in backends:
-            t_backup = best_seconds(lambda: host.backup_from_device_all_layer(dev, host_idx, dev_idx, backend),
-                                    repeat, cuda=cuda)
+            def backup(h=host, backend=backend):
+                h.backup_from_device_all_layer(dev, host_idx, dev_idx, backend)
 
-            def load_all_layers():
+            def load_all_layers(h=host, backend=backend):
                 for layer in range(spec.layer_num):
-                    host.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
+                    h.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
+
+            t_backup = best_seconds(backup, repeat, cuda=cuda)
 
             t_load = best_seconds(load_all_layers, repeat, cuda=cuda)
             timed += [(layout, backend, "backup", t_backup), (layout, backend, "load", t_load)]
-        del host
+        del host  # free this layout's pool before the next one is allocated
     fp = spec.fingerprint()
     rows = [TransferRow(fp, page_size, lay, be, direction, nbytes / 1e9, nbytes / t / 1e9,
                         nbytes / t / 1e9 / limit[direction])

@@ -6,7 +6,6 @@ slow parts: per-layer loads, storage writes, storage prefetches.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import threading
 from typing import Sequence
 
@@ -15,15 +14,16 @@ import torch
 from ..pools import DeviceKVPool, HostKVPool
 from ..storage.keys import extend_keys
 from ..transfer import check_io_backend
-from .handles import Acquired, LoadHandle, MatchResult, PrefetchHandle
-from .radix import Node, RadixTree
+from .handles import Acquired, LoadHandle, MatchResult
+from .eviction import Eviction
+from .radix import RadixTree
 from .stats import CacheStats
+from .tiers import TierMoves
 from .workers import Worker
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
-PREFETCH_CHUNK_PAGES = 8
 
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
@@ -37,7 +37,7 @@ def _tokens(token_ids) -> list[int]:
     return list(token_ids)
 
 
-class HierarchicalCache:
+class HierarchicalCache(TierMoves, Eviction):
     """Prefix cache over a device pool (L1), a host pool (L2) and optional storage (L3).
 
     Thread-safe: one lock guards the tree and the allocators; copies to and from
@@ -241,194 +241,6 @@ class HierarchicalCache:
                     self._backup(node)
         self._stats.add(inserted_tokens=usable - matched)
         return already
-
-    # -- device -> host -> storage ------------------------------------------------------------------------
-    def _backup(self, node: Node) -> bool:
-        """Copy a device node to the host (now) and queue it for storage; lock held."""
-        if node.host is not None or node.device is None:
-            self._store(node)
-            return node.host is not None
-        host = self._alloc_host(len(node.key))
-        if host is None:
-            return False
-        self.host_pool.backup_from_device_all_layer(self.device_pool, host, node.device, self.io_backend)
-        node.host = host
-        self._stats.add(backed_up_tokens=len(node.key))
-        self._store(node)
-        return True
-
-    def _store(self, node: Node) -> None:
-        if self._writer is None or node.stored or node.host is None:
-            return
-        keys = self._store_keys(node)
-        host = node.host
-        node.stored = True  # claimed: written once, by this job
-        self.tree.lock(node, +1)
-
-        def job():
-            ok = self.storage.batch_set(keys, self.host_pool, host)
-            with self._lock:
-                if not all(ok):
-                    node.stored = False
-                    self._stats.add(errors=1)
-                else:
-                    self._stats.add(stored_tokens=len(keys) * self.page_size)
-                self.tree.lock(node, -1)
-
-        self._writer.submit(job)
-
-    def _store_keys(self, node: Node) -> list[str]:
-        if node.store_keys is None:
-            salt = self._salt_of(node)
-            parent_key = self._last_store_key(node.parent, salt)
-            node.store_keys = extend_keys(parent_key, node.key, self.page_size, self.namespace, salt, self.hash)
-        return node.store_keys
-
-    def _last_store_key(self, node: Node, salt) -> str | None:
-        return None if node.parent is None else self._store_keys(node)[-1]
-
-    def _salt_of(self, node: Node):
-        while node.parent is not None:
-            node = node.parent
-        return next(salt for salt, root in self.tree.roots.items() if root is node)
-
-    # -- storage -> host ----------------------------------------------------------------------------------
-    def prefetch(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> PrefetchHandle:
-        """Fetch the pages after the device/host hit of ``token_ids`` from storage to the
-        host in the background; they become host hits as each chunk lands."""
-        if self.storage is None:
-            return PrefetchHandle(0, self.prefetch_policy, self.prefetch_timeout)
-        match = self.match_prefix(token_ids, salt)
-        pages = match.storage_len // self.page_size
-        with self._lock:
-            host = self._alloc_host(pages * self.page_size) if pages else None
-            while host is None and pages:
-                pages //= 2  # settle for a shorter prefix when the host is full of locked pages
-                host = self._alloc_host(pages * self.page_size) if pages else None
-            if pages:
-                self.tree.lock(match.last_node, +1)
-        handle = PrefetchHandle(pages * self.page_size, self.prefetch_policy, self.prefetch_timeout)
-        if pages:
-            self._prefetcher.submit(lambda: self._prefetch(handle, match, host))
-        return handle
-
-    def _prefetch(self, handle: PrefetchHandle, match: MatchResult, host: torch.Tensor) -> None:
-        ps, tokens, start = self.page_size, list(match.tokens), match.cached_len
-        with self._lock:
-            parent_key = self._last_store_key(match.last_node, match.salt)
-        keys = extend_keys(parent_key, tokens[start:start + handle.target], ps, self.namespace, match.salt, self.hash)
-        done = 0
-        try:
-            for c in range(0, len(keys), PREFETCH_CHUNK_PAGES):
-                if handle._cancel.is_set():
-                    break
-                chunk = keys[c:c + PREFETCH_CHUNK_PAGES]
-                got = self.storage.batch_get(chunk, self.host_pool, host[c * ps:(c + len(chunk)) * ps])
-                n = next((i for i, ok in enumerate(got) if not ok), len(got))
-                if n:
-                    if not self._adopt_host(tokens[:start + done + n * ps], host[done:done + n * ps], start + done,
-                                            match.salt, chunk[:n]):
-                        break
-                    done += n * ps
-                    handle.tokens = done
-                    self._stats.add(prefetched_tokens=n * ps)
-                if n < len(chunk):
-                    break
-        finally:
-            with self._lock:
-                if done < host.numel():
-                    self.host_pool.free(host[done:])
-                self.tree.lock(match.last_node, -1)
-            handle._done.set()
-
-    def _adopt_host(self, tokens, host_slots, start, salt, keys) -> bool:
-        """Insert ``tokens[start:]`` as host-resident pages in ``host_slots`` (fetched from
-        storage). False, taking nothing, when the pages before ``start`` left the tree
-        meanwhile (an earlier batch of this prefetch was evicted)."""
-        with self._lock:
-            path, matched = self.tree.match(tokens, salt)
-            if matched < start:
-                return False
-            if matched > start:  # someone cached part of it meanwhile: keep theirs
-                self.host_pool.free(host_slots[:matched - start])
-            if matched < len(tokens):
-                parent = path[-1] if path else self.tree.root(salt)
-                node = self.tree.add_child(parent, tokens[matched:])
-                node.host = host_slots[matched - start:]
-                node.stored = True
-                node.store_keys = keys[(matched - start) // self.page_size:]
-            return True
-
-    # -- allocation for the engine -------------------------------------------------------------------------
-    def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
-        """Device slots for new KV (whole pages), evicting unlocked cached pages (LRU)
-        as needed; ``None`` if even that leaves too few."""
-        with self._lock:
-            return self._alloc_device(num_tokens)
-
-    def free_device(self, indices: torch.Tensor) -> None:
-        """Return slots the caller owns (e.g. duplicates reported by :meth:`insert`)."""
-        with self._lock:
-            self.allocator.free(indices)
-
-    # -- eviction ------------------------------------------------------------------------------------------
-    def evict_device(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device slots (least recently used first), if
-        unlocked pages allow; a page with a host copy is demoted, not lost."""
-        with self._lock:
-            return self._evict("device", num_tokens)
-
-    def evict_host(self, num_tokens: int) -> int:
-        with self._lock:
-            return self._evict("host", num_tokens)
-
-    def _evictable(self, node: Node, tier: str) -> bool:
-        if node.lock_ref or node.loading is not None or getattr(node, tier) is None:
-            return False
-        if tier == "device":  # device copies are prefix-closed: children first
-            return all(c.device is None for c in node.children.values())
-        return node.device is not None or not node.children  # a host-only node goes with its leaf
-
-    def _evict(self, tier: str, num_tokens: int) -> int:
-        heap = [(n.last_access, id(n), n) for n in self.tree.nodes() if self._evictable(n, tier)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._evictable(node, tier):
-                continue
-            if tier == "device":
-                if node.host is None and (self.write_policy == "write_back" or node.children):
-                    self._backup(node)
-                if node.host is None and node.children:
-                    continue  # cannot drop a page that host-only children hang from
-                self.allocator.free(node.device)
-                node.device = None
-            else:
-                self.host_pool.free(node.host)
-                node.host = None
-            freed += len(node.key)
-            self._stats.evicted(tier, len(node.key))
-            parent = node.parent
-            if node.device is None and node.host is None:
-                self.tree.remove(node)
-            if parent.parent is not None and self._evictable(parent, tier):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return freed
-
-    def _alloc_device(self, n: int) -> torch.Tensor | None:
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            self._evict("device", n - self.allocator.available_size())
-            slots = self.allocator.alloc(n)
-        return slots
-
-    def _alloc_host(self, n: int) -> torch.Tensor | None:
-        slots = self.host_pool.alloc(n)
-        if slots is None:
-            self._evict("host", n - self.host_pool.available_size())
-            slots = self.host_pool.alloc(n)
-        return slots
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def flush(self) -> None:
