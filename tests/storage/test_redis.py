@@ -104,3 +104,20 @@ def test_redis_cluster_round_trip():
         store.close()
     finally:
         cluster.stop()
+
+
+def test_rediss_tls_round_trip():
+    server = RedisServer(tls=True).start()
+    try:
+        host, idx = filled_host(SPEC, 2)
+        store = kvtier.storage.open(server.url, client_options={"ssl_ca_certs": server.ca_file})
+        assert store.batch_set(keys_for(2), host, idx) == [True, True]
+        reader, ridx = filled_host(SPEC, 2, seed=5)
+        assert store.batch_get(keys_for(2), reader, ridx) == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(reader, ridx)))
+        untrusting = kvtier.storage.open(server.url, socket_connect_timeout=1.0)  # no CA: the handshake fails
+        assert untrusting.batch_exists(keys_for(2)) == 0 and untrusting.stats()["errors"] >= 1
+        store.close()
+        untrusting.close()
+    finally:
+        server.stop()

@@ -76,21 +76,39 @@ class _Process:
 
 
 class RedisServer(_Process):
-    """``redis-server`` (or ``valkey-server``) without persistence, bound to 127.0.0.1."""
+    """``redis-server`` (or ``valkey-server``) without persistence, bound to 127.0.0.1.
+    With ``tls``, it serves TLS only, with a self-signed certificate made by ``openssl``
+    (``ca_file`` is what clients must trust)."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, tls: bool = False) -> None:
         binary = shutil.which("redis-server") or shutil.which("valkey-server")
         if binary is None:
             raise ServerUnavailable("redis-server")
-        self.binary, self.port = binary, port or free_port()
+        if tls and shutil.which("openssl") is None:
+            raise ServerUnavailable("openssl")
+        self.binary, self.port, self.tls = binary, port or free_port(), tls
+        self.ca_file: str | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
-        self._spawn([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no"], self.port)
+        argv = [self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.tls:
+            import tempfile
+
+            d = tempfile.mkdtemp(prefix="kvtier-tls-")
+            key, cert = f"{d}/key.pem", f"{d}/cert.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                            "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                           check=True, capture_output=True)
+            self.ca_file = cert
+            argv += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
+        else:
+            argv += ["--port", str(self.port)]
+        self._spawn(argv, self.port)
         return self
 
 

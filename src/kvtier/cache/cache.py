@@ -109,19 +109,14 @@ class HierarchicalCache(TierMoves, Eviction):
         with self._lock:
             self.tree.lock(match.last_node, -1)
 
+    @contextlib.contextmanager
     def locked(self, match: MatchResult):
         """``with cache.locked(match): ...``"""
-        cache = self
-
-        class _Locked:
-            def __enter__(self):
-                cache.lock(match)
-                return match
-
-            def __exit__(self, *exc):
-                cache.unlock(match)
-
-        return _Locked()
+        self.lock(match)
+        try:
+            yield match
+        finally:
+            self.unlock(match)
 
     # -- one request's prefix, from whichever tier holds it -----------------------------------
     def acquire(self, token_ids: Sequence[int] | torch.Tensor, salt=None, wait: bool = True) -> Acquired:

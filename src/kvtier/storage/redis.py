@@ -17,7 +17,8 @@ class RedisStorage(ObjectStorage):
     scheme = "redis"
 
     def __init__(self, url: str, *, ttl: int | None = None, prefix: str = "kvtier:", socket_timeout: float = 5.0,
-                 socket_connect_timeout: float = 2.0, password: str | None = None, **options) -> None:
+                 socket_connect_timeout: float = 2.0, password: str | None = None,
+                 client_options: dict | None = None, **options) -> None:
         super().__init__(**options)
         try:
             import redis
@@ -29,6 +30,7 @@ class RedisStorage(ObjectStorage):
         kwargs = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_connect_timeout}
         if password is not None:
             kwargs["password"] = password
+        kwargs.update(client_options or {})  # e.g. ssl_ca_certs=..., ssl_certfile=... for rediss://
         if url.startswith("redis+cluster://"):
             from redis.cluster import RedisCluster
 
