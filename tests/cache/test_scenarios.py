@@ -160,3 +160,13 @@ def test_bad_insert_and_mismatched_pools():
         cache.insert(A[:8], torch.arange(4))
     with pytest.raises(ValueError, match="differ"):
         HierarchicalCache(DeviceKVPool(SPEC, 16, PAGE), HostKVPool(KVSpec.mha(2, 2, 6), 16, PAGE))
+
+
+def test_alloc_failures_are_counted_when_everything_is_locked():
+    cache = make_cache(device_tokens=16, host_tokens=64)
+    serve(cache, A)
+    m = cache.match_prefix(A)
+    with cache.locked(m):
+        assert cache.alloc_device(8) is None
+    assert cache.stats()["device_alloc_failures"] == 1
+    assert cache.alloc_device(8) is not None

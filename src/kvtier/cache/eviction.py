@@ -14,7 +14,10 @@ class Eviction:
         """Device slots for new KV (whole pages), evicting unlocked cached pages (LRU)
         as needed; ``None`` if even that leaves too few."""
         with self._lock:
-            return self._alloc_device(num_tokens)
+            slots = self._alloc_device(num_tokens)
+        if slots is None:
+            self._stats.add(device_alloc_failures=1)
+        return slots
 
     def free_device(self, indices: torch.Tensor) -> None:
         """Return slots the caller owns (e.g. duplicates reported by :meth:`insert`)."""

@@ -8,7 +8,7 @@ import threading
 class CacheStats:
     _FIELDS = ("matches", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens", "loaded_tokens",
                "backed_up_tokens", "stored_tokens", "prefetched_tokens", "inserted_tokens",
-               "device_evicted_tokens", "host_evicted_tokens", "errors")
+               "device_evicted_tokens", "host_evicted_tokens", "device_alloc_failures", "errors")
 
     def __init__(self, bytes_per_token: int) -> None:
         self._lock = threading.Lock()
