@@ -69,16 +69,17 @@ class Eviction:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def _alloc_device(self, n: int) -> torch.Tensor | None:
-        slots = self.allocator.alloc(n)
+    def _alloc(self, tier: str, n: int) -> torch.Tensor | None:
+        """``n`` slots of ``tier``, evicting that tier's LRU unlocked pages if it is full."""
+        pool = self.allocator if tier == "device" else self.host_pool
+        slots = pool.alloc(n)
         if slots is None:
-            self._evict("device", n - self.allocator.available_size())
-            slots = self.allocator.alloc(n)
+            self._evict(tier, n - pool.available_size())
+            slots = pool.alloc(n)
         return slots
 
+    def _alloc_device(self, n: int) -> torch.Tensor | None:
+        return self._alloc("device", n)
+
     def _alloc_host(self, n: int) -> torch.Tensor | None:
-        slots = self.host_pool.alloc(n)
-        if slots is None:
-            self._evict("host", n - self.host_pool.available_size())
-            slots = self.host_pool.alloc(n)
-        return slots
+        return self._alloc("host", n)
