@@ -162,7 +162,8 @@ class HierarchicalCache(TierMoves, Eviction):
                     host_slots.append(node.host)
                     loaded_nodes.append(node)
                 slots.append(node.device)
-            device = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
+            device = (torch.cat(slots) if slots
+                      else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device))
             handle = LoadHandle(device, self.device_pool.spec.layer_num, depends)
             if not loaded_nodes:
                 handle._finish()

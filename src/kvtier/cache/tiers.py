@@ -33,7 +33,7 @@ class TierMoves:
     def _store(self, node: Node) -> None:
         if self._writer is None or node.stored or node.host is None:
             return
-        keys = self._store_keys(node)
+        keys = self._store_keys(node, self._salt_of(node))
         host = node.host
         node.stored = True  # claimed: written once, by this job
         self.tree.lock(node, +1)
@@ -50,15 +50,16 @@ class TierMoves:
 
         self._writer.submit(job)
 
-    def _store_keys(self, node: Node) -> list[str]:
+    def _store_keys(self, node: Node, salt) -> list[str]:
+        """Storage keys of ``node``'s pages (computed once), chained from its parent's;
+        ``salt`` is that of ``node``'s tree."""
         if node.store_keys is None:
-            salt = self._salt_of(node)
             parent_key = self._last_store_key(node.parent, salt)
             node.store_keys = extend_keys(parent_key, node.key, self.page_size, self.namespace, salt, self.hash)
         return node.store_keys
 
     def _last_store_key(self, node: Node, salt) -> str | None:
-        return None if node.parent is None else self._store_keys(node)[-1]
+        return None if node.parent is None else self._store_keys(node, salt)[-1]
 
     def _salt_of(self, node: Node):
         while node.parent is not None:

@@ -91,8 +91,8 @@ class HostKVPool:
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=True)
         views = [(self.page_views[n], device_pool.page_views[n]) for n in self.spec.names]
-        copy_pages(views, host_pages, dev_pages, layer=None, nbytes=len(host_pages) * self.page_bytes, io_backend=io_backend,
-                  threads=self.copy_threads)
+        copy_pages(views, host_pages, dev_pages, layer=None, nbytes=len(host_pages) * self.page_bytes,
+                   io_backend=io_backend, threads=self.copy_threads)
 
     def load_to_device_per_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
                                  device_indices: torch.Tensor, layer_id: int, io_backend: str = "direct") -> None:
@@ -102,8 +102,9 @@ class HostKVPool:
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=False)
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
-        copy_pages(views, dev_pages, host_pages, layer=layer_id, nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
-                  io_backend=io_backend, threads=self.copy_threads)
+        copy_pages(views, dev_pages, host_pages, layer=layer_id,
+                   nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
+                   io_backend=io_backend, threads=self.copy_threads)
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
         check_io_backend(io_backend)

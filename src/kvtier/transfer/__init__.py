@@ -32,23 +32,23 @@ def check_io_backend(io_backend: str) -> None:
         raise ValueError(f"unknown io_backend {io_backend!r}; supported: {', '.join(IO_BACKENDS)}")
 
 
-def _run_pairs(dst, src, runs: Runs, layer: int | None, use_numpy: bool) -> list:
-    """``(dst_view, src_view)`` per run (per layer when no all-layer view exists)."""
+def _view_pairs(dst, src, layer: int | None, use_numpy: bool = False) -> list:
+    """Whole ``(dst, src)`` page views to copy between for one component: the layer's,
+    the all-layer views, or (separate layer allocations) one pair per layer."""
     d_all, d_layers = dst.arrays(use_numpy)
     s_all, s_layers = src.arrays(use_numpy)
-    runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
     if layer is not None:
-        d, s = d_layers[layer], s_layers[layer]
-        return [(d[a:a + n], s[b:b + n]) for a, b, n in runs3]
+        return [(d_layers[layer], s_layers[layer])]
     if d_all is not None and s_all is not None:
-        return [(d_all[a:a + n], s_all[b:b + n]) for a, b, n in runs3]
-    return [(d[a:a + n], s[b:b + n]) for d, s in zip(d_layers, s_layers) for a, b, n in runs3]
+        return [(d_all, s_all)]
+    return list(zip(d_layers, s_layers))
 
 
-def _copy_direct(views, dst_pages, src_pages, layer, nbytes, threads) -> None:
-    runs = coalesce(dst_pages, src_pages)
+def _copy_direct(views, runs: Runs, layer, nbytes, threads) -> None:
     use_numpy = all(d.np_layers is not None and s.np_layers is not None for d, s in views)
-    pairs = [p for d, s in views for p in _run_pairs(d, s, runs, layer, use_numpy)]
+    runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
+    pairs = [(d[a:a + n], s[b:b + n]) for dv, sv in views for d, s in _view_pairs(dv, sv, layer, use_numpy)
+             for a, b, n in runs3]
     if use_numpy:
         copy_numpy(pairs, nbytes, threads)
     else:
@@ -57,13 +57,8 @@ def _copy_direct(views, dst_pages, src_pages, layer, nbytes, threads) -> None:
 
 def _copy_gather(views, dst_pages, src_pages, layer) -> None:
     for d, s in views:
-        if layer is not None:
-            gather_pages(d.layers[layer], s.layers[layer], dst_pages, src_pages)
-        elif d.all_layers is not None and s.all_layers is not None:
-            gather_pages(d.all_layers, s.all_layers, dst_pages, src_pages)
-        else:
-            for dl, sl in zip(d.layers, s.layers):
-                gather_pages(dl, sl, dst_pages, src_pages)
+        for dst, src in _view_pairs(d, s, layer):
+            gather_pages(dst, src, dst_pages, src_pages)
 
 
 def _triton():
@@ -98,21 +93,13 @@ def _copy_triton(views, dst_pages, src_pages, layer) -> None:
         return _MappedHost(t) if t.device.type == "cpu" else t
 
     for d, s in views:
-        if layer is not None:
-            pairs = [(d.layers[layer], s.layers[layer])]
-        elif d.all_layers is not None and s.all_layers is not None:
-            pairs = [(d.all_layers, s.all_layers)]
-        else:
-            pairs = list(zip(d.layers, s.layers))
-        for dst, src in pairs:
+        for dst, src in _view_pairs(d, s, layer):
             kernel.copy_pages(arg(dst), arg(src), dst_pages, src_pages)
 
 
-def _mean_pair_bytes(views, dst_pages, src_pages, layer, nbytes) -> float:
+def _mean_pair_bytes(views, runs: Runs, layer, nbytes) -> float:
     """Average bytes per copy call the direct engine would make."""
-    pairs = len(coalesce(dst_pages, src_pages).length) * len(views)
-    if layer is None and any(d.all_layers is None or s.all_layers is None for d, s in views):
-        pairs *= len(views[0][0].layers)
+    pairs = len(runs.length) * sum(len(_view_pairs(d, s, layer)) for d, s in views)
     return nbytes / pairs
 
 
@@ -122,23 +109,22 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch
     ``PageViews`` in ``views`` (one per component). ``layer=None`` copies every layer,
     else only ``layer``. ``nbytes`` is the total to move (sizes threads and runs)."""
     check_io_backend(io_backend)
-    n = dst_pages.numel()
-    if n == 0:
+    if dst_pages.numel() == 0:
         return
     d0, s0 = views[0]
     d_dev, s_dev = d0.layers[0].device, s0.layers[0].device
+    runs = coalesce(dst_pages, src_pages)
+    small = _mean_pair_bytes(views, runs, layer, nbytes) < KERNEL_MIN_RUN_BYTES
     if io_backend == "auto":
-        small = _mean_pair_bytes(views, dst_pages, src_pages, layer, nbytes) < KERNEL_MIN_RUN_BYTES
         io_backend = "kernel" if small else "direct"
     if io_backend == "kernel":
         if "cuda" in (d_dev.type, s_dev.type) and _triton() is not None:
             _copy_triton(views, dst_pages, src_pages, layer)
             return
-        if d_dev == s_dev and (d_dev.type != "cpu" or _mean_pair_bytes(views, dst_pages, src_pages, layer, nbytes)
-                               < KERNEL_MIN_RUN_BYTES):
+        if d_dev == s_dev and (d_dev.type != "cpu" or small):
             _copy_gather(views, dst_pages, src_pages, layer)
             return
-    _copy_direct(views, dst_pages, src_pages, layer, nbytes, threads)
+    _copy_direct(views, runs, layer, nbytes, threads)
 
 
 __all__ = ["IO_BACKENDS", "KERNEL_MIN_RUN_BYTES", "Runs", "check_io_backend", "coalesce", "copy_pages"]
