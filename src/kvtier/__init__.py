@@ -1,6 +1,7 @@
 """kvtier: a hierarchical KV cache (device, host, storage) for every attention geometry."""
 
-from .cache import HierarchicalCache, LoadHandle, MatchResult, PrefetchHandle
+from .cache import (Acquired, CacheClosedError, Committed, HierarchicalCache, LoadError, LoadHandle, MatchResult,
+                    PrefetchHandle)
 from .errors import UnsupportedLayoutError
 from .layout import LAYOUTS, Layout
 from .pools import DeviceKVPool, HostKVPool
@@ -8,5 +9,6 @@ from .spec import Component, KVSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "Component", "DeviceKVPool", "HierarchicalCache", "HostKVPool", "KVSpec", "Layout",
-           "LoadHandle", "MatchResult", "PrefetchHandle", "UnsupportedLayoutError"]
+__all__ = ["LAYOUTS", "Acquired", "CacheClosedError", "Committed", "Component", "DeviceKVPool", "HierarchicalCache",
+           "HostKVPool", "KVSpec", "Layout", "LoadError", "LoadHandle", "MatchResult", "PrefetchHandle",
+           "UnsupportedLayoutError"]

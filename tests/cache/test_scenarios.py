@@ -22,6 +22,7 @@ def test_match_lengths_are_page_granular_and_salted():
     assert hits(cache.match_prefix(A[:4] + [0] * 8)) == (4, 0, 0)
     assert hits(cache.match_prefix([5] + A[1:])) == (0, 0, 0)
     assert hits(cache.match_prefix(A, salt="tenant-b")) == (0, 0, 0)
+    cache.flush()                                  # backups run on a worker
     assert cache.stats()["host_tokens"] == 12     # write_through backed every page up
     cache.close()
 
@@ -30,12 +31,14 @@ def test_lru_eviction_order_and_demotion_to_host():
     cache = make_cache()
     for prompt in (A, B, C):
         serve(cache, prompt)
+    cache.flush()
     cache.match_prefix(A)                          # A is now the most recently used
-    assert cache.evict_device(PAGE) == 8           # B goes first: its whole 2-page node
-    assert hits(cache.match_prefix(B)) == (0, 8, 0)
-    assert cache.evict_device(PAGE) == 4           # then C
+    assert cache.evict_device(PAGE) == 4           # B goes first, one page at a time: its last page
+    assert hits(cache.match_prefix(B)) == (4, 4, 0)
+    assert cache.evict_device(2 * PAGE) == 8       # then C, then A's last page (B was touched since)
     assert hits(cache.match_prefix(C)) == (0, 4, 0)
-    assert hits(cache.match_prefix(A)) == (12, 0, 0)
+    assert hits(cache.match_prefix(B)) == (4, 4, 0)
+    assert hits(cache.match_prefix(A)) == (8, 4, 0)
     assert cache.stats()["device_evicted_tokens"] == 12
 
 
@@ -77,10 +80,13 @@ def test_write_back_copies_to_host_only_on_eviction():
 def test_write_through_selective_waits_for_the_second_hit():
     cache = make_cache(write_policy="write_through_selective")
     serve(cache, A)                                # insert: no backup
+    cache.flush()
     assert cache.stats()["host_tokens"] == 0
     cache.match_prefix(A)                          # hit 1 (serve's own match was hit 0 of a new node)
+    cache.flush()
     assert cache.stats()["host_tokens"] == 0
     cache.match_prefix(A)                          # hit 2: backed up
+    cache.flush()
     assert cache.stats()["host_tokens"] == 12
     cache.evict_device(12)
     assert hits(cache.match_prefix(A)) == (0, 12, 0)
@@ -113,6 +119,7 @@ def test_locked_pages_are_never_evicted():
 def test_evicting_the_host_copy_of_a_device_page_keeps_it_on_device():
     cache = make_cache()
     serve(cache, A)
+    cache.flush()
     assert cache.evict_host(12) == 12
     assert hits(cache.match_prefix(A)) == (12, 0, 0) and cache.stats()["host_tokens"] == 0
 
@@ -137,9 +144,10 @@ def test_insert_reports_cached_prefix_and_adopts_recomputed_host_pages():
 def test_alloc_device_evicts_for_the_engine():
     cache = make_cache(device_tokens=16, host_tokens=64)
     serve(cache, A)                                 # 12 of 16 device slots
+    cache.flush()
     slots = cache.alloc_device(8)
     assert slots is not None and slots.numel() == 8
-    assert hits(cache.match_prefix(A)) == (0, 12, 0)  # eviction demotes whole nodes (A is one node)
+    assert hits(cache.match_prefix(A)) == (8, 4, 0)   # eviction demotes exactly the page needed: A's last
 
 
 @pytest.mark.parametrize("kwargs, match", [

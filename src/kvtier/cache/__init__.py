@@ -1,7 +1,8 @@
-"""The hierarchical prefix cache: radix tree, policies and background workers."""
+"""The hierarchical prefix cache: radix tree, page states, policies and background workers."""
 
 from .cache import PREFETCH_POLICIES, WRITE_POLICIES, HierarchicalCache
-from .handles import Acquired, LoadHandle, MatchResult, PrefetchHandle
+from .handles import (Acquired, CacheClosedError, Committed, LoadError, LoadHandle, MatchResult,
+                      PrefetchHandle)
 
-__all__ = ["Acquired", "PREFETCH_POLICIES", "WRITE_POLICIES", "HierarchicalCache", "LoadHandle", "MatchResult",
-           "PrefetchHandle"]
+__all__ = ["Acquired", "CacheClosedError", "Committed", "PREFETCH_POLICIES", "WRITE_POLICIES", "HierarchicalCache",
+           "LoadError", "LoadHandle", "MatchResult", "PrefetchHandle"]

@@ -1,29 +1,34 @@
-"""``HierarchicalCache``: prefix matching across device, host and storage, and the policies
-that move pages between them. Background threads (``kvtier.cache.workers``) do the
-slow parts: per-layer loads, storage writes, storage prefetches.
+"""``HierarchicalCache``: prefix matching across device, host and storage, and the
+policies that move pages between them.
+
+The cache is a facade over two parts: :class:`~kvtier.cache.state.CacheState` (the
+tree, slot ownership and every tier transition; no threads, always under the lock)
+and :class:`~kvtier.cache.mover.Mover` (the worker threads and the storage). Every
+public method checks its arguments before any state moves.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Sequence
 
 import torch
 
 from ..pools import DeviceKVPool, HostKVPool
-from ..storage.keys import extend_keys
+from ..pools.indices import page_starts
 from ..transfer import check_io_backend
-from .handles import Acquired, LoadHandle, MatchResult
-from .eviction import Eviction
-from .radix import RadixTree
+from .guard import StorageGuard
+from .handles import Acquired, CacheClosedError, Committed, Lease, LoadHandle, MatchResult, PrefetchHandle
+from .mover import Mover
+from .protocols import DeviceAllocator, Storage
+from .state import CacheState
 from .stats import CacheStats
-from .tiers import TierMoves
-from .workers import Worker
+from .tokens import canonical_salt, token_array
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
+_WAIT_ROUNDS = 4    # eviction waits for backups it started at most this many times
 
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
@@ -31,23 +36,29 @@ def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {what} {value!r}; supported: {', '.join(choices)}")
 
 
-def _tokens(token_ids) -> list[int]:
-    if isinstance(token_ids, torch.Tensor):
-        return token_ids.tolist()
-    return list(token_ids)
+def _check_count(what: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {n!r}")
+    return n
 
 
-class HierarchicalCache(TierMoves, Eviction):
+class HierarchicalCache:
     """Prefix cache over a device pool (L1), a host pool (L2) and optional storage (L3).
 
-    Thread-safe: one lock guards the tree and the allocators; copies to and from
-    storage and per-layer loads run on worker threads outside it.
+    Thread-safe: one lock guards the tree and the allocators; loads, backups,
+    storage writes and prefetches run on worker threads outside it.
+
+    Token ids (every ``token_ids`` argument): a 1-D sequence of ints, a 1-D integer
+    tensor or numpy array, or a ``(1, n)`` one; anything else is a ``ValueError``.
+    A tenant ``salt`` is ``None``, ``str`` or ``bytes``, compared as bytes
+    (``None`` == ``""`` == ``b""``). After :meth:`close`, every call raises
+    :class:`CacheClosedError`.
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, storage=None, *,
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, storage: Storage | None = None, *,
                  write_policy: str = "write_through", prefetch_policy: str = "best_effort",
-                 namespace: str = "default", prefetch_timeout: float = 1.0, io_backend: str = "direct",
-                 allocator=None, hash: str = "sha256") -> None:
+                 namespace: str = "default", prefetch_timeout: float = 1.0, storage_timeout: float = 5.0,
+                 io_backend: str = "direct", allocator: DeviceAllocator | None = None, hash: str = "sha256") -> None:
         _check_choice("write_policy", write_policy, WRITE_POLICIES)
         _check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
         check_io_backend(io_backend)
@@ -56,58 +67,95 @@ class HierarchicalCache(TierMoves, Eviction):
         if device_pool.spec != host_pool.spec or device_pool.page_size != host_pool.page_size:
             raise ValueError(f"device pool ({device_pool.spec.fingerprint()}, page_size {device_pool.page_size}) "
                              f"and host pool ({host_pool.spec.fingerprint()}, page_size {host_pool.page_size}) differ")
+        if storage is not None and not isinstance(storage, Storage):
+            raise ValueError(f"storage must implement batch_exists/batch_get/batch_set/stats, got {type(storage)}")
+        if allocator is not None and not isinstance(allocator, DeviceAllocator):
+            raise ValueError(f"allocator must implement alloc/free/available_size, got {type(allocator)}")
+        for what, t in (("prefetch_timeout", prefetch_timeout), ("storage_timeout", storage_timeout)):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                raise ValueError(f"{what} must be a positive number of seconds, got {t!r}")
         self.device_pool, self.host_pool, self.storage = device_pool, host_pool, storage
         self.allocator = allocator or device_pool
         self.page_size = host_pool.page_size
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
-        self.prefetch_timeout, self.io_backend = prefetch_timeout, io_backend
+        self.prefetch_timeout, self.storage_timeout, self.io_backend = prefetch_timeout, storage_timeout, io_backend
         self.namespace, self.hash = namespace, hash
-        self.tree = RadixTree(self.page_size)
-        self._lock = threading.RLock()
         self._stats = CacheStats(device_pool.spec.bytes_per_token)
-        self._loader = Worker("kvtier-load")
-        self._writer = Worker("kvtier-store") if storage is not None else None
-        self._prefetcher = Worker("kvtier-prefetch") if storage is not None else None
+        self._state = CacheState(device_pool, host_pool, self.allocator, write_policy=write_policy,
+                                 stats=self._stats, namespace=namespace, hash=hash, has_storage=storage is not None)
+        guard = StorageGuard(storage, self._stats, storage_timeout) if storage is not None else None
+        self._mover = Mover(self._state, guard, io_backend=io_backend)
+        self._lock = self._state.lock
+        self._match_locks: dict[int, list] = {}  # id(match) -> [match, times locked]
+        self._closed = False
 
-    # -- matching ----------------------------------------------------------------------------
+    @property
+    def tree(self):
+        """The radix tree, for inspection and tests (it changes under other threads)."""
+        return self._state.tree
+
+    # -- matching ----------------------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
-        """The longest cached prefix of ``token_ids`` (whole pages), tier by tier."""
-        tokens = _tokens(token_ids)
+        """The longest cached prefix of ``token_ids`` (whole pages), tier by tier.
+        Counts as one request in the statistics and the pages' hit counts."""
+        tokens, salt = token_array(token_ids), canonical_salt(salt)
+        self._check_open()
         with self._lock:
-            path, matched = self.tree.match(tokens, salt)
-            device_nodes = [n for n in path if n.device is not None]
-            device_len = sum(len(n.key) for n in device_nodes)
-            for node in path:
-                node.hits += 1
-                if self.write_policy == "write_through_selective" and node.hits >= SELECTIVE_HITS:
-                    self._backup(node)
-            device = (torch.cat([n.device for n in device_nodes]) if device_nodes
-                      else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device))
-            last = path[-1] if path else self.tree.root(salt)
-            last_key = self._last_store_key(last, salt) if self.storage is not None else None
-        storage_len = self._storage_hit(tokens, matched, last_key, salt)
-        self._stats.matched(device_len, matched - device_len, storage_len)
-        return MatchResult(device, device_len, matched - device_len, storage_len, last, tuple(path),
-                           tuple(tokens), salt)
+            path, device_len, host_len = self._state.match(tokens, salt)
+            self._hit(path)
+            parent_key = self._parent_key(path)
+            device, last = self._ends(path, salt)
+        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
+        self._stats.matched(device_len, host_len, storage_len)
+        return MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt)
 
-    def _storage_hit(self, tokens, matched, last_key, salt) -> int:
+    def _ends(self, path, salt: bytes):
+        """``(device slots, last node)`` of a matched path (lock held)."""
+        return self._state.device_slots(path), (path[-1] if path else self._state.tree.root(salt))
+
+    def _hit(self, path) -> None:
+        """One request's reuse of ``path`` (lock held): hit counts, selective backups."""
+        for node in path:
+            node.hits += 1
+            if self.write_policy == "write_through_selective" and node.hits >= SELECTIVE_HITS:
+                self._state.begin_backup(node)
+
+    def _parent_key(self, path) -> str | None:
+        if self.storage is None or not path:
+            return None
+        return self._state.store_keys(path[-1])[-1]
+
+    def _storage_hit(self, tokens, resident: int, parent_key, salt: bytes) -> int:
         if self.storage is None:
             return 0
-        usable = len(tokens) - len(tokens) % self.page_size
-        if usable <= matched:
-            return 0
-        keys = extend_keys(last_key, tokens[matched:usable], self.page_size, self.namespace, salt, self.hash)
-        return self.storage.batch_exists(keys) * self.page_size
+        from ..storage.keys import extend_keys
 
-    # -- locking -----------------------------------------------------------------------------------
+        usable = len(tokens) - len(tokens) % self.page_size
+        if usable <= resident:
+            return 0
+        keys = extend_keys(parent_key, tokens[resident:usable], self.page_size, self.namespace, salt, self.hash)
+        return self._mover.guard.exists(keys) * self.page_size
+
+    # -- locking -----------------------------------------------------------------------------------------------
     def lock(self, match: MatchResult) -> None:
-        """Keep the matched pages from eviction until :meth:`unlock`."""
+        """Keep the matched pages from eviction until :meth:`unlock` (once per lock)."""
+        self._check_match(match)
         with self._lock:
-            self.tree.lock(match.last_node, +1)
+            entry = self._match_locks.setdefault(id(match), [match, 0])
+            entry[1] += 1
+            self._state.lock_node(match.last_node)
 
     def unlock(self, match: MatchResult) -> None:
+        """Undo one :meth:`lock` of ``match``; ``ValueError`` (and no change) if it holds none."""
+        self._check_match(match)
         with self._lock:
-            self.tree.lock(match.last_node, -1)
+            entry = self._match_locks.get(id(match))
+            if entry is None or entry[0] is not match:
+                raise ValueError("unlock: this match is not locked (lock it first, and unlock once per lock)")
+            self._state.unlock_node(match.last_node)
+            entry[1] -= 1
+            if not entry[1]:
+                del self._match_locks[id(match)]
 
     @contextlib.contextmanager
     def locked(self, match: MatchResult):
@@ -118,90 +166,166 @@ class HierarchicalCache(TierMoves, Eviction):
         finally:
             self.unlock(match)
 
-    # -- one request's prefix, from whichever tier holds it -----------------------------------
+    def _check_match(self, match) -> None:
+        self._check_open()
+        if not isinstance(match, MatchResult):
+            raise ValueError(f"expected a MatchResult from match_prefix, got {type(match).__name__}")
+        root = match.last_node
+        while root.parent is not None:
+            root = root.parent
+        if self._state.tree.roots.get(match.salt) is not root:
+            raise ValueError("this MatchResult comes from another cache")
+
+    # -- one request's prefix, from whichever tier holds it -----------------------------------------------------
     def acquire(self, token_ids: Sequence[int] | torch.Tensor, salt=None, wait: bool = True) -> Acquired:
         """Match ``token_ids``, prefetch a storage hit to the host (per ``prefetch_policy``),
-        lock the prefix and load its host part to the device. With ``wait`` the load is
-        finished on return; otherwise wait on ``acquired.load`` layer by layer.
-        Call :meth:`release` when the request is done with it."""
-        first = match = self.match_prefix(token_ids, salt)
-        if first.storage_len:  # storage -> host, then it is a host hit like any other
-            self.prefetch(token_ids, salt).wait()
-            match = self.match_prefix(token_ids, salt)
-        self.lock(match)
-        load = self.load_back(match)
+        lock the prefix and load its host part to the device: the usual start of a
+        request, counted once. With ``wait`` the load is finished on return (if it
+        failed, the result reuses nothing); otherwise wait on ``acquired.load`` layer
+        by layer and check its ``error``. :meth:`release` (or :meth:`commit`)
+        consumes the result exactly once."""
+        tokens, salt = token_array(token_ids), canonical_salt(salt)
+        self._check_open()
+        state = self._state
+        with self._lock:
+            path, device_len, host_len = state.match(tokens, salt)
+            parent_key = self._parent_key(path)
+            first = path[-1] if path else state.tree.root(salt)
+            state.lock_node(first)  # until the final lock: nothing of the hit is evicted meanwhile
+        try:
+            storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
+            fetched = 0
+            if storage_len:  # storage -> host, then it is a host hit like any other
+                fetched = self._mover.prefetch(tokens, salt, first, device_len + host_len,
+                                               storage_len // self.page_size, parent_key, self.prefetch_policy,
+                                               self._prefetch_wait).wait()
+            # device slots for the host part, allocated as alloc_device does (it may wait for write-backs)
+            reserved = self._alloc(host_len + fetched) if host_len + fetched else None
+            with self._lock:
+                path, _, _ = state.match(tokens, salt)
+                self._hit(path)
+                device, last = self._ends(path, salt)
+                lease = Lease(last)
+                state.lock_node(last)
+                load, _ = state.begin_load(path, self.device_pool.spec.layer_num, reserved)
+        finally:
+            with self._lock:
+                state.unlock_node(first)
+        match = MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt)
         if wait:
             load.wait()
+            if load.error is not None:  # the failed pages are host-only again: this request recomputes
+                with self._lock:
+                    state.unlock_node(lease.node)
+                    lease = Lease(state.tree.root(salt))
+                    state.lock_node(lease.node)
+                self._stats.matched(0, 0, 0)
+                empty = LoadHandle(state.device_slots([]), self.device_pool.spec.layer_num)
+                empty._finish()
+                return Acquired(match, empty, 0, 0, 0, lease)
         reused = len(load)
-        device_hit = min(first.device_len, reused)
-        host_hit = min(first.host_len, reused - device_hit)
-        return Acquired(match, load, device_hit, host_hit, reused - device_hit - host_hit)
+        device_hit = min(device_len, reused)
+        host_hit = min(host_len, reused - device_hit)
+        self._stats.matched(device_hit, host_hit, reused - device_hit - host_hit)
+        return Acquired(match, load, device_hit, host_hit, reused - device_hit - host_hit, lease)
 
     def release(self, acquired: Acquired) -> None:
-        self.unlock(acquired.match)
+        """Unlock what :meth:`acquire` locked; a second release is a ``ValueError``."""
+        self._check_open()
+        if not isinstance(acquired, Acquired) or acquired.lease is None:
+            raise ValueError(f"release takes the Acquired from acquire, got {type(acquired).__name__}")
+        with self._lock:
+            self._release(acquired)
 
-    # -- host -> device -------------------------------------------------------------------------------
+    def _release(self, acquired: Acquired) -> None:
+        if acquired.lease.released:
+            raise ValueError("release: this Acquired was already released (or committed)")
+        self._state.unlock_node(acquired.lease.node)
+        acquired.lease.released = True
+
+    def commit(self, acquired: Acquired, token_ids: Sequence[int] | torch.Tensor, slots: torch.Tensor) -> Committed:
+        """Cache what the forward computed and move the request's lock onto it.
+
+        ``token_ids`` starts with the acquired prefix; ``slots`` are the device slots
+        (from :meth:`alloc_device`) holding the KV of its full pages after that
+        prefix: ``len(slots) == full - len(acquired.device_indices)``, ``full`` being
+        ``len(token_ids)`` rounded down to whole pages. The cache owns ``slots``
+        afterwards: pages another request cached first are freed as duplicates.
+        ``acquired`` is consumed; the result's ``acquired`` is the new lease
+        (release it when the request ends)."""
+        self._check_open()
+        if not isinstance(acquired, Acquired) or acquired.lease is None:
+            raise ValueError(f"commit takes the Acquired from acquire, got {type(acquired).__name__}")
+        if acquired.load.error is not None:
+            raise ValueError(f"commit: the acquired prefix failed to load ({acquired.load.error!r}); release it")
+        tokens, ps = token_array(token_ids), self.page_size
+        prefix = acquired.device_indices
+        reused, full = prefix.numel(), len(tokens) - len(tokens) % ps
+        if full < reused or tokens[:reused] != acquired.match.tokens[:reused]:
+            raise ValueError(f"commit: token_ids ({len(tokens)} tokens) do not start with the acquired "
+                             f"{reused}-token prefix")
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != full - reused:
+            got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+            raise ValueError(f"commit: slots must be a 1-D tensor of {full - reused} slots (the full pages of "
+                             f"{len(tokens)} tokens after the {reused}-token prefix), got {got}")
+        all_slots = torch.cat([prefix, slots.to(prefix.device)])
+        self._check_slots(all_slots)
+        salt, state = acquired.match.salt, self._state
+        with self._lock:
+            if acquired.lease.released:
+                raise ValueError("commit: this Acquired was already released (or committed)")
+            state.check_insert(tokens[:full], all_slots, salt)
+            already, new = state.insert(tokens[:full], all_slots, salt)
+            if already > reused:  # another request cached these pages first: ours are duplicates
+                state.allocator.free(all_slots[reused:already])
+            path, _, _ = state.match(tokens[:full], salt)
+            lease = Lease(path[-1] if path else state.tree.root(salt))
+            state.lock_node(lease.node)
+            self._release(acquired)
+            device = state.device_slots(path)
+        self._stats.add(inserted_tokens=new)
+        load = LoadHandle(device, self.device_pool.spec.layer_num)
+        load._finish()
+        match = MatchResult(device, full, 0, 0, lease.node, tuple(path), tokens[:full], salt)
+        renewed = Acquired(match, load, acquired.device_hit, acquired.host_hit, acquired.storage_hit, lease)
+        return Committed(renewed, new, max(already - reused, 0))
+
+    # -- host -> device -------------------------------------------------------------------------------------------
     def load_back(self, match: MatchResult) -> LoadHandle:
         """Bring the host hit of ``match`` to the device, layer by layer, in the background.
 
         The handle's ``device_indices`` cover the device hit and every host page that
         got device slots (all of them unless the device is full of locked pages).
         """
+        self._check_match(match)
         with self._lock:
-            path = match.last_node.path() if self.tree.attached(match.last_node) else []
-            depends = tuple({id(n.loading): n.loading for n in path if n.loading is not None}.values())
-            slots, host_slots, loaded_nodes = [], [], []
-            for node in path:
-                if node.device is None:
-                    if node.host is None:
-                        break
-                    got = self._alloc_device(len(node.key))
-                    if got is None:
-                        break
-                    node.device = got
-                    host_slots.append(node.host)
-                    loaded_nodes.append(node)
-                slots.append(node.device)
-            device = (torch.cat(slots) if slots
-                      else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device))
-            handle = LoadHandle(device, self.device_pool.spec.layer_num, depends)
-            if not loaded_nodes:
-                handle._finish()
-                return handle
-            last = loaded_nodes[-1]
-            for node in loaded_nodes:
-                node.loading = handle
-            self.tree.lock(last, +1)
-        host_idx, dev_idx = torch.cat(host_slots), torch.cat([n.device for n in loaded_nodes])
-        self._stats.add(loaded_tokens=host_idx.numel())
-        self._loader.submit(lambda: self._load(handle, host_idx, dev_idx, loaded_nodes, last))
+            path = match.last_node.path()
+            cut = next((i for i, n in enumerate(path) if not n.resident), len(path))
+            handle, _ = self._state.begin_load(path[:cut], self.device_pool.spec.layer_num)
         return handle
 
-    def _load(self, handle, host_idx, dev_idx, nodes, last) -> None:
-        error = None
-        device = self.device_pool.device
-        # NOTE: on CUDA the copies go on a side stream, and each layer records an event
-        # that wait_layer() makes the caller's stream wait on (no host synchronization).
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for layer in range(self.device_pool.spec.layer_num):
-                    self.host_pool.load_to_device_per_layer(self.device_pool, host_idx, dev_idx, layer,
-                                                            self.io_backend)
-                    if stream is not None:
-                        handle._record_cuda_event(layer, stream)
-                    handle._layer_done(layer)
-        except BaseException as e:  # surfaced on the handle; the pages stay on the host
-            error = e
-            self._stats.add(errors=1)
+    # -- storage -> host ------------------------------------------------------------------------------------------
+    def prefetch(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> PrefetchHandle:
+        """Fetch the pages after the device/host hit of ``token_ids`` from storage to the
+        host in the background; they become host hits as each chunk lands."""
+        tokens, salt = token_array(token_ids), canonical_salt(salt)
+        self._check_open()
+        if self.storage is None:
+            return PrefetchHandle(0, self.prefetch_policy, self.prefetch_timeout)
         with self._lock:
-            for node in nodes:
-                if node.loading is handle:
-                    node.loading = None
-            self.tree.lock(last, -1)
-        handle._finish(error)
+            path, device_len, host_len = self._state.match(tokens, salt)
+            parent_key = self._parent_key(path)
+            last = path[-1] if path else self._state.tree.root(salt)
+        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
+        return self._mover.prefetch(tokens, salt, last, device_len + host_len, storage_len // self.page_size,
+                                    parent_key, self.prefetch_policy, self._prefetch_wait)
 
-    # -- inserting ------------------------------------------------------------------------------------
+    @property
+    def _prefetch_wait(self) -> float:
+        """How long a prefetch handle's ``wait()`` blocks at most."""
+        return self.storage_timeout if self.prefetch_policy == "wait_complete" else self.prefetch_timeout
+
+    # -- inserting ------------------------------------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: torch.Tensor, salt=None) -> int:
         """Record KV the engine computed: ``device_indices[i]`` holds token ``i``.
 
@@ -209,57 +333,127 @@ class HierarchicalCache(TierMoves, Eviction):
         on the device. The cache owns the slots of the full pages from there on; slots in
         ``device_indices[:returned]`` that the caller allocated itself (rather than got
         from :meth:`match_prefix` / :meth:`load_back`) are duplicates for it to free.
+        Every slot is checked first (range, alignment, dtype, not held by another
+        cached page); a bad one is a ``ValueError`` and nothing changes.
         """
-        tokens = _tokens(token_ids)
+        tokens, salt = token_array(token_ids), canonical_salt(salt)
+        self._check_open()
         usable = len(tokens) - len(tokens) % self.page_size
         if not isinstance(device_indices, torch.Tensor) or device_indices.dim() != 1 \
                 or device_indices.numel() < usable:
             n = device_indices.numel() if isinstance(device_indices, torch.Tensor) else device_indices
             raise ValueError(f"device_indices must be a 1-D tensor of at least {usable} slots (the full pages of "
                              f"{len(tokens)} tokens), got {n}")
+        slots = device_indices[:usable]
+        self._check_slots(slots)
         with self._lock:
-            path, matched = self.tree.match(tokens[:usable], salt)
-            already, offset = 0, 0
-            for node in path:  # device copies are prefix-closed: device nodes come first
-                if node.device is None:  # host-only: adopt the caller's freshly computed slots
-                    node.device = device_indices[offset:offset + len(node.key)].clone()
-                elif already == offset:
-                    already += len(node.key)
-                offset += len(node.key)
-            new = []
-            if matched < usable:
-                parent = path[-1] if path else self.tree.root(salt)
-                node = self.tree.add_child(parent, tokens[matched:usable])
-                node.device = device_indices[matched:usable].clone()
-                new.append(node)
-            if self.write_policy == "write_through":
-                for node in path + new:
-                    self._backup(node)
-        self._stats.add(inserted_tokens=usable - matched)
+            self._state.check_insert(tokens[:usable], slots, salt)
+            already, new = self._state.insert(tokens[:usable], slots, salt)
+        self._stats.add(inserted_tokens=new)
         return already
 
-    # -- lifecycle -----------------------------------------------------------------------------------------
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        page_starts(slots, page_size=self.page_size, size=self.device_pool.size, what="device_indices",
+                    allowed_devices=(self.device_pool.index_device,), unique=True)
+
+    # -- allocation and eviction -----------------------------------------------------------------------------------
+    def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Device slots for new KV (whole pages), evicting unlocked cached pages (LRU)
+        as needed; ``None`` if even that leaves too few."""
+        _check_count("alloc_device", num_tokens)
+        self._check_open()
+        slots = self._alloc(num_tokens)
+        if slots is None:
+            self._stats.add(device_alloc_failures=1)
+        return slots
+
+    def _alloc(self, num_tokens: int) -> torch.Tensor | None:
+        for _ in range(_WAIT_ROUNDS):
+            with self._lock:
+                slots = self._state.alloc("device", num_tokens)
+                pending = list(self._state.backups)
+            if slots is not None or not pending:
+                break
+            self._wait(pending)  # write-back: the pages go once their host copies land
+        return slots
+
+    def free_device(self, indices: torch.Tensor) -> None:
+        """Return slots the caller owns (e.g. duplicates reported by :meth:`insert`);
+        ``ValueError`` for slots a cached page holds."""
+        self._check_open()
+        self._check_slots(indices)
+        with self._lock:
+            owned = self._state.owned(indices)
+            if bool(owned.any()):
+                slot = int(indices[int(owned.nonzero()[0]) * self.page_size])
+                raise ValueError(f"free_device: slot {slot} holds a cached page; only free slots you own")
+            self.allocator.free(indices)
+
+    def evict_device(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots (least recently used first, whole
+        pages) if unlocked pages allow; a page with a host copy is demoted, not lost."""
+        return self._evict("device", num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        return self._evict("host", num_tokens)
+
+    def _evict(self, tier: str, num_tokens: int) -> int:
+        _check_count(f"evict_{tier}", num_tokens)
+        self._check_open()
+        freed = 0
+        for _ in range(_WAIT_ROUNDS):
+            with self._lock:
+                freed += self._state.evict(tier, num_tokens - freed)
+                pending = list(self._state.backups) if tier == "device" else []
+            if freed >= num_tokens or not pending:
+                break
+            self._wait(pending)
+        return freed
+
+    def _wait(self, marks) -> None:
+        for mark in marks:
+            mark.done.wait(self.storage_timeout)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait until every queued load, storage write and prefetch has finished."""
-        for worker in (self._loader, self._writer, self._prefetcher):
-            if worker is not None:
-                worker.join_queue()
+        """Wait until every queued load, backup, storage write and prefetch has finished."""
+        self._check_open()
+        self._mover.flush()
 
     def stats(self) -> dict:
+        self._check_open()
         with self._lock:
-            tiers = {"device_tokens": sum(len(n.key) for n in self.tree.nodes() if n.device is not None),
-                     "host_tokens": sum(len(n.key) for n in self.tree.nodes() if n.host is not None)}
-        queues = {w.name: w.depth() for w in (self._loader, self._writer, self._prefetcher) if w is not None}
+            nodes = list(self._state.tree.nodes())
+            tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.device is not None),
+                     "host_tokens": sum(len(n.key) for n in nodes if n.host_ready)}
+        queues = {w.name: w.depth() for w in self._mover.workers}
         out = {**self._stats.snapshot(), **tiers, "queue_depths": queues}
         if self.storage is not None:
-            out["storage"] = self.storage.stats()
+            try:
+                out["storage"] = self.storage.stats()
+            except Exception as e:  # a broken backend still lets the cache report
+                out["storage"] = {"error": repr(e)}
         return out
 
+    def check_integrity(self, engine_device_slots: int | None = None) -> None:
+        """Assert the cache's invariants (see ``CacheState.check_integrity``);
+        ``engine_device_slots``: device slots the engine holds outside the cache,
+        to check that none leaked."""
+        self._check_open()
+        with self._lock:
+            self._state.check_integrity(engine_device_slots)
+
     def close(self) -> None:
-        """Finish queued work and join every thread."""
-        for worker in (self._loader, self._writer, self._prefetcher):
-            if worker is not None:
-                worker.close()
+        """Finish queued work and join every thread; later calls raise ``CacheClosedError``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._mover.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this HierarchicalCache is closed")
 
     def __enter__(self) -> "HierarchicalCache":
         return self

@@ -1,11 +1,21 @@
-"""What ``HierarchicalCache`` hands back: match results and handles on background work."""
+"""What ``HierarchicalCache`` hands back: match results, locks, and handles on
+background work."""
 
 from __future__ import annotations
 
 import threading
+from array import array
 from dataclasses import dataclass, field
 
 import torch
+
+
+class CacheClosedError(RuntimeError):
+    """A call on a :class:`HierarchicalCache` after :meth:`~HierarchicalCache.close`."""
+
+
+class LoadError(RuntimeError):
+    """A host -> device load (or one it depended on) failed; its KV must not be used."""
 
 
 @dataclass(frozen=True)
@@ -25,8 +35,8 @@ class MatchResult:
     storage_len: int
     last_node: object = field(repr=False)   # deepest matched node (the tenant's root when none)
     path: tuple = field(repr=False, default=())
-    tokens: tuple = field(repr=False, default=())
-    salt: object = field(repr=False, default=None)
+    tokens: array = field(repr=False, default_factory=lambda: array("q"))
+    salt: bytes = field(repr=False, default=b"")
 
     @property
     def cached_len(self) -> int:
@@ -34,12 +44,23 @@ class MatchResult:
         return self.device_len + self.host_len
 
 
+class Lease:
+    """One lock on a prefix (its deepest node), released exactly once."""
+
+    __slots__ = ("node", "released")
+
+    def __init__(self, node) -> None:
+        self.node, self.released = node, False
+
+
 class LoadHandle:
     """Host -> device loading of a match's host hit, one layer at a time, in the background.
 
     ``device_indices`` holds the device slots of the whole prefix (the device hit, then
-    the loaded pages); ``wait_layer(i)`` returns once layer ``i`` of every page in it is
-    on the device, ``wait()`` once all layers are.
+    the loaded pages); ``wait_layer(i)`` returns once layer ``i`` of every page in it
+    has arrived or the load has failed, ``wait()`` once all layers have. After
+    waiting, check :attr:`error`: when set, the KV in ``device_indices`` is not
+    usable (the failed pages are back to host-only; match again).
     """
 
     def __init__(self, device_indices: torch.Tensor, layer_num: int, depends: tuple["LoadHandle", ...] = ()) -> None:
@@ -47,10 +68,17 @@ class LoadHandle:
         self._layers = [threading.Event() for _ in range(layer_num)]
         self._depends = depends
         self._cuda_events: list = [None] * layer_num
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
 
     def __len__(self) -> int:
         return self.device_indices.numel()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why this load, or one it waits on, failed; ``None`` if it did not (yet)."""
+        if self._error is not None:
+            return self._error
+        return next((d.error for d in self._depends if d.error is not None), None)
 
     def _layer_done(self, layer: int) -> None:
         self._layers[layer].set()
@@ -61,7 +89,7 @@ class LoadHandle:
         self._cuda_events[layer] = event
 
     def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
+        self._error = error
         for event in self._layers:
             event.set()
 
@@ -89,7 +117,8 @@ class PrefetchHandle:
     ``tokens`` counts tokens already brought to the host (and visible to
     ``match_prefix``); ``target`` is what storage said it holds. ``wait()`` applies
     the cache's stop policy: ``best_effort`` returns at once, ``wait_complete``
-    blocks until done, ``timeout`` blocks at most ``prefetch_timeout`` seconds.
+    blocks until done (at most ``storage_timeout`` seconds), ``timeout`` blocks at
+    most ``prefetch_timeout`` seconds.
     """
 
     def __init__(self, target: int, policy: str, timeout: float) -> None:
@@ -110,26 +139,42 @@ class PrefetchHandle:
 
     def wait(self) -> int:
         """Tokens prefetched so far, after waiting as the stop policy says."""
-        if self._policy == "wait_complete":
-            self._done.wait()
-        elif self._policy == "timeout":
-            if not self._done.wait(self._timeout):
-                self.cancel()
+        if self._policy != "best_effort" and not self._done.wait(self._timeout):
+            self.cancel()
         return self.tokens
 
 
 @dataclass(frozen=True)
 class Acquired:
     """A prompt's cached prefix brought to the device for one request (locked until
-    :meth:`HierarchicalCache.release`). ``device_indices`` holds its KV once
-    ``load`` is done; the ``*_hit`` counts say which tier each reused token came from."""
+    :meth:`HierarchicalCache.release`, which consumes it). ``device_indices`` holds
+    its KV once ``load`` is done; the ``*_hit`` counts say which tier each reused
+    token came from."""
 
     match: MatchResult
     load: LoadHandle
     device_hit: int
     host_hit: int
     storage_hit: int
+    lease: Lease = field(repr=False, default=None)
 
     @property
     def device_indices(self) -> torch.Tensor:
         return self.load.device_indices
+
+    @property
+    def released(self) -> bool:
+        return self.lease is None or self.lease.released
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What :meth:`HierarchicalCache.commit` did: the request's new lease on its
+    whole cached sequence (``acquired.device_indices`` are the slots now holding
+    it, which may differ from the caller's where another request cached the same
+    pages first), how many tokens it added to the tree, and how many of the
+    caller's slots it freed as duplicates."""
+
+    acquired: Acquired
+    cached_tokens: int
+    freed_tokens: int

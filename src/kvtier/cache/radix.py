@@ -1,20 +1,22 @@
 """A page-granular radix tree over token ids whose nodes record where their KV lives.
 
-Each node holds a run of whole pages (``key``, a multiple of ``page_size`` token ids)
-and, per tier, the slots of those pages: ``device`` (engine pool), ``host`` (host
-pool), ``stored`` (written to L3 storage). Invariants kept by ``HierarchicalCache``:
+Each node holds a run of whole pages (``key``, an ``array('q')`` of a multiple of
+``page_size`` token ids) and, per tier, the slots of those pages. The tree is pure
+structure: no threads, no pools. ``CacheState`` keeps these invariants:
 
 - a node on the device has its parent on the device (device copies are
   prefix-closed), so a match hits the device first, then the host;
-- a node with no copy in any tier is removed (it is then a leaf);
-- ``lock_ref`` counts users of a node and all its ancestors: locked nodes are never
-  evicted. Locks are taken and released by walking up from the last node, so a
-  split (which inserts a node above) keeps the counts right.
+- a node with no copy in any tier and no transfer in flight is removed (it is then
+  a leaf); nodes with children are never removed;
+- ``lock_ref`` counts users of a node and all its descendants: locked nodes are
+  never evicted from any tier. Locks are taken and released by walking up from
+  the last node, so a split (which inserts a node above) keeps the counts right.
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from typing import Iterator
 
 import torch
@@ -28,26 +30,43 @@ def now() -> int:
 
 
 class Node:
-    __slots__ = ("key", "children", "parent", "device", "host", "stored", "store_keys", "lock_ref",
-                 "last_access", "hits", "loading")
+    """One run of cached pages. Per tier (see ``kvtier.cache.state`` for the rules):
 
-    def __init__(self, key: list[int], parent: "Node | None") -> None:
+    - ``device``/``host``: ``(len(key),)`` slots, or ``None``; ``stored``: written to L3;
+    - ``loading``: host -> device copy in flight (the device slots are being filled);
+    - ``backup``: device -> host copy in flight (the host slots are being filled);
+    - ``storing``: host -> storage write queued or running.
+    """
+
+    __slots__ = ("key", "children", "parent", "device", "host", "stored", "store_keys", "lock_ref",
+                 "last_access", "hits", "loading", "backup", "storing")
+
+    def __init__(self, key: array, parent: "Node | None") -> None:
         self.key = key
-        self.children: dict[tuple[int, ...], Node] = {}
+        self.children: dict[bytes, Node] = {}
         self.parent = parent
-        self.device: torch.Tensor | None = None  # (len(key),) device slots
-        self.host: torch.Tensor | None = None    # (len(key),) host slots
-        self.stored = False                       # every page written to L3
+        self.device: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.stored = False
         self.store_keys: list[str] | None = None  # per page, chained storage keys (lazy)
         self.lock_ref = 0
         self.last_access = now()
         self.hits = 0
-        self.loading = None  # the LoadHandle filling this node's device slots, until it is done
+        self.loading = self.backup = self.storing = None  # InFlight marks
 
     def __repr__(self) -> str:
-        tiers = "".join(t for t, on in (("D", self.device is not None), ("H", self.host is not None),
+        tiers = "".join(t for t, on in (("D", self.device is not None), ("H", self.host_ready),
                                         ("S", self.stored)) if on)
         return f"Node({len(self.key)} tokens, {tiers or '-'}, lock={self.lock_ref})"
+
+    @property
+    def host_ready(self) -> bool:
+        """Whether the host copy exists and is filled (not still being backed up)."""
+        return self.host is not None and self.backup is None
+
+    @property
+    def resident(self) -> bool:
+        return self.device is not None or self.host_ready
 
     @property
     def is_root(self) -> bool:
@@ -67,39 +86,56 @@ class RadixTree:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.roots: dict[object, Node] = {}
+        self.roots: dict[bytes, Node] = {}
 
-    def root(self, salt) -> Node:
+    def root(self, salt: bytes) -> Node:
         root = self.roots.get(salt)
         if root is None:
-            root = self.roots[salt] = Node([], None)
+            root = self.roots[salt] = Node(array("q"), None)
             root.lock_ref = 1  # roots are never evicted
         return root
 
-    def _first_page(self, tokens: list[int], start: int = 0) -> tuple[int, ...]:
-        return tuple(tokens[start:start + self.page_size])
+    def salt_of(self, node: Node) -> bytes:
+        while node.parent is not None:
+            node = node.parent
+        return next(salt for salt, root in self.roots.items() if root is node)
 
-    def match(self, tokens: list[int], salt) -> tuple[list[Node], int]:
-        """The path of nodes covering the longest page-aligned cached prefix of
-        ``tokens``, splitting a node where the match ends inside it. Returns
-        ``(path, matched tokens)`` and marks the path as just used."""
-        ps, node, pos, path = self.page_size, self.root(salt), 0, []
+    def _page_key(self, tokens: array, start: int = 0) -> bytes:
+        return tokens[start:start + self.page_size].tobytes()
+
+    def walk(self, tokens: array, salt: bytes) -> tuple[list[Node], int, int]:
+        """Read-only match: ``(nodes, matched tokens, tokens matched in the last node)``;
+        the last count is less than its key when the match ends inside it."""
+        ps, node, pos, path = self.page_size, self.roots.get(salt), 0, []
         usable = len(tokens) - len(tokens) % ps
-        stamp = now()
-        while pos < usable:
-            child = node.children.get(self._first_page(tokens, pos))
+        inner = 0
+        while node is not None and pos < usable:
+            child = node.children.get(self._page_key(tokens, pos))
             if child is None:
                 break
-            n = self._common_pages(child.key, tokens, pos, usable)
-            if n < len(child.key):
-                child = self.split(child, n)
-            child.last_access = stamp
+            inner = self._common_pages(child.key, tokens, pos, usable)
             path.append(child)
-            pos += n
+            pos += inner
+            if inner < len(child.key):
+                break
             node = child
-        return path, pos
+        return path, pos, inner
 
-    def _common_pages(self, key: list[int], tokens: list[int], pos: int, usable: int) -> int:
+    def match(self, tokens: array, salt: bytes) -> tuple[list[Node], int, list[Node]]:
+        """The path covering the longest page-aligned cached prefix of ``tokens``,
+        splitting the node where the match ends inside it; marks the path as just
+        used. Returns ``(path, matched tokens, new nodes made by the split)``."""
+        path, matched, inner = self.walk(tokens, salt)
+        made = []
+        if path and inner < len(path[-1].key):
+            path[-1] = self.split(path[-1], inner)
+            made.append(path[-1])
+        stamp = now()
+        for node in path:
+            node.last_access = stamp
+        return path, matched, made
+
+    def _common_pages(self, key: array, tokens: array, pos: int, usable: int) -> int:
         """Tokens of ``key`` matching ``tokens[pos:]``, in whole pages."""
         n = min(len(key), usable - pos)
         if tokens[pos:pos + n] == key[:n]:
@@ -111,7 +147,8 @@ class RadixTree:
 
     def split(self, node: Node, n: int) -> Node:
         """Cut ``node`` after ``n`` tokens (a multiple of the page size); returns the new
-        upper node, which inherits the lock count, LRU stamp and hits."""
+        upper node, which inherits the lock count, LRU stamp, hits and every transfer
+        in flight (it joins that transfer's nodes, so the transfer settles both)."""
         assert 0 < n < len(node.key) and n % self.page_size == 0, (n, len(node.key))
         top = Node(node.key[:n], node.parent)
         top.device = None if node.device is None else node.device[:n]
@@ -120,31 +157,36 @@ class RadixTree:
         if node.store_keys is not None:
             top.store_keys = node.store_keys[:n // self.page_size]
             node.store_keys = node.store_keys[n // self.page_size:]
-        top.lock_ref, top.last_access, top.hits, top.loading = node.lock_ref, node.last_access, node.hits, node.loading
-        node.parent.children[self._first_page(node.key)] = top
+        top.lock_ref, top.last_access, top.hits = node.lock_ref, node.last_access, node.hits
+        for attr in ("loading", "backup", "storing"):
+            mark = getattr(node, attr)
+            if mark is not None:
+                setattr(top, attr, mark)
+                mark.nodes.append(top)
+        node.parent.children[self._page_key(node.key)] = top
         node.key = node.key[n:]
         node.device = None if node.device is None else node.device[n:]
         node.host = None if node.host is None else node.host[n:]
         node.parent = top
-        top.children[self._first_page(node.key)] = node
+        top.children[self._page_key(node.key)] = node
         return top
 
-    def add_child(self, parent: Node, key: list[int]) -> Node:
+    def add_child(self, parent: Node, key: array) -> Node:
         child = Node(key, parent)
-        parent.children[self._first_page(key)] = child
+        parent.children[self._page_key(key)] = child
         return child
 
     def remove(self, node: Node) -> None:
         assert not node.children and not node.is_root and node.lock_ref == 0, node
-        del node.parent.children[self._first_page(node.key)]
+        del node.parent.children[self._page_key(node.key)]
 
     def attached(self, node: Node) -> bool:
         """Whether ``node`` is still in the tree (not removed by an eviction)."""
         while node.parent is not None:
-            if node.parent.children.get(self._first_page(node.key)) is not node:
+            if node.parent.children.get(self._page_key(node.key)) is not node:
                 return False
             node = node.parent
-        return True
+        return node in self.roots.values()
 
     def nodes(self) -> Iterator[Node]:
         """Every node below the roots."""
@@ -155,9 +197,25 @@ class RadixTree:
             stack.extend(node.children.values())
 
     @staticmethod
-    def lock(node: Node, delta: int) -> None:
-        """Add ``delta`` to the lock count of ``node`` and every ancestor."""
+    def lock(node: Node) -> None:
+        """Add one user to ``node`` and every ancestor."""
         while node is not None:
-            node.lock_ref += delta
-            assert node.lock_ref >= 0, f"unlock without lock on {node}"
+            node.lock_ref += 1
             node = node.parent
+
+    @staticmethod
+    def unlock(node: Node) -> list[Node]:
+        """Remove one user from ``node`` and every ancestor, checked before any count
+        moves; returns the nodes that became unlocked."""
+        walk = node
+        while walk is not None:
+            if walk.lock_ref < 1:
+                raise ValueError(f"unlock without a matching lock on {walk}")
+            walk = walk.parent
+        freed = []
+        while node is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                freed.append(node)
+            node = node.parent
+        return freed

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 
+ERROR_KINDS = ("load", "backup", "store", "storage_read", "storage_exists")
+
 
 class CacheStats:
     _FIELDS = ("matches", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens", "loaded_tokens",
                "backed_up_tokens", "stored_tokens", "prefetched_tokens", "inserted_tokens",
-               "device_evicted_tokens", "host_evicted_tokens", "device_alloc_failures", "errors")
+               "device_evicted_tokens", "host_evicted_tokens", "device_alloc_failures", "errors",
+               *(f"{k}_errors" for k in ERROR_KINDS))
 
     def __init__(self, bytes_per_token: int) -> None:
         self._lock = threading.Lock()
@@ -19,6 +22,10 @@ class CacheStats:
         with self._lock:
             for k, v in counts.items():
                 self._counts[k] += v
+
+    def error(self, kind: str) -> None:
+        """One failed operation of ``kind`` (one of ``ERROR_KINDS``)."""
+        self.add(errors=1, **{f"{kind}_errors": 1})
 
     def matched(self, device: int, host: int, storage: int) -> None:
         self.add(matches=1, device_hit_tokens=device, host_hit_tokens=host, storage_hit_tokens=storage)

@@ -8,6 +8,8 @@ import queue
 import threading
 from typing import Callable
 
+from .handles import CacheClosedError
+
 log = logging.getLogger("kvtier.cache")
 _STOP = object()
 
@@ -16,6 +18,8 @@ class Worker:
     def __init__(self, name: str) -> None:
         self.name = name
         self._queue: queue.Queue = queue.Queue()
+        self._closing = threading.Lock()  # submit vs close: no job lands behind the stop
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         # NOTE: a daemon thread killed inside a torch op at interpreter exit aborts the
@@ -23,7 +27,11 @@ class Worker:
         atexit.register(self.close)
 
     def submit(self, job: Callable[[], None]) -> None:
-        self._queue.put(job)
+        """Queue ``job``; ``CacheClosedError`` once :meth:`close` was called."""
+        with self._closing:
+            if self._closed:
+                raise CacheClosedError(f"{self.name} is closed")
+            self._queue.put(job)
 
     def depth(self) -> int:
         """Jobs queued or running."""
@@ -32,10 +40,15 @@ class Worker:
     def join_queue(self) -> None:
         self._queue.join()
 
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join()
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is queued, then stop; waits at most ``timeout`` seconds for that
+        (a job hung in a storage call is left to finish on its daemon thread)."""
+        with self._closing:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
         atexit.unregister(self.close)
 
     def _run(self) -> None:

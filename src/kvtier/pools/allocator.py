@@ -39,6 +39,10 @@ class PageAllocator:
         self._in_use[pages] = True
         return page_slots(pages, self.page_size)
 
+    def allocated(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """``(n,)`` bool: which of the (valid) ``page_ids`` are handed out."""
+        return self._in_use[page_ids]
+
     def free(self, indices: torch.Tensor) -> None:
         """Return whole pages; ``ValueError`` for slots that are not allocated (double free)."""
         pages = page_starts(indices, page_size=self.page_size, size=self.size, what="free indices",

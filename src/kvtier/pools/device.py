@@ -114,6 +114,10 @@ class DeviceKVPool:
     def free(self, indices: torch.Tensor) -> None:
         self._allocator.free(indices)
 
+    def allocated_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """``(n,)`` bool: which of the CPU int64 ``page_ids`` are allocated."""
+        return self._allocator.allocated(page_ids)
+
     def available_size(self) -> int:
         return self._allocator.available_size()
 

@@ -1,0 +1,92 @@
+"""Storage as the cache calls it: every fault is a miss plus a counted error.
+
+A backend may raise, answer with the wrong number of results, or hang. None of that
+reaches the engine: ``exists`` runs on its own thread with a timeout (a call still
+hung makes the next ones fail fast instead of piling up), ``get`` and ``set`` run on
+the cache's workers and turn exceptions and malformed answers into misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .handles import CacheClosedError
+from .protocols import Storage
+from .stats import CacheStats
+from .workers import Worker
+
+log = logging.getLogger("kvtier.cache")
+
+
+class StorageGuard:
+    def __init__(self, storage: Storage, stats: CacheStats, timeout: float) -> None:
+        self.storage, self._stats, self.timeout = storage, stats, timeout
+        self._exists = Worker("kvtier-exists")
+        self._idle = threading.Lock()  # held while an exists call runs
+
+    def exists(self, keys: list[str]) -> int:
+        """How many leading ``keys`` storage holds; 0 on any fault or after ``timeout``."""
+        if not keys:
+            return 0
+        if not self._idle.acquire(blocking=False):
+            return self._fault("storage_exists", "a previous batch_exists is still running")
+        answer, done = {}, threading.Event()
+
+        def call() -> None:
+            try:
+                answer["n"] = self.storage.batch_exists(keys)
+            except Exception as e:
+                answer["error"] = e
+            finally:
+                self._idle.release()
+                done.set()
+
+        try:
+            self._exists.submit(call)
+        except CacheClosedError:
+            self._idle.release()
+            raise
+        if not done.wait(self.timeout):
+            return self._fault("storage_exists", f"batch_exists took over {self.timeout}s")
+        n = answer.get("n")
+        if "error" in answer:
+            return self._fault("storage_exists", f"batch_exists raised {answer['error']!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
+            return self._fault("storage_exists", f"batch_exists answered {n!r} for {len(keys)} keys")
+        return n
+
+    def get(self, keys: list[str], host_pool, host_indices) -> list[bool]:
+        """Per key, whether its page was filled; a fault is a miss."""
+        try:
+            got = self.storage.batch_get(keys, host_pool, host_indices)
+        except Exception as e:
+            self._fault("storage_read", f"batch_get raised {e!r}")
+            return [False] * len(keys)
+        return self._per_key("storage_read", "batch_get", got, len(keys))
+
+    def set(self, keys: list[str], host_pool, host_indices) -> bool:
+        """Whether every page was written; faults are logged (the caller counts them)."""
+        try:
+            ok = self.storage.batch_set(keys, host_pool, host_indices)
+        except Exception as e:
+            log.warning("kvtier storage: batch_set raised %r", e)
+            return False
+        if not isinstance(ok, (list, tuple)) or len(ok) != len(keys):
+            log.warning("kvtier storage: batch_set answered %r for %d keys", ok, len(keys))
+            return False
+        return all(x is True for x in ok)
+
+    def _per_key(self, kind: str, op: str, got, n: int) -> list[bool]:
+        if not isinstance(got, (list, tuple)) or len(got) != n or not all(isinstance(x, bool) for x in got):
+            self._fault(kind, f"{op} answered {got!r:.80} for {n} keys")
+            return [False] * n
+        return list(got)
+
+    def _fault(self, kind: str, why: str) -> int:
+        self._stats.error(kind)
+        log.warning("kvtier storage: %s", why)
+        return 0
+
+    def close(self) -> None:
+        self._exists.close(timeout=self.timeout)

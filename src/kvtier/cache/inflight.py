@@ -1,0 +1,48 @@
+"""Marks for transfers in flight, shared by every node they cover.
+
+A mark lists its nodes; a split adds the new upper node to the list, so the job
+that owns the mark settles every piece of the run it started with.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+KINDS = ("load", "backup", "store")
+
+
+class InFlight:
+    """One transfer: ``kind`` is ``load`` (host -> device), ``backup`` (device ->
+    host) or ``store`` (host -> storage). ``cancelled`` tells a job that has not
+    run yet that its nodes no longer want it; ``done`` is set when it settled."""
+
+    __slots__ = ("kind", "nodes", "cancelled", "started", "done", "device", "host", "handle", "ready", "pin")
+
+    def __init__(self, kind: str, nodes: list, device: torch.Tensor | None = None,
+                 host: torch.Tensor | None = None) -> None:
+        assert kind in KINDS, kind
+        self.kind = kind
+        self.nodes = nodes
+        self.cancelled = False
+        self.started = False
+        self.done = threading.Event()
+        self.device, self.host = device, host   # the slots the copy reads or fills
+        self.handle = None                      # a load's LoadHandle
+        self.ready = None                       # CUDA: event the copy's stream waits on
+        self.pin = None                         # a load's locked node (its path stays put)
+
+    def holders(self) -> list:
+        """The nodes still carrying this mark."""
+        return [n for n in self.nodes if getattr(n, _ATTR[self.kind]) is self]
+
+    def clear(self) -> list:
+        """Take the mark off every node that carries it; returns those nodes."""
+        held = self.holders()
+        for node in held:
+            setattr(node, _ATTR[self.kind], None)
+        return held
+
+
+_ATTR = {"load": "loading", "backup": "backup", "store": "storing"}

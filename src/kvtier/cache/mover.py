@@ -1,0 +1,193 @@
+"""The threads that move bytes: per-layer loads, backups, storage writes, prefetches.
+
+Each job copies outside the cache's lock and settles its mark through
+``CacheState`` with the lock held; whatever fails is rolled back there. The
+workers are one thread each.
+
+NOTE: loads run on one thread, in submission order. A load that depends on pages
+another load is filling was submitted after it, so when that earlier load fails
+and cancels it, the later job has not started copying yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from array import array
+
+import torch
+
+from .guard import StorageGuard
+from .handles import CacheClosedError, LoadError, PrefetchHandle
+from .inflight import InFlight
+from .state import CacheState
+from .workers import Worker
+
+log = logging.getLogger("kvtier.cache")
+PREFETCH_CHUNK_PAGES = 8
+
+
+class Mover:
+    def __init__(self, state: CacheState, guard: StorageGuard | None, *, io_backend: str) -> None:
+        self.state, self.guard, self.io_backend = state, guard, io_backend
+        self.loader = Worker("kvtier-load")
+        self.backer = Worker("kvtier-backup")
+        self.writer = Worker("kvtier-store") if guard is not None else None
+        self.prefetcher = Worker("kvtier-prefetch") if guard is not None else None
+        self._jobs = {"load": (self.loader, self._load), "backup": (self.backer, self._backup),
+                      "store": (self.writer, self._store)}
+        cuda = state.device_pool.device.type == "cuda"
+        self._streams = {k: torch.cuda.Stream(state.device_pool.device) for k in ("load", "backup")} if cuda else {}
+        state.schedule = self.schedule
+
+    @property
+    def workers(self) -> list[Worker]:
+        """In the order work flows: a backup queues a storage write."""
+        return [w for w in (self.loader, self.prefetcher, self.backer, self.writer) if w is not None]
+
+    # -- scheduling (lock held) ----------------------------------------------------------------------
+    def schedule(self, mark: InFlight) -> None:
+        """Queue the job for ``mark``; if the cache is closed, roll it back now."""
+        worker, job = self._jobs[mark.kind]
+        if mark.kind == "backup" and self._streams:
+            # NOTE: the engine may still be writing these slots on its stream: the copy waits for it.
+            mark.ready = torch.cuda.Event()
+            mark.ready.record(torch.cuda.current_stream(self.state.device_pool.device))
+        try:
+            worker.submit(lambda: job(mark))
+        except CacheClosedError as e:
+            self._abort(mark, e)
+
+    def _abort(self, mark: InFlight, error: BaseException) -> None:
+        if mark.kind == "load":
+            self.state.fail_load(mark)
+            mark.handle._finish(error)
+        elif mark.kind == "backup":
+            mark.cancelled = True
+            self.state.finish_backup(mark, ok=True)
+        else:
+            mark.clear()
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+    def _stream(self, kind: str):
+        stream = self._streams.get(kind)
+        return (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()), stream
+
+    def _load(self, mark: InFlight) -> None:
+        state, handle = self.state, mark.handle
+        with state.lock:
+            if mark.cancelled:  # a load it depended on failed first (fail_load took its pages back)
+                state.unlock_node(mark.pin)
+                mark.done.set()
+                handle._finish(LoadError("a load this one depended on failed"))
+                return
+        error = None
+        scope, stream = self._stream("load")
+        try:
+            with scope:
+                for layer in range(state.device_pool.spec.layer_num):
+                    state.host_pool.load_to_device_per_layer(state.device_pool, mark.host, mark.device, layer,
+                                                             self.io_backend)
+                    if stream is not None:
+                        handle._record_cuda_event(layer, stream)
+                    handle._layer_done(layer)
+        except Exception as e:
+            error = e
+            log.warning("kvtier: load of %d tokens failed: %r", mark.host.numel(), e)
+        with state.lock:
+            (state.fail_load if error is not None else state.finish_load)(mark)
+        handle._finish(error)
+
+    def _backup(self, mark: InFlight) -> None:
+        ok = True
+        if not mark.cancelled:
+            scope, stream = self._stream("backup")
+            try:
+                with scope:
+                    if mark.ready is not None:
+                        stream.wait_event(mark.ready)
+                    self.state.host_pool.backup_from_device_all_layer(self.state.device_pool, mark.host,
+                                                                      mark.device, self.io_backend)
+                if stream is not None:
+                    stream.synchronize()  # the device copy stays pinned until the bytes have landed
+            except Exception as e:
+                ok = False
+                log.warning("kvtier: backup of %d tokens failed: %r", mark.host.numel(), e)
+        with self.state.lock:
+            self.state.finish_backup(mark, ok)
+
+    def _store(self, mark: InFlight) -> None:
+        with self.state.lock:
+            job = self.state.start_store(mark)
+        ok = job is not None and self.guard.set(job[0], self.state.host_pool, job[1])
+        with self.state.lock:
+            self.state.finish_store(mark, ok)
+
+    # -- storage -> host --------------------------------------------------------------------------------------
+    def prefetch(self, tokens: array, salt: bytes, last, start: int, pages: int, parent_key: str | None,
+                 policy: str, timeout: float) -> PrefetchHandle:
+        """Fetch ``pages`` pages of ``tokens`` after ``start`` (the resident prefix
+        ending at node ``last``) into the host pool, in the background."""
+        state, ps = self.state, self.state.page_size
+        with state.lock:
+            host = state.alloc("host", pages * ps) if pages else None
+            while host is None and pages:
+                pages //= 2  # settle for a shorter prefix when the host is full of locked pages
+                host = state.alloc("host", pages * ps) if pages else None
+            if pages:
+                state.lock_node(last)
+        handle = PrefetchHandle(pages * ps, policy, timeout)
+        if not pages:
+            return handle
+        try:
+            self.prefetcher.submit(lambda: self._prefetch(handle, tokens, salt, last, start, host, parent_key))
+        except CacheClosedError:
+            with state.lock:
+                state.host_pool.free(host)
+                state.unlock_node(last)
+            raise
+        return handle
+
+    def _prefetch(self, handle, tokens, salt, last, start, host, parent_key) -> None:
+        from ..storage.keys import extend_keys
+
+        state, ps, done = self.state, self.state.page_size, 0
+        try:
+            keys = extend_keys(parent_key, tokens[start:start + handle.target], ps, state.namespace, salt,
+                               state.hash)
+            for c in range(0, len(keys), PREFETCH_CHUNK_PAGES):
+                if handle._cancel.is_set():
+                    break
+                chunk = keys[c:c + PREFETCH_CHUNK_PAGES]
+                got = self.guard.get(chunk, state.host_pool, host[c * ps:(c + len(chunk)) * ps])
+                n = next((i for i, ok in enumerate(got) if not ok), len(got))
+                if n:
+                    with state.lock:
+                        adopted = state.adopt_host(tokens[:start + done + n * ps], host[done:done + n * ps],
+                                                   start + done, salt, chunk[:n])
+                    if not adopted:
+                        break
+                    done += n * ps
+                    handle.tokens = done
+                    state.stats.add(prefetched_tokens=n * ps)
+                if n < len(chunk):
+                    break
+        finally:
+            with state.lock:
+                if done < host.numel():
+                    state.host_pool.free(host[done:])
+                state.unlock_node(last)
+            handle._done.set()
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait until no job is queued or running (jobs may queue others)."""
+        while any(w.depth() for w in self.workers):
+            for worker in self.workers:
+                worker.join_queue()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        if self.guard is not None:
+            self.guard.close()

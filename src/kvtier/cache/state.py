@@ -1,0 +1,430 @@
+"""The cache's state with no threads: the tree, who owns which slot, LRU order, and
+every transition of a run of pages between tiers.
+
+Every method of :class:`CacheState` runs with ``state.lock`` held (the cache and the
+mover take it); none blocks on I/O. Per node and tier (see ``radix.Node``):
+
+    device   resident (``device``), or being filled from the host (``loading``)
+    host     resident (``host`` and no ``backup``), or being filled (``backup``)
+    storage  ``stored``, or a write queued / running (``storing``)
+
+What each state pins against eviction:
+
+- a request lock (``lock_ref``): the node and its ancestors, in every tier;
+- ``loading``: the device slots being filled and the host copy they come from;
+  the load also locks the path above it (device copies are prefix-closed);
+- ``backup``: the device copy being read, until its copy lands;
+- ``storing``: the host copy, and only while the write runs (a queued write is
+  dropped if its host copy is evicted first); never the device copy or ancestors.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from typing import Callable
+
+import torch
+
+from ..storage.keys import extend_keys
+from .inflight import InFlight
+from .lru import LruIndex
+from .radix import Node, RadixTree
+from .stats import CacheStats
+
+
+class CacheState:
+    def __init__(self, device_pool, host_pool, allocator, *, write_policy: str, stats: CacheStats,
+                 namespace: str | None, hash: str, has_storage: bool) -> None:
+        self.device_pool, self.host_pool, self.allocator = device_pool, host_pool, allocator
+        self.page_size = host_pool.page_size
+        self.write_policy, self.stats = write_policy, stats
+        self.namespace, self.hash, self.has_storage = namespace, hash, has_storage
+        self.lock = threading.RLock()
+        self.tree = RadixTree(self.page_size)
+        self.lru = LruIndex()
+        self._nodes = 0
+        self._owned = torch.zeros(device_pool.size // self.page_size, dtype=torch.bool)  # pages held by nodes
+        self.backups: set[InFlight] = set()  # device -> host copies in flight
+        self.schedule: Callable[[InFlight], None] = lambda mark: None  # the mover's; set by the cache
+
+    # -- matching ---------------------------------------------------------------------------
+    def match(self, tokens: array, salt: bytes) -> tuple[list[Node], int, int]:
+        """``(path, device_len, host_len)`` of the longest resident prefix; touches it."""
+        path, _, made = self.tree.match(tokens, salt)
+        for node in made:
+            self._added(node)
+        device_len = host_len = 0
+        for i, node in enumerate(path):
+            if node.device is not None:
+                device_len += len(node.key)
+            elif node.host_ready:
+                host_len += len(node.key)
+            else:
+                del path[i:]
+                break
+        return path, device_len, host_len
+
+    def device_slots(self, nodes) -> torch.Tensor:
+        parts = [n.device for n in nodes if n.device is not None]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
+
+    # -- locks ------------------------------------------------------------------------------------
+    def lock_node(self, node: Node) -> None:
+        self.tree.lock(node)
+
+    def unlock_node(self, node: Node) -> None:
+        for freed in self.tree.unlock(node):
+            if not freed.is_root:
+                self._settle(freed)
+
+    # -- residency primitives -----------------------------------------------------------------------
+    def _added(self, node: Node) -> None:
+        self._nodes += 1
+        self.lru.push(node)
+        if len(self.lru) > 4 * self._nodes + 1024:
+            self.lru.rebuild(self.tree.nodes())
+
+    def _set_device(self, node: Node, slots: torch.Tensor) -> None:
+        node.device = slots
+        self._owned[self._pages(slots)] = True
+
+    def _drop_device(self, node: Node) -> None:
+        self._owned[self._pages(node.device)] = False
+        self.allocator.free(node.device)
+        node.device = None
+        if not node.parent.is_root:
+            self.lru.push(node.parent)  # it may now be a device leaf
+
+    def _drop_host(self, node: Node) -> None:
+        if node.storing is not None:  # a queued write of this copy is dropped with it
+            node.storing = None
+        self.host_pool.free(node.host)
+        node.host = None
+
+    def _settle(self, node: Node) -> None:
+        """Remove ``node`` if it holds nothing and nothing is in flight on it, else
+        offer it to the LRU index again."""
+        busy = node.loading or node.backup or node.storing
+        if node.resident or busy or node.children or node.lock_ref or node.is_root:
+            self.lru.push(node)
+            return
+        if self.tree.attached(node):
+            self.tree.remove(node)
+            self._nodes -= 1
+            if not node.parent.is_root:
+                self.lru.push(node.parent)
+
+    def _pages(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots[::self.page_size].cpu() // self.page_size
+
+    def owned(self, slots: torch.Tensor) -> torch.Tensor:
+        """``(pages,)`` bool: which whole pages of ``slots`` a node holds."""
+        return self._owned[self._pages(slots)]
+
+    # -- allocation and eviction --------------------------------------------------------------------
+    def alloc(self, tier: str, n: int) -> torch.Tensor | None:
+        """``n`` slots of ``tier``, evicting that tier's LRU unlocked pages if it is full."""
+        pool = self.allocator if tier == "device" else self.host_pool
+        slots = pool.alloc(n)
+        if slots is None:
+            self.evict(tier, n - pool.available_size())
+            slots = pool.alloc(n)
+        return slots
+
+    def evict(self, tier: str, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots of ``tier`` (whole pages, least recently
+        used first; a node is split so that no more pages go than asked). A device
+        page without a host copy that must keep one (``write_back``, or host-only
+        pages hang below it) starts a backup instead and goes once it lands."""
+        ps, freed, skipped = self.page_size, 0, []
+        evictable = self._device_evictable if tier == "device" else self._host_evictable
+        while freed < num_tokens:
+            node = self.lru.pop(tier, evictable)
+            if node is None:
+                break
+            want = -(-(num_tokens - freed) // ps) * ps
+            if len(node.key) > want:
+                self._added(self.tree.split(node, len(node.key) - want))  # ``node`` keeps the tail
+            if tier == "device":
+                if not node.host_ready and (self.write_policy == "write_back" or node.children):
+                    if not self.begin_backup(node):
+                        skipped.append(node)
+                    continue
+                self._drop_device(node)
+            else:
+                self._drop_host(node)
+            freed += len(node.key)
+            self.stats.evicted(tier, len(node.key))
+            self._settle(node)
+        for node in skipped:
+            self.lru.push(node)
+        return freed
+
+    @staticmethod
+    def _device_evictable(node: Node) -> bool:
+        if node.device is None or node.lock_ref or node.loading is not None or node.backup is not None:
+            return False
+        return all(c.device is None for c in node.children.values())  # children leave the device first
+
+    @staticmethod
+    def _host_evictable(node: Node) -> bool:
+        if node.host is None or node.lock_ref or node.loading is not None or node.backup is not None:
+            return False
+        if node.storing is not None and node.storing.started:
+            return False
+        return node.device is not None or not node.children  # a host-only node goes with its leaf
+
+    # -- host -> device -----------------------------------------------------------------------------------
+    def begin_load(self, path: list[Node], layer_num: int, reserved: torch.Tensor | None = None):
+        """Give device slots to the host-only nodes of ``path`` (as many as fit; first
+        from ``reserved``, slots the caller allocated for this, whose rest is freed)
+        and mark them loading. Returns ``(handle, mark)``; ``mark`` is ``None`` when
+        nothing needs loading (the handle is then finished)."""
+        from .handles import LoadHandle
+
+        if not path:
+            if reserved is not None and reserved.numel():
+                self.allocator.free(reserved)
+            handle = LoadHandle(self.device_slots([]), layer_num)
+            handle._finish()
+            return handle, None
+        pin = path[-1]
+        self.tree.lock(pin)  # our own path is not evicted to make room for it
+        depends, nodes, slots = {}, [], []
+        for node in path:
+            if node.device is None:
+                if not node.host_ready:
+                    break
+                n = len(node.key)
+                if reserved is not None and reserved.numel() >= n:
+                    got, reserved = reserved[:n], reserved[n:]
+                else:
+                    got = self.alloc("device", n)
+                if got is None:
+                    break
+                self._set_device(node, got)
+                nodes.append(node)
+            elif node.loading is not None:
+                depends[id(node.loading)] = node.loading.handle
+            slots.append(node.device)
+        if reserved is not None and reserved.numel():
+            self.allocator.free(reserved)
+        device = torch.cat(slots) if slots else self.device_slots([])
+        handle = LoadHandle(device, layer_num, tuple(depends.values()))
+        if not nodes:
+            self.unlock_node(pin)
+            handle._finish()
+            return handle, None
+        mark = InFlight("load", nodes, device=torch.cat([n.device for n in nodes]),
+                        host=torch.cat([n.host for n in nodes]))
+        mark.handle, mark.pin = handle, pin
+        for node in nodes:
+            node.loading = mark
+        self.schedule(mark)
+        return handle, mark
+
+    def finish_load(self, mark: InFlight) -> None:
+        for node in mark.clear():
+            self.lru.push(node)
+        self.unlock_node(mark.pin)
+        self.stats.add(loaded_tokens=mark.host.numel())
+        mark.done.set()
+
+    def fail_load(self, mark: InFlight) -> None:
+        """Undo a failed (or cancelled) load: its pages, and every device page below
+        them, leave the device; loads that depended on it are cancelled."""
+        for node in mark.clear():
+            self._drop_device_subtree(node)
+        self.unlock_node(mark.pin)
+        self.stats.error("load")
+        mark.done.set()
+
+    def _drop_device_subtree(self, node: Node) -> None:
+        for child in list(node.children.values()):
+            if child.device is not None:
+                self._drop_device_subtree(child)
+        if node.device is None:
+            return
+        if node.loading is not None:
+            node.loading.cancelled = True
+            node.loading = None
+        if node.backup is not None:  # a copy of KV computed on a failed prefix: discard it
+            node.backup.cancelled = True
+        self._drop_device(node)
+        self._settle(node)
+
+    # -- device -> host -----------------------------------------------------------------------------------
+    def begin_backup(self, node: Node) -> bool:
+        """Copy ``node`` to the host (on the mover's worker), then to storage. True if
+        it has or will have a host copy."""
+        if node.host_ready:
+            self.queue_store(node)
+            return True
+        if node.device is None or node.loading is not None or node.backup is not None:
+            return node.backup is not None
+        host = self.alloc("host", len(node.key))
+        if host is None:
+            return False
+        node.host = host
+        node.backup = InFlight("backup", [node], device=node.device, host=host)
+        self.backups.add(node.backup)
+        self.schedule(node.backup)
+        return True
+
+    def finish_backup(self, mark: InFlight, ok: bool) -> None:
+        self.backups.discard(mark)
+        holders = mark.clear()
+        if mark.cancelled or not ok:
+            for node in holders:
+                self._drop_host(node)
+                self._settle(node)
+            if not ok:
+                self.stats.error("backup")
+        else:
+            self.stats.add(backed_up_tokens=sum(len(n.key) for n in holders))
+            for node in holders:
+                self.lru.push(node)
+                self.queue_store(node)
+        mark.done.set()
+
+    # -- host -> storage ----------------------------------------------------------------------------------
+    def queue_store(self, node: Node) -> None:
+        if not self.has_storage or node.stored or node.storing is not None or not node.host_ready:
+            return
+        node.storing = InFlight("store", [node])
+        self.schedule(node.storing)
+
+    def start_store(self, mark: InFlight) -> tuple[list[str], torch.Tensor] | None:
+        """The keys and host slots to write, pinning them; ``None`` if every node of
+        the mark lost its host copy while the write was queued."""
+        holders = mark.holders()
+        if not holders:
+            return None
+        mark.started = True
+        keys = [k for node in holders for k in self.store_keys(node)]
+        return keys, torch.cat([node.host for node in holders])
+
+    def finish_store(self, mark: InFlight, ok: bool) -> None:
+        holders = mark.clear()
+        if ok:
+            self.stats.add(stored_tokens=sum(len(n.key) for n in holders))
+        elif holders:
+            self.stats.error("store")
+        for node in holders:
+            node.stored = node.stored or ok
+            self.lru.push(node)
+
+    def store_keys(self, node: Node) -> list[str]:
+        """Storage keys of ``node``'s pages, chained from its parent's (computed once)."""
+        todo = []
+        while node.store_keys is None:
+            todo.append(node)
+            if node.parent.is_root:
+                break
+            node = node.parent
+        for n in reversed(todo):
+            if n.parent.is_root:
+                parent_key, salt = None, self.tree.salt_of(n.parent)
+            else:
+                parent_key, salt = n.parent.store_keys[-1], b""  # the salt is in the parent's key
+            n.store_keys = extend_keys(parent_key, n.key, self.page_size, self.namespace, salt, self.hash)
+        return todo[0].store_keys if todo else node.store_keys
+
+    # -- storage -> host -------------------------------------------------------------------------------------
+    def adopt_host(self, tokens: array, host_slots: torch.Tensor, start: int, salt: bytes, keys: list[str]) -> bool:
+        """Insert ``tokens[start:]`` as host-resident pages in ``host_slots`` (fetched
+        from storage). False, taking nothing, when the pages before ``start`` left
+        the tree meanwhile."""
+        path, matched, made = self.tree.match(tokens, salt)
+        for node in made:
+            self._added(node)
+        if matched < start:
+            return False
+        if matched > start:  # someone cached part of it meanwhile: keep theirs
+            self.host_pool.free(host_slots[:matched - start])
+        if matched < len(tokens):
+            node = self.tree.add_child(path[-1] if path else self.tree.root(salt), tokens[matched:])
+            node.host = host_slots[matched - start:]
+            node.stored = True
+            node.store_keys = keys[(matched - start) // self.page_size:]
+            self._added(node)
+        return True
+
+    # -- inserting ------------------------------------------------------------------------------------------
+    def check_insert(self, tokens: array, slots: torch.Tensor, salt: bytes) -> None:
+        """``ValueError`` unless every slot the tree would adopt is the caller's: not
+        held by a node (and allocated, when the cache allocates for the engine)."""
+        path, _, inner = self.tree.walk(tokens, salt)
+        ps, offset, device_prefix = self.page_size, 0, True
+        owned = self.owned(slots)
+        bad, adopted = torch.zeros_like(owned), torch.ones_like(owned)
+        for i, node in enumerate(path):
+            n = inner if i == len(path) - 1 else len(node.key)
+            seg = slice(offset // ps, (offset + n) // ps)
+            if device_prefix and node.device is not None:  # the caller's copy is either the node's or a duplicate
+                theirs = slots[offset:offset + n:ps] != node.device[:n:ps]
+                bad[seg] = owned[seg] & theirs.cpu()
+                adopted[seg] = False
+            else:
+                device_prefix = False
+                bad[seg] = owned[seg]
+            offset += n
+        bad[offset // ps:] = owned[offset // ps:]
+        if bool(bad.any()):
+            page = int(bad.nonzero()[0])
+            raise ValueError(f"insert: device slot {int(slots[page * ps])} (page {page} of the prompt) already holds "
+                             "another cached page; pass slots from alloc_device, or the match's own")
+        if self.allocator is self.device_pool:
+            pages = self._pages(slots)
+            free = adopted & ~self.device_pool.allocated_pages(pages)
+            if bool(free.any()):
+                slot = int(pages[int(free.nonzero()[0])]) * ps
+                raise ValueError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
+
+    def insert(self, tokens: array, slots: torch.Tensor, salt: bytes) -> tuple[int, int]:
+        """Cache ``tokens`` (whole pages) whose KV is in ``slots``; call
+        :meth:`check_insert` first. Returns ``(tokens already on the device, new tokens)``."""
+        path, matched, made = self.tree.match(tokens, salt)
+        for node in made:
+            self._added(node)
+        already, offset = 0, 0
+        for node in path:
+            if node.device is None:  # host-only (or empty): adopt the caller's freshly computed slots
+                self._set_device(node, slots[offset:offset + len(node.key)].clone())
+                self.lru.push(node)
+            elif already == offset:
+                already += len(node.key)
+            offset += len(node.key)
+        if matched < len(tokens):
+            node = self.tree.add_child(path[-1] if path else self.tree.root(salt), tokens[matched:])
+            self._set_device(node, slots[matched:].clone())
+            self._added(node)
+            path.append(node)
+        if self.write_policy == "write_through":
+            for node in path:
+                self.begin_backup(node)
+        return already, len(tokens) - matched
+
+    # -- integrity ---------------------------------------------------------------------------------------------
+    def check_integrity(self, engine_device_slots: int | None = None) -> None:
+        """Assert the structural invariants (tests call it after every step):
+        slots owned once, ownership map exact, device copies prefix-closed, no slot
+        leaked, every evictable node indexed for LRU."""
+        dev_pages, host_slots = [], []
+        for node in self.tree.nodes():
+            assert len(node.key) % self.page_size == 0 and len(node.key), node
+            if node.device is not None:
+                assert node.parent.is_root or node.parent.device is not None, f"{node}: device not prefix-closed"
+                dev_pages += self._pages(node.device).tolist()
+            if node.host is not None:
+                host_slots += node.host.tolist()
+            for tier, ok in (("device", self._device_evictable), ("host", self._host_evictable)):
+                assert not ok(node) or self.lru.contains(tier, node), f"{node}: evictable but not in the {tier} LRU"
+        assert len(dev_pages) == len(set(dev_pages)), "a device page is held by two nodes"
+        assert len(host_slots) == len(set(host_slots)), "a host slot is held by two nodes"
+        assert sorted(self._owned.nonzero().flatten().tolist()) == sorted(dev_pages), "ownership map is stale"
+        assert self.host_pool.available_size() + len(host_slots) == self.host_pool.size, "host slots leaked"
+        if engine_device_slots is not None:
+            held = len(dev_pages) * self.page_size + engine_device_slots
+            assert self.allocator.available_size() + held == self.device_pool.size, "device slots leaked"

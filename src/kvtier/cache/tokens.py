@@ -1,0 +1,72 @@
+"""The two inputs every cache call keys on, in one canonical form each.
+
+Token ids become an ``array('q')`` (int64, one copy, compared with ``memcmp``);
+a tenant salt becomes ``bytes``, the same form for the tree and the storage keys,
+so ``None``/``""``/``b""`` are one tenant and ``"t"``/``b"t"`` another.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import torch
+
+_INT64 = np.iinfo(np.int64)
+
+
+def token_array(token_ids) -> array:
+    """``token_ids`` as ``array('q')``.
+
+    Accepted: a 1-D sequence of Python ints (list, tuple, ``array``, any iterable),
+    a 1-D integer tensor or numpy array, or a ``(1, n)`` one (the shape of Hugging
+    Face ``input_ids``). Anything else (floats, bools, other shapes, ids outside
+    int64) raises ``ValueError`` naming the shape or dtype.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        return _from_numpy(token_ids.detach().cpu().numpy(), f"tensor of dtype {token_ids.dtype}")
+    if isinstance(token_ids, np.ndarray):
+        return _from_numpy(token_ids, f"numpy array of dtype {token_ids.dtype}")
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        return token_ids[:]
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+    try:
+        return array("q", token_ids)
+    except OverflowError:
+        raise ValueError("token_ids hold an id outside the int64 range") from None
+    except TypeError:
+        bad = _first_non_int(token_ids)
+        raise ValueError(f"token_ids must be a 1-D sequence of ints, got an element of type {bad}") from None
+
+
+def _first_non_int(token_ids) -> str:
+    try:
+        return next((type(t).__name__ for t in token_ids if not isinstance(t, int)), "unknown")
+    except TypeError:
+        return type(token_ids).__name__
+
+
+def _from_numpy(arr: np.ndarray, what: str) -> array:
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D or (1, n), got a {what} of shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must hold integers, got a {what}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64.max:
+        raise ValueError("token_ids hold an id outside the int64 range")
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(arr, dtype="=i8").tobytes())
+    return out
+
+
+def canonical_salt(salt) -> bytes:
+    """A tenant salt as bytes: ``None`` -> ``b""``, ``str`` -> UTF-8."""
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return salt.encode("utf-8")
+    if isinstance(salt, (bytes, bytearray, memoryview)):
+        return bytes(salt)
+    raise ValueError(f"salt must be None, str or bytes, got {type(salt).__name__}")
