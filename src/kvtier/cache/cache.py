@@ -269,13 +269,13 @@ class HierarchicalCache:
             raise ValueError(f"commit: slots must be a 1-D tensor of {full - reused} slots (the full pages of "
                              f"{len(tokens)} tokens after the {reused}-token prefix), got {got}")
         all_slots = torch.cat([prefix, slots.to(prefix.device)])
-        self._check_slots(all_slots)
+        pages = self._check_slots(all_slots)
         salt, state = acquired.match.salt, self._state
         with self._lock:
             if acquired.lease.released:
                 raise ValueError("commit: this Acquired was already released (or committed)")
-            state.check_insert(tokens[:full], all_slots, salt)
-            already, new = state.insert(tokens[:full], all_slots, salt)
+            walked = state.check_insert(tokens[:full], pages, salt)
+            already, new = state.insert(tokens[:full], all_slots, salt, walked)
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
             path, _, _ = state.match(tokens[:full], salt)
@@ -345,16 +345,18 @@ class HierarchicalCache:
             raise ValueError(f"device_indices must be a 1-D tensor of at least {usable} slots (the full pages of "
                              f"{len(tokens)} tokens), got {n}")
         slots = device_indices[:usable]
-        self._check_slots(slots)
+        pages = self._check_slots(slots)
         with self._lock:
-            self._state.check_insert(tokens[:usable], slots, salt)
-            already, new = self._state.insert(tokens[:usable], slots, salt)
+            walked = self._state.check_insert(tokens[:usable], pages, salt)
+            already, new = self._state.insert(tokens[:usable], slots, salt, walked)
         self._stats.add(inserted_tokens=new)
         return already
 
-    def _check_slots(self, slots: torch.Tensor) -> None:
-        page_starts(slots, page_size=self.page_size, size=self.device_pool.size, what="device_indices",
-                    allowed_devices=(self.device_pool.index_device,), unique=True)
+    def _check_slots(self, slots: torch.Tensor):
+        """The page numbers (numpy) of ``slots``; ``ValueError`` unless they are whole,
+        distinct pages of this device pool."""
+        return page_starts(slots, page_size=self.page_size, size=self.device_pool.size, what="device_indices",
+                           allowed_devices=(self.device_pool.index_device,), unique=True).numpy()
 
     # -- allocation and eviction -----------------------------------------------------------------------------------
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
@@ -384,8 +386,8 @@ class HierarchicalCache:
         self._check_slots(indices)
         with self._lock:
             owned = self._state.owned(indices)
-            if bool(owned.any()):
-                slot = int(indices[int(owned.nonzero()[0]) * self.page_size])
+            if owned.any():
+                slot = int(indices[int(owned.argmax()) * self.page_size])
                 raise ValueError(f"free_device: slot {slot} holds a cached page; only free slots you own")
             self.allocator.free(indices)
 

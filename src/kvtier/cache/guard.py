@@ -22,7 +22,7 @@ log = logging.getLogger("kvtier.cache")
 class StorageGuard:
     def __init__(self, storage: Storage, stats: CacheStats, timeout: float) -> None:
         self.storage, self._stats, self.timeout = storage, stats, timeout
-        self._exists = Worker("kvtier-exists")
+        self.worker = Worker("kvtier-exists")
         self._idle = threading.Lock()  # held while an exists call runs
 
     def exists(self, keys: list[str]) -> int:
@@ -43,7 +43,7 @@ class StorageGuard:
                 done.set()
 
         try:
-            self._exists.submit(call)
+            self.worker.submit(call)
         except CacheClosedError:
             self._idle.release()
             raise
@@ -89,4 +89,4 @@ class StorageGuard:
         return 0
 
     def close(self) -> None:
-        self._exists.close(timeout=self.timeout)
+        self.worker.close(timeout=self.timeout)

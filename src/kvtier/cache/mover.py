@@ -181,9 +181,11 @@ class Mover:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait until no job is queued or running (jobs may queue others)."""
-        while any(w.depth() for w in self.workers):
-            for worker in self.workers:
+        """Wait until no job is queued or running (jobs may queue others), storage
+        queries included."""
+        workers = self.workers + ([self.guard.worker] if self.guard is not None else [])
+        while any(w.depth() for w in workers):
+            for worker in workers:
                 worker.join_queue()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import itertools
 from array import array
 from typing import Iterator
 
+import numpy as np
 import torch
 
 _tick = itertools.count(1)
@@ -121,11 +122,12 @@ class RadixTree:
             node = child
         return path, pos, inner
 
-    def match(self, tokens: array, salt: bytes) -> tuple[list[Node], int, list[Node]]:
+    def match(self, tokens: array, salt: bytes, walked=None) -> tuple[list[Node], int, list[Node]]:
         """The path covering the longest page-aligned cached prefix of ``tokens``,
         splitting the node where the match ends inside it; marks the path as just
-        used. Returns ``(path, matched tokens, new nodes made by the split)``."""
-        path, matched, inner = self.walk(tokens, salt)
+        used. Returns ``(path, matched tokens, new nodes made by the split)``.
+        ``walked``: what :meth:`walk` just returned for the same arguments."""
+        path, matched, inner = walked or self.walk(tokens, salt)
         made = []
         if path and inner < len(path[-1].key):
             path[-1] = self.split(path[-1], inner)
@@ -138,12 +140,11 @@ class RadixTree:
     def _common_pages(self, key: array, tokens: array, pos: int, usable: int) -> int:
         """Tokens of ``key`` matching ``tokens[pos:]``, in whole pages."""
         n = min(len(key), usable - pos)
-        if tokens[pos:pos + n] == key[:n]:
+        if tokens[pos:pos + n] == key[:n]:  # memcmp: the common case is a full match
             return n
-        ps, i = self.page_size, self.page_size  # the first page matched (child lookup)
-        while i < n and tokens[pos + i:pos + i + ps] == key[i:i + ps]:
-            i += ps
-        return i
+        ours = np.frombuffer(tokens, dtype=np.int64, count=n, offset=pos * 8)
+        first = int(np.argmax(ours != np.frombuffer(key, dtype=np.int64, count=n)))
+        return first - first % self.page_size
 
     def split(self, node: Node, n: int) -> Node:
         """Cut ``node`` after ``n`` tokens (a multiple of the page size); returns the new

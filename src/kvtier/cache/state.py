@@ -24,6 +24,7 @@ import threading
 from array import array
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..storage.keys import extend_keys
@@ -44,7 +45,7 @@ class CacheState:
         self.tree = RadixTree(self.page_size)
         self.lru = LruIndex()
         self._nodes = 0
-        self._owned = torch.zeros(device_pool.size // self.page_size, dtype=torch.bool)  # pages held by nodes
+        self._owned = np.zeros(device_pool.size // self.page_size, dtype=bool)  # device pages held by nodes
         self.backups: set[InFlight] = set()  # device -> host copies in flight
         self.schedule: Callable[[InFlight], None] = lambda mark: None  # the mover's; set by the cache
 
@@ -115,10 +116,10 @@ class CacheState:
             if not node.parent.is_root:
                 self.lru.push(node.parent)
 
-    def _pages(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots[::self.page_size].cpu() // self.page_size
+    def _pages(self, slots: torch.Tensor) -> np.ndarray:
+        return slots[::self.page_size].cpu().numpy() // self.page_size
 
-    def owned(self, slots: torch.Tensor) -> torch.Tensor:
+    def owned(self, slots: torch.Tensor) -> np.ndarray:
         """``(pages,)`` bool: which whole pages of ``slots`` a node holds."""
         return self._owned[self._pages(slots)]
 
@@ -352,40 +353,39 @@ class CacheState:
         return True
 
     # -- inserting ------------------------------------------------------------------------------------------
-    def check_insert(self, tokens: array, slots: torch.Tensor, salt: bytes) -> None:
-        """``ValueError`` unless every slot the tree would adopt is the caller's: not
-        held by a node (and allocated, when the cache allocates for the engine)."""
-        path, _, inner = self.tree.walk(tokens, salt)
-        ps, offset, device_prefix = self.page_size, 0, True
-        owned = self.owned(slots)
-        bad, adopted = torch.zeros_like(owned), torch.ones_like(owned)
+    def check_insert(self, tokens: array, pages: np.ndarray, salt: bytes):
+        """``ValueError`` unless every device page (``pages``, the page numbers of the
+        slots) that the tree would adopt is the caller's: not held by a node (and
+        allocated, when the cache allocates for the engine). Returns the tree walk,
+        for :meth:`insert` right after."""
+        walked = path, _, inner = self.tree.walk(tokens, salt)
+        ps, offset = self.page_size, 0
+        bad = self._owned[pages]       # a page some node holds may only be that node's own
+        adopted = np.ones_like(bad)    # pages the tree would take over from the caller
         for i, node in enumerate(path):
             n = inner if i == len(path) - 1 else len(node.key)
-            seg = slice(offset // ps, (offset + n) // ps)
-            if device_prefix and node.device is not None:  # the caller's copy is either the node's or a duplicate
-                theirs = slots[offset:offset + n:ps] != node.device[:n:ps]
-                bad[seg] = owned[seg] & theirs.cpu()
-                adopted[seg] = False
-            else:
-                device_prefix = False
-                bad[seg] = owned[seg]
+            if node.device is None:
+                break
+            seg = slice(offset // ps, (offset + n) // ps)  # the caller's copy is either the node's or a duplicate
+            bad[seg] &= pages[seg] != self._pages(node.device[:n])
+            adopted[seg] = False
             offset += n
-        bad[offset // ps:] = owned[offset // ps:]
-        if bool(bad.any()):
-            page = int(bad.nonzero()[0])
-            raise ValueError(f"insert: device slot {int(slots[page * ps])} (page {page} of the prompt) already holds "
+        if bad.any():
+            page = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already holds "
                              "another cached page; pass slots from alloc_device, or the match's own")
         if self.allocator is self.device_pool:
-            pages = self._pages(slots)
-            free = adopted & ~self.device_pool.allocated_pages(pages)
-            if bool(free.any()):
-                slot = int(pages[int(free.nonzero()[0])]) * ps
+            free = adopted & ~self.device_pool.allocated_pages(torch.from_numpy(pages)).numpy()
+            if free.any():
+                slot = int(pages[int(np.flatnonzero(free)[0])]) * ps
                 raise ValueError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
+        return walked
 
-    def insert(self, tokens: array, slots: torch.Tensor, salt: bytes) -> tuple[int, int]:
-        """Cache ``tokens`` (whole pages) whose KV is in ``slots``; call
-        :meth:`check_insert` first. Returns ``(tokens already on the device, new tokens)``."""
-        path, matched, made = self.tree.match(tokens, salt)
+    def insert(self, tokens: array, slots: torch.Tensor, salt: bytes, walked) -> tuple[int, int]:
+        """Cache ``tokens`` (whole pages) whose KV is in ``slots``; ``walked`` is what
+        :meth:`check_insert` returned, with the lock held since.
+        Returns ``(tokens already on the device, new tokens)``."""
+        path, matched, made = self.tree.match(tokens, salt, walked)
         for node in made:
             self._added(node)
         already, offset = 0, 0
@@ -423,7 +423,7 @@ class CacheState:
                 assert not ok(node) or self.lru.contains(tier, node), f"{node}: evictable but not in the {tier} LRU"
         assert len(dev_pages) == len(set(dev_pages)), "a device page is held by two nodes"
         assert len(host_slots) == len(set(host_slots)), "a host slot is held by two nodes"
-        assert sorted(self._owned.nonzero().flatten().tolist()) == sorted(dev_pages), "ownership map is stale"
+        assert sorted(np.flatnonzero(self._owned).tolist()) == sorted(dev_pages), "ownership map is stale"
         assert self.host_pool.available_size() + len(host_slots) == self.host_pool.size, "host slots leaked"
         if engine_device_slots is not None:
             held = len(dev_pages) * self.page_size + engine_device_slots

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import HierarchicalCache
+from ..cache.tokens import token_array
 from ..pools import DeviceKVPool, HostKVPool
 from ..spec import Component, KVSpec
 
@@ -113,45 +114,41 @@ class CachedGenerator:
                  ) -> RequestStats:
         """Greedy decoding of ``max_new_tokens`` (or until ``eos_token_id``) after ``input_ids``,
         reusing every cached page of the prompt; the sequence's new full pages are cached after."""
-        tokens = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
-        tokens = tokens[0] if tokens and isinstance(tokens[0], list) else tokens
+        tokens = token_array(input_ids).tolist()
         reusable = tokens[:-1]  # the last prompt token is always computed: its logits pick the next token
         cache = self.cache
         t0 = time.perf_counter()  # prefill time includes finding and bringing in the reused KV
-        got = cache.acquire(reusable, salt)
+        got = held = cache.acquire(reusable, salt)
         try:
-            prefix = got.device_indices
-            reused = prefix.numel()
-            dyn = self._to_dynamic(prefix)
+            reused = got.device_indices.numel()
+            dyn = self._to_dynamic(got.device_indices)
             logits = _forward(self.model, torch.tensor([tokens[reused:]], device=self.model.device), dyn).logits
             prefill_s = time.perf_counter() - t0
             first_logits = logits[0, -1].detach().clone()
             output = _greedy(self.model, logits, dyn, max_new_tokens, eos_token_id)
-            self._insert(tokens + output, dyn, prefix, salt)
+            held = self._commit(got, tokens + output, dyn)
         finally:
-            cache.release(got)
+            cache.release(held)
         return RequestStats(len(tokens), got.device_hit, got.host_hit, got.storage_hit, len(tokens) - reused,
                             prefill_s, output, first_logits)
 
-    def _insert(self, sequence: list[int], dyn, prefix: torch.Tensor, salt) -> None:
+    def _commit(self, got, sequence: list[int], dyn):
+        """Cache the sequence's new full pages; returns the lease to release."""
         ps = self.cache.page_size
         have = dyn.get_seq_length()  # KV exists for sequence[:have] (not the last generated token)
         full = have - have % ps
-        start = prefix.numel()
+        start = got.device_indices.numel()
         if full <= start:
-            return
+            return got
         slots = self.cache.alloc_device(full - start)
         if slots is None:  # the device is full of locked pages: cache the leading pages that fit
             room = self.cache.allocator.available_size() // ps * ps
             slots = self.cache.alloc_device(room) if room else None
             if slots is None:
-                return
+                return got
             full = start + room
         self._from_dynamic(dyn, slots, start, full)
-        all_slots = torch.cat([prefix, slots])
-        already = self.cache.insert(sequence[:full], all_slots, salt)
-        if already > start:
-            self.cache.free_device(all_slots[start:already])
+        return self.cache.commit(got, sequence[:full], slots).acquired
 
 
 def generate_uncached(model, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None

@@ -106,18 +106,14 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
 
 def _serve(cache: HierarchicalCache, blocks: list[int]) -> tuple[int, int, int]:
     """One request as an engine runs it; returns blocks reused from device, host, storage."""
-    got = cache.acquire(blocks)
+    got = held = cache.acquire(blocks)
     try:
-        prefix = got.device_indices
-        reused = prefix.numel()
-        new = cache.alloc_device(len(blocks) - reused) if len(blocks) > reused else prefix[:0]
+        reused = got.device_indices.numel()
+        new = cache.alloc_device(len(blocks) - reused) if len(blocks) > reused else None
         if new is not None:
-            slots = torch.cat([prefix, new])
-            already = cache.insert(blocks, slots)
-            if already > reused:
-                cache.free_device(slots[reused:already])
+            held = cache.commit(got, blocks, new).acquired
     finally:
-        cache.release(got)
+        cache.release(held)
     return got.device_hit, got.host_hit, got.storage_hit
 
 

@@ -1,0 +1,114 @@
+"""Statistics and hit counts move once per request; eviction frees exactly the pages
+asked for; commit caches a request's KV and moves its lock in one step."""
+
+import pytest
+import torch
+
+import kvtier.storage
+from engine import PAGE, check_prefix, compute, make_cache, serve
+
+A = list(range(100, 116))  # 4 pages
+
+
+def hits(m):
+    return (m.device_len, m.host_len, m.storage_len)
+
+
+def test_acquire_counts_one_request_once(tmp_path):
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    first = make_cache(storage=store)
+    serve(first, A)
+    first.flush()
+    cache = make_cache(storage=store, prefetch_policy="wait_complete")
+    serve(cache, A[:8])
+    cache.flush()
+    cache.evict_device(4)                                     # device 4, host 4, storage 8
+    before = cache.stats()
+    got = cache.acquire(A)
+    cache.release(got)
+    after = cache.stats()
+    assert (got.device_hit, got.host_hit, got.storage_hit) == (4, 4, 8)
+    moved = {k: after[k] - before[k] for k in ("matches", "device_hit_tokens", "host_hit_tokens",
+                                                "storage_hit_tokens")}
+    assert moved == {"matches": 1, "device_hit_tokens": 4, "host_hit_tokens": 4, "storage_hit_tokens": 8}
+
+
+def test_selective_backup_on_the_second_reuse_through_acquire():
+    cache = make_cache(write_policy="write_through_selective")
+    serve(cache, A)
+    for reuse, host_tokens in ((1, 0), (2, 16)):
+        got = cache.acquire(A)
+        cache.release(got)
+        cache.flush()
+        assert cache.stats()["host_tokens"] == host_tokens, f"after reuse {reuse}"
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_eviction_frees_exactly_the_pages_asked_for(tier):
+    cache = make_cache()
+    serve(cache, A)                                           # one node of 4 pages
+    cache.flush()
+    evict = cache.evict_device if tier == "device" else cache.evict_host
+    assert evict(1) == PAGE                                   # one token asks for its whole page, no more
+    assert evict(PAGE + 1) == 2 * PAGE
+    assert cache.stats()[f"{tier}_tokens"] == PAGE
+    assert cache.stats()[f"{tier}_evicted_tokens"] == 3 * PAGE
+    got = cache.acquire(A)
+    assert got.device_indices.numel() == 16
+    check_prefix(cache, A, got.device_indices)
+    cache.release(got)
+    cache.check_integrity(engine_device_slots=0)
+
+
+def test_commit_caches_the_new_pages_and_moves_the_lock():
+    cache = make_cache()
+    serve(cache, A[:8])
+    got = cache.acquire(A + [1, 2])                           # 8 reused; 8 new in full pages, 2 left over
+    assert got.device_indices.numel() == 8
+    new = cache.alloc_device(8)
+    compute(cache, A, torch.cat([got.device_indices, new]), 8)
+    done = cache.commit(got, A + [1, 2], new)
+    assert (done.cached_tokens, done.freed_tokens) == (8, 0)
+    assert torch.equal(done.acquired.device_indices[8:], new)
+    with pytest.raises(ValueError, match="already released"):
+        cache.release(got)                                    # commit consumed it
+    assert cache.evict_device(64) == 0                        # the new lease holds all 16 tokens
+    cache.release(done.acquired)
+    assert cache.evict_device(64) == 16
+    cache.check_integrity(engine_device_slots=0)
+
+
+def test_commit_frees_duplicates_when_another_request_cached_first():
+    cache = make_cache()
+    mine, theirs = cache.acquire(A), cache.acquire(A)         # both miss
+    slots_a, slots_b = cache.alloc_device(16), cache.alloc_device(16)
+    compute(cache, A, slots_a, 0)
+    compute(cache, A, slots_b, 0)
+    first = cache.commit(theirs, A, slots_b)
+    second = cache.commit(mine, A, slots_a)
+    assert (second.cached_tokens, second.freed_tokens) == (0, 16)
+    assert torch.equal(second.acquired.device_indices, slots_b)
+    check_prefix(cache, A, second.acquired.device_indices)
+    for done in (first, second):
+        cache.release(done.acquired)
+    cache.check_integrity(engine_device_slots=0)
+
+
+def test_commit_checks_before_it_changes_anything():
+    cache = make_cache()
+    serve(cache, A[:8])
+    serve(cache, list(range(300, 308)))
+    others = cache.match_prefix(list(range(300, 308))).device_indices
+    got = cache.acquire(A)
+    new = cache.alloc_device(8)
+    with pytest.raises(ValueError, match="do not start with the acquired"):
+        cache.commit(got, [9] * 16, new)
+    with pytest.raises(ValueError, match="1-D tensor of 8 slots"):
+        cache.commit(got, A, new[:4])
+    with pytest.raises(ValueError, match="already holds another cached page"):
+        cache.commit(got, A, others.clone())
+    assert hits(cache.match_prefix(A)) == (8, 0, 0)
+    compute(cache, A, torch.cat([got.device_indices, new]), 8)
+    cache.release(cache.commit(got, A, new).acquired)
+    assert hits(cache.match_prefix(A)) == (16, 0, 0)
+    check_prefix(cache, A, cache.match_prefix(A).device_indices)

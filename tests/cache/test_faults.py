@@ -1,0 +1,221 @@
+"""Failing loads, failing, malformed and slow storage, closing: every fault rolls back,
+counts one error and never hands out unfilled KV or leaks a slot."""
+
+import threading
+
+import pytest
+
+import kvtier.storage
+from engine import PAGE, check_prefix, make_cache, serve
+from faults import FaultyStore, LoadFaults
+from kvtier import CacheClosedError
+
+A = list(range(100, 116))  # 4 pages
+
+
+def hits(m):
+    return (m.device_len, m.host_len, m.storage_len)
+
+
+def drained(cache):
+    """Everything unlocked can go: after evicting all, every slot is free again."""
+    cache.flush()
+    cache.evict_device(cache.device_pool.size)
+    cache.evict_host(cache.host_pool.size)
+    return (cache.device_pool.available_size(), cache.host_pool.available_size()) == \
+        (cache.device_pool.size, cache.host_pool.size)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = kvtier.storage.open(f"file://{tmp_path}")
+    yield s
+    s.close()
+
+
+def test_a_failed_load_leaves_no_device_hit():
+    cache = make_cache()
+    serve(cache, A)
+    cache.flush()
+    cache.evict_device(64)
+    faults = LoadFaults(cache)
+    faults.fail = 1
+    got = cache.acquire(A)                                   # the load fails: nothing is reused
+    assert (got.device_hit, got.host_hit, got.device_indices.numel()) == (0, 0, 0)
+    cache.release(got)
+    assert hits(cache.match_prefix(A)) == (0, 16, 0)          # back to host-only, not a device hit
+    again = cache.acquire(A)
+    assert (again.device_hit, again.host_hit) == (0, 16)
+    check_prefix(cache, A, again.device_indices)
+    cache.release(again)
+    stats = cache.stats()
+    assert (stats["errors"], stats["load_errors"]) == (1, 1)
+    cache.check_integrity(engine_device_slots=0)
+    assert drained(cache)
+
+
+def test_a_failed_load_surfaces_on_the_handle_and_on_requests_that_waited_for_it():
+    cache = make_cache()
+    serve(cache, A)
+    cache.flush()
+    cache.evict_device(64)
+    faults = LoadFaults(cache)
+    faults.fail, faults.gate = 1, threading.Event()
+    first = cache.acquire(A, wait=False)
+    faults.started.wait(10)
+    second = cache.acquire(A, wait=False)                    # a device hit on pages still loading
+    assert second.device_hit == 16
+    faults.gate.set()
+    assert first.load.wait(10) and second.load.wait(10)
+    assert first.load.error is not None and second.load.error is not None
+    for got in (first, second):
+        cache.release(got)
+    assert hits(cache.match_prefix(A)) == (0, 16, 0)
+    cache.check_integrity(engine_device_slots=0)
+    assert drained(cache)
+
+
+def test_a_split_during_a_load_leaks_nothing():
+    cache = make_cache()
+    serve(cache, A)
+    cache.flush()
+    cache.evict_device(64)
+    faults = LoadFaults(cache)
+    faults.gate = threading.Event()
+    m = cache.match_prefix(A)
+    cache.lock(m)
+    handle = cache.load_back(m)
+    faults.started.wait(10)
+    assert hits(cache.match_prefix(A[:8])) == (8, 0, 0)     # splits the node being loaded
+    faults.gate.set()
+    assert handle.wait(10) and handle.error is None
+    check_prefix(cache, A, handle.device_indices)
+    cache.unlock(m)
+    cache.check_integrity(engine_device_slots=0)
+    assert drained(cache)
+
+
+def test_a_failed_storage_write_unpins_and_counts(store):
+    faulty = FaultyStore(store)
+    faulty.raise_set = True
+    cache = make_cache(storage=faulty)
+    serve(cache, A)
+    cache.flush()
+    stats = cache.stats()
+    assert (stats["stored_tokens"], stats["store_errors"], stats["errors"]) == (0, 1, 1)
+    assert store.batch_exists(kvtier.storage.page_keys(A, PAGE, "default")) == 0
+    assert drained(cache)
+    faulty.raise_set = False                                 # the pages are written when next backed up
+    serve(cache, A)
+    cache.flush()
+    assert cache.stats()["stored_tokens"] == 16
+
+
+def test_storage_exists_faults_are_misses(store):
+    first = make_cache(storage=store)
+    serve(first, A)
+    first.flush()
+    faulty = FaultyStore(store)
+    cache = make_cache(storage=faulty, storage_timeout=0.2)
+    for fault in ("raise", "negative", "too_many", "slow"):
+        faulty.raise_exists = fault == "raise"
+        faulty.exists_answer = {"negative": -1, "too_many": 10 ** 6}.get(fault)
+        faulty.exists_gate = threading.Event() if fault == "slow" else None
+        assert hits(cache.match_prefix(A)) == (0, 0, 0), fault
+        got = cache.acquire(A)
+        assert got.device_indices.numel() == 0
+        cache.release(got)
+        if faulty.exists_gate is not None:
+            faulty.exists_gate.set()
+    cache.flush()                                            # the slow call has returned
+    stats = cache.stats()
+    assert stats["storage_exists_errors"] >= 8 and stats["errors"] == stats["storage_exists_errors"]
+    assert hits(cache.match_prefix(A)) == (0, 0, 16)        # healthy again
+
+
+@pytest.mark.parametrize("fault", ["raise_get", "short_get"])
+def test_storage_read_faults_are_misses(store, fault):
+    first = make_cache(storage=store)
+    serve(first, A)
+    first.flush()
+    faulty = FaultyStore(store)
+    setattr(faulty, fault, True)
+    cache = make_cache(storage=faulty, prefetch_policy="wait_complete")
+    got = cache.acquire(A)
+    assert (got.storage_hit, got.device_indices.numel()) == (0, 0)
+    cache.release(got)
+    assert cache.stats()["storage_read_errors"] == 1
+    assert cache.host_pool.available_size() == cache.host_pool.size
+    cache.check_integrity(engine_device_slots=0)
+
+
+def test_a_slow_store_pins_only_host_copies(store):
+    faulty = FaultyStore(store)
+    faulty.set_gate = threading.Event()
+    cache = make_cache(storage=faulty)
+    serve(cache, A)
+    assert faulty.set_started.wait(10)                       # the write of A is running, and hangs
+    assert cache.evict_device(64) == 16                      # the device copy is free to go
+    assert hits(cache.match_prefix(A)) == (0, 16, 0)         # and the host copy still serves
+    assert cache.evict_host(64) == 0                         # the host copy is what is being written
+    faulty.set_gate.set()
+    cache.flush()
+    assert cache.stats()["stored_tokens"] == 16
+    assert drained(cache)
+
+
+def test_backups_run_off_the_callers_thread_and_lock():
+    cache = make_cache()
+    gate, seen = threading.Event(), []
+    inner = cache.host_pool.backup_from_device_all_layer
+
+    def slow_backup(*args):
+        seen.append(threading.current_thread())
+        gate.wait(10)
+        return inner(*args)
+
+    cache.host_pool.backup_from_device_all_layer = slow_backup
+    serve(cache, A)                                          # returns while the backup waits
+    other = threading.Thread(target=cache.match_prefix, args=(A,))
+    other.start()
+    other.join(5)
+    assert not other.is_alive(), "match_prefix blocked behind a backup"
+    assert seen and seen[0] is not threading.current_thread()
+    freed = []
+    evictor = threading.Thread(target=lambda: freed.append(cache.evict_device(64)))
+    evictor.start()
+    evictor.join(0.3)
+    assert evictor.is_alive() and not freed                  # a page being backed up stays until its copy lands
+    gate.set()
+    evictor.join(10)
+    assert freed == [16]
+    assert hits(cache.match_prefix(A)) == (0, 16, 0)         # demoted to the copy that landed
+    got = cache.acquire(A)                                   # and the copy holds the right bytes
+    check_prefix(cache, A, got.device_indices)
+    cache.release(got)
+
+
+def test_every_call_after_close_raises(store):
+    cache = make_cache(storage=store)
+    serve(cache, A)
+    m = cache.match_prefix(A)
+    cache.close()
+    cache.close()                                            # closing twice is fine
+    calls = [lambda: cache.acquire(A), lambda: cache.insert(A, cache.device_pool.alloc(16)),
+             cache.flush, cache.stats, lambda: cache.match_prefix(A), lambda: cache.lock(m),
+             lambda: cache.load_back(m), lambda: cache.prefetch(A), lambda: cache.alloc_device(4),
+             lambda: cache.evict_device(4), lambda: cache.evict_host(4)]
+    for call in calls:
+        done = []
+        t = threading.Thread(target=lambda: done.append(_raises(call)))
+        t.start()
+        t.join(5)
+        assert done == [True], "a call after close() hung or did not raise CacheClosedError"
+
+
+def _raises(call) -> bool:
+    try:
+        call()
+    except CacheClosedError:
+        return True
+    return False

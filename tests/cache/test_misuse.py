@@ -1,0 +1,143 @@
+"""Caller mistakes: a clear ValueError before anything changes, never corrupt state."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier.storage
+from engine import PAGE, check_prefix, compute, make_cache, serve
+
+A = list(range(100, 112))            # 3 pages
+B = list(range(200, 208))            # 2 pages
+
+
+def hits(m):
+    return (m.device_len, m.host_len, m.storage_len)
+
+
+def snapshot(cache):
+    cache.flush()
+    return sorted((tuple(n.key), n.lock_ref, n.device is not None, n.host_ready) for n in cache.tree.nodes())
+
+
+def test_a_second_release_raises_and_keeps_the_other_holders_lock():
+    cache = make_cache()
+    serve(cache, A)
+    holder = cache.acquire(A)
+    careless = cache.acquire(A)
+    cache.release(careless)
+    with pytest.raises(ValueError, match="already released"):
+        cache.release(careless)
+    assert cache.evict_device(64) == 0 and cache.evict_host(64) == 0   # holder's pages stay
+    check_prefix(cache, A, holder.device_indices)
+    cache.release(holder)
+    assert cache.evict_device(64) == 12
+
+
+def test_unlock_without_lock_raises_before_any_count_moves():
+    cache = make_cache()
+    serve(cache, A)
+    m = cache.match_prefix(A)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(m)
+    assert snapshot(cache) == before
+    cache.lock(m)
+    cache.unlock(m)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(m)                                       # once per lock
+    assert snapshot(cache) == before
+    with pytest.raises(ValueError, match="MatchResult"):
+        cache.unlock("not a match")
+    with pytest.raises(ValueError, match="another cache"):
+        make_cache().lock(m)
+
+
+def test_insert_rejects_slots_of_another_cached_prefix():
+    cache = make_cache()
+    serve(cache, A)
+    theirs = cache.match_prefix(A).device_indices[:8]
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="already holds another cached page"):
+        cache.insert(B, theirs.clone())
+    assert snapshot(cache) == before and hits(cache.match_prefix(B)) == (0, 0, 0)
+    with pytest.raises(ValueError, match="holds a cached page"):
+        cache.free_device(theirs)                             # nor may the caller free them
+    check_prefix(cache, A, cache.match_prefix(A).device_indices)
+
+
+@pytest.mark.parametrize("slots, match", [
+    (torch.arange(64, 72), r"outside the pool's \[0, 64\)"),
+    (torch.arange(2, 10), "not a multiple of page_size"),
+    (torch.arange(8).float(), "dtype int64 or int32"),
+    (torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), "same page more than once"),
+    (torch.tensor([0, 1, 3, 2, 4, 5, 6, 7]), "not consecutive"),
+])
+def test_insert_checks_indices_before_the_tree_changes(slots, match):
+    cache = make_cache()
+    serve(cache, A)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=match):
+        cache.insert(B, slots)
+    assert snapshot(cache) == before and hits(cache.match_prefix(B)) == (0, 0, 0)
+
+
+def test_insert_rejects_slots_that_were_never_allocated():
+    cache = make_cache()
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.insert(B, torch.arange(8))
+    assert list(cache.tree.nodes()) == []
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([100.5, 101, 102, 103], "element of type float"),
+    ([100.0, 101, 102, 103], "element of type float"),
+    (torch.arange(4).view(4, 1), r"shape \(4, 1\)"),
+    (torch.arange(8).view(2, 4), r"shape \(2, 4\)"),
+    (torch.tensor([1.0, 2.0, 3.0, 4.0]), "dtype torch.float32"),
+    (np.array([1.5, 2, 3, 4]), "dtype float64"),
+    ([[1, 2, 3, 4]], "element of type list"),
+    ("abcd", "got str"),
+    ([2 ** 64, 1, 2, 3], "int64 range"),
+])
+def test_token_ids_other_than_1d_ints_are_refused(tmp_path, bad, match):
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    cache = make_cache(storage=store)
+    slots = cache.alloc_device(4)
+    for call in (lambda: cache.insert(bad, slots), lambda: cache.match_prefix(bad), lambda: cache.acquire(bad)):
+        with pytest.raises(ValueError, match=match):
+            call()
+    cache.flush()
+    assert list(cache.tree.nodes()) == [] and store.stats()["pages_written"] == 0
+    cache.free_device(slots)
+    cache.check_integrity(engine_device_slots=0)
+
+
+def test_hf_shaped_token_ids_are_their_tokens():
+    cache = make_cache()
+    serve(cache, A)
+    row = torch.tensor([A])                                   # (1, n), as Hugging Face input_ids
+    assert hits(cache.match_prefix(row)) == (12, 0, 0)
+    assert hits(cache.match_prefix(np.array(A, dtype=np.int32))) == (12, 0, 0)
+    assert hits(cache.match_prefix(tuple(A))) == (12, 0, 0)
+    assert hits(cache.match_prefix(iter(A))) == (12, 0, 0)
+
+
+def test_salts_are_bytes_in_the_tree_and_in_storage(tmp_path):
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    cache = make_cache(storage=store)
+    for salt in (None, "t"):
+        slots = cache.alloc_device(12)
+        compute(cache, A, slots, 0)
+        cache.insert(A, slots, salt=salt)
+    cache.flush()
+    for alias in (None, "", b""):
+        assert hits(cache.match_prefix(A, salt=alias)) == (12, 0, 0)
+    assert hits(cache.match_prefix(A, salt=b"t")) == (12, 0, 0)
+    assert store.stats()["pages_written"] == 6                 # two tenants, three pages each
+    fresh = make_cache(storage=store)
+    for salt in (b"", "t", b"t"):
+        assert hits(fresh.match_prefix(A, salt=salt)) == (0, 0, 12)
+    assert hits(fresh.match_prefix(A, salt="u")) == (0, 0, 0)
+    with pytest.raises(ValueError, match="salt must be"):
+        cache.match_prefix(A, salt=3)
