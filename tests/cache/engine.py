@@ -51,6 +51,8 @@ def serve(cache: HierarchicalCache, tokens: list[int], salt=None, check=True) ->
     try:
         handle = cache.load_back(match)
         handle.wait()
+        if handle.error is not None:  # the load failed: its pages are host-only again
+            return {"match": match, "reused": 0, "inserted": False}
         prefix = handle.device_indices
         full = len(tokens) - len(tokens) % PAGE
         if check:
@@ -66,3 +68,23 @@ def serve(cache: HierarchicalCache, tokens: list[int], salt=None, check=True) ->
         return {"match": match, "reused": prefix.numel(), "inserted": True}
     finally:
         cache.unlock(match)
+
+
+def serve_acquire(cache: HierarchicalCache, tokens: list[int], salt=None) -> dict:
+    """One request through acquire/commit: check the reused KV, compute the rest."""
+    got = held = cache.acquire(tokens, salt)
+    try:
+        prefix = got.device_indices
+        check_prefix(cache, tokens, prefix)
+        full = len(tokens) - len(tokens) % PAGE
+        new = cache.alloc_device(full - prefix.numel()) if full > prefix.numel() else None
+        if new is None:
+            return {"acquired": got, "reused": prefix.numel(), "inserted": full == prefix.numel()}
+        compute(cache, tokens[:full], torch.cat([prefix, new]), prefix.numel())
+        held = cache.commit(got, tokens, new).acquired
+        held.load.wait()
+        if held.load.error is None:  # else: pages another request cached first failed to load
+            check_prefix(cache, tokens, held.device_indices)
+        return {"acquired": got, "reused": prefix.numel(), "inserted": True}
+    finally:
+        cache.release(held)

@@ -4,6 +4,7 @@ whose calls raise, answer wrongly or hang."""
 from __future__ import annotations
 
 import threading
+import time
 
 
 class LoadFaults:
@@ -14,6 +15,7 @@ class LoadFaults:
         self.pool = cache.host_pool
         self.inner = self.pool.load_to_device_per_layer
         self.fail = 0
+        self.delay = 0.0                   # seconds each call sleeps
         self.gate: threading.Event | None = None
         self.started = threading.Event()
         self.pool.load_to_device_per_layer = self
@@ -22,6 +24,8 @@ class LoadFaults:
         self.started.set()
         if self.gate is not None:
             assert self.gate.wait(10), "test gate never opened"
+        if self.delay:
+            time.sleep(self.delay)
         if self.fail:
             self.fail -= 1
             raise OSError("injected load failure")
@@ -38,11 +42,14 @@ class FaultyStore:
         self.short_get = False             # batch_get answers one result too few
         self.set_gate: threading.Event | None = None
         self.exists_gate: threading.Event | None = None
+        self.exists_delay = 0.0            # seconds each batch_exists sleeps
         self.set_started = threading.Event()
 
     def batch_exists(self, keys):
         if self.exists_gate is not None:
             self.exists_gate.wait(10)
+        if self.exists_delay:
+            time.sleep(self.exists_delay)
         if self.raise_exists:
             raise ConnectionError("injected exists failure")
         if self.exists_answer is not None:

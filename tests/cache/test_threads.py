@@ -1,11 +1,32 @@
-"""Several request threads and an evictor on one cache; bounded in count and time."""
+"""Request threads, an evictor and prefix splitters on one cache, with slow and failing
+loads; bounded in count and time."""
 
 import random
 import threading
 import time
 
-from engine import PAGE, make_cache, serve
-from invariants import check_invariants
+from engine import PAGE, make_cache, serve, serve_acquire
+from faults import LoadFaults
+
+
+def _prompt(rng) -> list[int]:
+    ids = [rng.randrange(3) for _ in range(rng.randrange(1, 5))]
+    return [(p * 10 + i) * PAGE + j for i, p in enumerate(ids) for j in range(PAGE)]
+
+
+def _run(threads, seconds=60):
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+
+
+def _drained(cache) -> bool:
+    cache.evict_device(cache.device_pool.size)
+    cache.evict_host(cache.host_pool.size)
+    return (cache.device_pool.available_size(), cache.host_pool.available_size()) == \
+        (cache.device_pool.size, cache.host_pool.size)
 
 
 def test_concurrent_requests_keep_kv_and_accounting_exact():
@@ -18,9 +39,7 @@ def test_concurrent_requests_keep_kv_and_accounting_exact():
             for _ in range(40):
                 if time.monotonic() > deadline:
                     return
-                ids = [rng.randrange(3) for _ in range(rng.randrange(1, 5))]
-                tokens = [(p * 10 + i) * PAGE + j for i, p in enumerate(ids) for j in range(PAGE)]
-                serve(cache, tokens)        # checks every reused page bit for bit
+                serve(cache, _prompt(rng))        # checks every reused page bit for bit
         except BaseException as e:
             errors.append(e)
 
@@ -31,15 +50,49 @@ def test_concurrent_requests_keep_kv_and_accounting_exact():
             time.sleep(0.001)
 
     workers = [threading.Thread(target=requests, args=(s,)) for s in range(4)]
-    for t in workers:
-        t.start()
-    ev = threading.Thread(target=evictor)
-    ev.start()
-    for t in workers + [ev]:
-        t.join(timeout=60)
+    _run(workers + [threading.Thread(target=evictor)])
     cache.flush()
     assert not errors, errors[0]
-    check_invariants(cache)
+    cache.check_integrity(engine_device_slots=0)
     stats = cache.stats()
     assert stats["matches"] == 160 and stats["device_hit_tokens"] + stats["host_hit_tokens"] > 0
+    assert _drained(cache)
+    cache.close()
+
+
+def test_splits_during_slow_and_failing_loads():
+    cache = make_cache(device_tokens=64, host_tokens=48, write_policy="write_back")
+    loads = LoadFaults(cache)
+    loads.delay = 0.002
+    errors, stop = [], threading.Event()
+
+    def requests(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(30):
+                serve_acquire(cache, _prompt(rng))   # checks reused and committed KV bit for bit
+        except BaseException as e:
+            errors.append(e)
+
+    def splitter():
+        rng = random.Random(7)
+        while not stop.is_set():
+            prompt = _prompt(rng)
+            cache.match_prefix(prompt[:PAGE * rng.randrange(1, 4)])   # cuts nodes, some mid-load
+            if rng.random() < 0.2:
+                loads.fail = 1
+            (cache.evict_device if rng.random() < 0.5 else cache.evict_host)(rng.randrange(4, 16))
+            time.sleep(0.001)
+
+    workers = [threading.Thread(target=requests, args=(s,)) for s in range(4)]
+    side = threading.Thread(target=splitter)
+    side.start()
+    _run(workers)
+    stop.set()
+    side.join(10)
+    cache.flush()
+    assert not errors, errors[0]
+    cache.check_integrity(engine_device_slots=0)
+    assert cache.stats()["loaded_tokens"] > 0
+    assert _drained(cache)
     cache.close()

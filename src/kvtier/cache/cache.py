@@ -252,7 +252,8 @@ class HierarchicalCache:
         ``len(token_ids)`` rounded down to whole pages. The cache owns ``slots``
         afterwards: pages another request cached first are freed as duplicates.
         ``acquired`` is consumed; the result's ``acquired`` is the new lease
-        (release it when the request ends)."""
+        (release it when the request ends); wait on its ``load`` before reading
+        pages that another request cached first, and check its ``error``."""
         self._check_open()
         if not isinstance(acquired, Acquired) or acquired.lease is None:
             raise ValueError(f"commit takes the Acquired from acquire, got {type(acquired).__name__}")
@@ -283,8 +284,10 @@ class HierarchicalCache:
             state.lock_node(lease.node)
             self._release(acquired)
             device = state.device_slots(path)
+            # pages another request cached first may still be arriving from its host copy
+            depends = {id(n.loading): n.loading.handle for n in path if n.loading is not None}
         self._stats.add(inserted_tokens=new)
-        load = LoadHandle(device, self.device_pool.spec.layer_num)
+        load = LoadHandle(device, self.device_pool.spec.layer_num, tuple(depends.values()))
         load._finish()
         match = MatchResult(device, full, 0, 0, lease.node, tuple(path), tokens[:full], salt)
         renewed = Acquired(match, load, acquired.device_hit, acquired.host_hit, acquired.storage_hit, lease)
