@@ -94,3 +94,13 @@ def test_cli_json_sweep_and_plot(tmp_path, capsys):
     assert all(r["bound"] == 1024 * (2 + 1 + 3) for r in rows)
     assert rows[1]["hit"] == rows[1]["bound"] and rows[1]["oracle"]["device+host"] >= rows[1]["hit"]
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_replays_are_deterministic(policy):
+    # backups and storage writes run on worker threads; the replay must not depend on their timing
+    reqs = synthetic(sessions=40, turns=4, system_prompts=3, block_tokens=1, seed=5)
+    config = SimConfig(device_tokens=24, host_tokens=48, storage_tokens=64, block_tokens=1, write_policy=policy)
+    runs = [simulate(reqs, config).as_dict() for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0]["device_hit"] and runs[0]["host_hit"] + runs[0]["storage_hit"]

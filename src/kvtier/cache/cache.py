@@ -46,7 +46,9 @@ class HierarchicalCache:
     """Prefix cache over a device pool (L1), a host pool (L2) and optional storage (L3).
 
     Thread-safe: one lock guards the tree and the allocators; loads, backups,
-    storage writes and prefetches run on worker threads outside it.
+    storage writes and prefetches run on worker threads outside it
+    (``synchronous=True`` runs them on the calling thread instead: no overlap,
+    but replays that do not depend on thread timing, as ``kvtier simulate`` needs).
 
     Token ids (every ``token_ids`` argument): a 1-D sequence of ints, a 1-D integer
     tensor or numpy array, or a ``(1, n)`` one; anything else is a ``ValueError``.
@@ -58,7 +60,8 @@ class HierarchicalCache:
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, storage: Storage | None = None, *,
                  write_policy: str = "write_through", prefetch_policy: str = "best_effort",
                  namespace: str = "default", prefetch_timeout: float = 1.0, storage_timeout: float = 5.0,
-                 io_backend: str = "direct", allocator: DeviceAllocator | None = None, hash: str = "sha256") -> None:
+                 io_backend: str = "direct", allocator: DeviceAllocator | None = None, hash: str = "sha256",
+                 synchronous: bool = False) -> None:
         _check_choice("write_policy", write_policy, WRITE_POLICIES)
         _check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
         check_io_backend(io_backend)
@@ -83,8 +86,8 @@ class HierarchicalCache:
         self._stats = CacheStats(device_pool.spec.bytes_per_token)
         self._state = CacheState(device_pool, host_pool, self.allocator, write_policy=write_policy,
                                  stats=self._stats, namespace=namespace, hash=hash, has_storage=storage is not None)
-        guard = StorageGuard(storage, self._stats, storage_timeout) if storage is not None else None
-        self._mover = Mover(self._state, guard, io_backend=io_backend)
+        guard = StorageGuard(storage, self._stats, storage_timeout, synchronous) if storage is not None else None
+        self._mover = Mover(self._state, guard, io_backend=io_backend, synchronous=synchronous)
         self._lock = self._state.lock
         self._match_locks: dict[int, list] = {}  # id(match) -> [match, times locked]
         self._closed = False

@@ -20,9 +20,9 @@ log = logging.getLogger("kvtier.cache")
 
 
 class StorageGuard:
-    def __init__(self, storage: Storage, stats: CacheStats, timeout: float) -> None:
+    def __init__(self, storage: Storage, stats: CacheStats, timeout: float, inline: bool = False) -> None:
         self.storage, self._stats, self.timeout = storage, stats, timeout
-        self.worker = Worker("kvtier-exists")
+        self.worker = Worker("kvtier-exists", inline)
         self._idle = threading.Lock()  # held while an exists call runs
 
     def exists(self, keys: list[str]) -> int:

@@ -1,6 +1,8 @@
 """Least-recently-used order per tier without scanning the tree.
 
-One heap per tier of ``(last_access, seq, node)``. Entries go stale when a match
+One heap per tier of ``(last_access, serial, seq, node)``: ties in ``last_access``
+(a match stamps a whole path at once) go by the node's creation order, never by
+which thread happened to push first, so replays evict in the same order. Entries go stale when a match
 touches a node; a stale entry is pushed again with the node's current stamp when
 it reaches the top, so the heap's minimum is always the true LRU node among the
 entries. A node is pushed whenever it may have become evictable (created, split,
@@ -27,18 +29,18 @@ class LruIndex:
 
     def push(self, node) -> None:
         for heap in self._heaps.values():
-            heapq.heappush(heap, (node.last_access, next(self._seq), node))
+            heapq.heappush(heap, (node.last_access, node.serial, next(self._seq), node))
 
     def pop(self, tier: str, evictable: Callable[[object], bool]):
         """The least recently used node that ``evictable`` accepts, taken out of the
         index; ``None`` when there is none."""
         heap = self._heaps[tier]
         while heap:
-            stamp, _, node = heap[0]
+            stamp, _, _, node = heap[0]
             if not evictable(node):
                 heapq.heappop(heap)
             elif node.last_access != stamp:
-                heapq.heapreplace(heap, (node.last_access, next(self._seq), node))
+                heapq.heapreplace(heap, (node.last_access, node.serial, next(self._seq), node))
             else:
                 heapq.heappop(heap)
                 return node
@@ -46,11 +48,11 @@ class LruIndex:
 
     def rebuild(self, nodes: Iterable) -> None:
         """Drop every entry and index ``nodes`` afresh (compaction)."""
-        entries = [(n.last_access, next(self._seq), n) for n in nodes]
+        entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes]
         for tier in TIERS:
             self._heaps[tier] = list(entries)
             heapq.heapify(self._heaps[tier])
 
     def contains(self, tier: str, node) -> bool:
         """Whether ``node`` has an entry in ``tier`` (integrity checks only: a scan)."""
-        return any(entry[2] is node for entry in self._heaps[tier])
+        return any(entry[-1] is node for entry in self._heaps[tier])

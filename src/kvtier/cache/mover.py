@@ -28,12 +28,13 @@ PREFETCH_CHUNK_PAGES = 8
 
 
 class Mover:
-    def __init__(self, state: CacheState, guard: StorageGuard | None, *, io_backend: str) -> None:
+    def __init__(self, state: CacheState, guard: StorageGuard | None, *, io_backend: str,
+                 synchronous: bool = False) -> None:
         self.state, self.guard, self.io_backend = state, guard, io_backend
-        self.loader = Worker("kvtier-load")
-        self.backer = Worker("kvtier-backup")
-        self.writer = Worker("kvtier-store") if guard is not None else None
-        self.prefetcher = Worker("kvtier-prefetch") if guard is not None else None
+        self.loader = Worker("kvtier-load", synchronous)
+        self.backer = Worker("kvtier-backup", synchronous)
+        self.writer = Worker("kvtier-store", synchronous) if guard is not None else None
+        self.prefetcher = Worker("kvtier-prefetch", synchronous) if guard is not None else None
         self._jobs = {"load": (self.loader, self._load), "backup": (self.backer, self._backup),
                       "store": (self.writer, self._store)}
         cuda = state.device_pool.device.type == "cuda"

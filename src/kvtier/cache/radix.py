@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 _tick = itertools.count(1)
+_serial = itertools.count(1)
 
 
 def now() -> int:
@@ -40,7 +41,7 @@ class Node:
     """
 
     __slots__ = ("key", "children", "parent", "device", "host", "stored", "store_keys", "lock_ref",
-                 "last_access", "hits", "loading", "backup", "storing")
+                 "last_access", "hits", "loading", "backup", "storing", "serial")
 
     def __init__(self, key: array, parent: "Node | None") -> None:
         self.key = key
@@ -54,6 +55,7 @@ class Node:
         self.last_access = now()
         self.hits = 0
         self.loading = self.backup = self.storing = None  # InFlight marks
+        self.serial = next(_serial)  # creation order: breaks LRU ties the same way in every replay
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, on in (("D", self.device is not None), ("H", self.host_ready),

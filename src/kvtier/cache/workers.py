@@ -15,12 +15,18 @@ _STOP = object()
 
 
 class Worker:
-    def __init__(self, name: str) -> None:
+    """``inline=True`` runs each job on the submitting thread instead (no overlap, no
+    timing: what a deterministic replay needs)."""
+
+    def __init__(self, name: str, inline: bool = False) -> None:
         self.name = name
         self._queue: queue.Queue = queue.Queue()
         self._closing = threading.Lock()  # submit vs close: no job lands behind the stop
         self._closed = False
+        self._inline = inline
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        if inline:
+            return
         self._thread.start()
         # NOTE: a daemon thread killed inside a torch op at interpreter exit aborts the
         # process; finishing the queue at exit avoids that when close() was never called.
@@ -31,7 +37,13 @@ class Worker:
         with self._closing:
             if self._closed:
                 raise CacheClosedError(f"{self.name} is closed")
-            self._queue.put(job)
+            if not self._inline:
+                self._queue.put(job)
+                return
+        try:
+            job()
+        except Exception:
+            log.exception("kvtier %s: job failed", self.name)
 
     def depth(self) -> int:
         """Jobs queued or running."""
@@ -47,7 +59,7 @@ class Worker:
             if not self._closed:
                 self._closed = True
                 self._queue.put(_STOP)
-        if self._thread is not threading.current_thread():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         atexit.unregister(self.close)
 

@@ -83,13 +83,13 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
         storage = SimStorage(cap)
     cache = HierarchicalCache(DeviceKVPool(_META_SPEC, device_blocks, 1, device="meta"),
                               HostKVPool(_META_SPEC, host_blocks, 1, device="meta"), storage,
-                              write_policy=config.write_policy, prefetch_policy="wait_complete", namespace="sim")
+                              write_policy=config.write_policy, prefetch_policy="wait_complete", namespace="sim",
+                              synchronous=True)
     result = SimResult()
     seen: set[int] = set()
     for req in requests:
         full = list(req.blocks[:req.input_length // bt])
         dev, host, st = _serve(cache, full)
-        cache.flush()  # storage writes land before the next arrival: replays are deterministic
         result.requests += 1
         result.prompt_tokens += req.input_length
         result.device_hit += dev * bt
