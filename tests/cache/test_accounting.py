@@ -33,11 +33,16 @@ def test_acquire_counts_one_request_once(tmp_path):
     assert moved == {"matches": 1, "device_hit_tokens": 4, "host_hit_tokens": 4, "storage_hit_tokens": 8}
 
 
-def test_selective_backup_on_the_second_reuse_through_acquire():
-    cache = make_cache(write_policy="write_through_selective")
-    serve(cache, A)
-    for reuse, host_tokens in ((1, 0), (2, 16)):
-        got = cache.acquire(A)
+def test_selective_backup_on_the_second_reuse_through_acquire(tmp_path):
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    writer = make_cache(storage=store)
+    serve(writer, A)                                          # storage holds all 4 pages
+    writer.flush()
+    cache = make_cache(storage=store, write_policy="write_through_selective", prefetch_policy="wait_complete")
+    serve(cache, A[:8])                                       # 2 pages on this device only
+    for reuse, host_tokens in ((1, 8), (2, 16)):              # the other 2 come to the host from storage
+        got = cache.acquire(A)                                # match, prefetch, match again: one reuse
+        assert got.device_indices.numel() == 16
         cache.release(got)
         cache.flush()
         assert cache.stats()["host_tokens"] == host_tokens, f"after reuse {reuse}"
