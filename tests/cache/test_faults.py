@@ -26,6 +26,22 @@ def drained(cache):
         (cache.device_pool.size, cache.host_pool.size)
 
 
+def on_host_only(fail=0, gate=None):
+    """A cache holding A on the host only, with its loads' faults to set."""
+    cache = make_cache()
+    serve(cache, A)
+    cache.flush()
+    cache.evict_device(64)
+    faults = LoadFaults(cache)
+    faults.fail, faults.gate = fail, gate
+    return cache, faults
+
+
+def settled(cache) -> bool:
+    cache.check_integrity(engine_device_slots=0)
+    return drained(cache)
+
+
 @pytest.fixture
 def store(tmp_path):
     s = kvtier.storage.open(f"file://{tmp_path}")
@@ -34,12 +50,7 @@ def store(tmp_path):
 
 
 def test_a_failed_load_leaves_no_device_hit():
-    cache = make_cache()
-    serve(cache, A)
-    cache.flush()
-    cache.evict_device(64)
-    faults = LoadFaults(cache)
-    faults.fail = 1
+    cache, _ = on_host_only(fail=1)
     got = cache.acquire(A)                                   # the load fails: nothing is reused
     assert (got.device_hit, got.host_hit, got.device_indices.numel()) == (0, 0, 0)
     cache.release(got)
@@ -50,17 +61,11 @@ def test_a_failed_load_leaves_no_device_hit():
     cache.release(again)
     stats = cache.stats()
     assert (stats["errors"], stats["load_errors"]) == (1, 1)
-    cache.check_integrity(engine_device_slots=0)
-    assert drained(cache)
+    assert settled(cache)
 
 
 def test_a_failed_load_surfaces_on_the_handle_and_on_requests_that_waited_for_it():
-    cache = make_cache()
-    serve(cache, A)
-    cache.flush()
-    cache.evict_device(64)
-    faults = LoadFaults(cache)
-    faults.fail, faults.gate = 1, threading.Event()
+    cache, faults = on_host_only(fail=1, gate=threading.Event())
     first = cache.acquire(A, wait=False)
     faults.started.wait(10)
     second = cache.acquire(A, wait=False)                    # a device hit on pages still loading
@@ -71,17 +76,11 @@ def test_a_failed_load_surfaces_on_the_handle_and_on_requests_that_waited_for_it
     for got in (first, second):
         cache.release(got)
     assert hits(cache.match_prefix(A)) == (0, 16, 0)
-    cache.check_integrity(engine_device_slots=0)
-    assert drained(cache)
+    assert settled(cache)
 
 
 def test_a_split_during_a_load_leaks_nothing():
-    cache = make_cache()
-    serve(cache, A)
-    cache.flush()
-    cache.evict_device(64)
-    faults = LoadFaults(cache)
-    faults.gate = threading.Event()
+    cache, faults = on_host_only(gate=threading.Event())
     m = cache.match_prefix(A)
     cache.lock(m)
     handle = cache.load_back(m)
@@ -91,8 +90,7 @@ def test_a_split_during_a_load_leaks_nothing():
     assert handle.wait(10) and handle.error is None
     check_prefix(cache, A, handle.device_indices)
     cache.unlock(m)
-    cache.check_integrity(engine_device_slots=0)
-    assert drained(cache)
+    assert settled(cache)
 
 
 def test_a_failed_storage_write_unpins_and_counts(store):
