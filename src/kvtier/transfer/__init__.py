@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .copy import copy_numpy, copy_torch
+from .copy import copy_numpy, copy_torch, int_view
 from .gather import gather_pages
 from .runs import Runs, coalesce
 
@@ -89,7 +89,8 @@ def _copy_triton(views, dst_pages, src_pages, layer) -> None:
     device = next(v.layers[0].device for pair in views for v in pair if v.layers[0].device.type == "cuda")
     dst_pages, src_pages = dst_pages.to(device), src_pages.to(device)
 
-    def arg(t: torch.Tensor):
+    def arg(t: torch.Tensor):  # as same-width ints: one kernel for every dtype, fp8 included
+        t = int_view(t)
         return _MappedHost(t) if t.device.type == "cpu" else t
 
     for d, s in views:

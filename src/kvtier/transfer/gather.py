@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .copy import int_view
+
 #: Staging per index op. Small enough to stay in cache between the gather and the
 #: scatter, and to be reused rather than faulted in afresh for every chunk.
 CHUNK_BYTES = 2 << 20
@@ -24,6 +26,8 @@ def gather_pages(dst: torch.Tensor, src: torch.Tensor, dst_pages: torch.Tensor, 
     n = dst_pages.numel()
     if n == 0:
         return
+    # NOTE: as same-width ints, so that every dtype works (the CPU has no index ops for fp8)
+    dst, src = int_view(dst), int_view(src)
     page_bytes = src[0].numel() * src.element_size()
     step = max(1, CHUNK_BYTES // max(page_bytes, 1))
     dst_pages, src_pages = dst_pages.to(dst.device), src_pages.to(src.device)
