@@ -9,6 +9,7 @@ from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, KVSpec
 
 SPEC = KVSpec.mha(2, 2, 6, v_head_dim=4, dtype=torch.float64)  # asymmetric K/V dims, exact values
 PAGE = 4
+NAMESPACE = "test-model"
 
 
 def kv_value(spec: KVSpec, name: str, layer: int, tokens: list[int], start: int) -> torch.Tensor:
@@ -22,6 +23,8 @@ def kv_value(spec: KVSpec, name: str, layer: int, tokens: list[int], start: int)
 
 
 def make_cache(device_tokens=64, host_tokens=64, storage=None, **kw) -> HierarchicalCache:
+    if storage is not None:
+        kw.setdefault("namespace", NAMESPACE)
     return HierarchicalCache(DeviceKVPool(SPEC, device_tokens, PAGE), HostKVPool(SPEC, host_tokens, PAGE),
                              storage, **kw)
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 import kvtier.storage
-from engine import PAGE, check_prefix, make_cache, serve
+from engine import NAMESPACE, PAGE, check_prefix, make_cache, serve
 from faults import FaultyStore, LoadFaults
 from kvtier import CacheClosedError
 
@@ -101,7 +101,7 @@ def test_a_failed_storage_write_unpins_and_counts(store):
     cache.flush()
     stats = cache.stats()
     assert (stats["stored_tokens"], stats["store_errors"], stats["errors"]) == (0, 1, 1)
-    assert store.batch_exists(kvtier.storage.page_keys(A, PAGE, "default")) == 0
+    assert store.batch_exists(kvtier.storage.page_keys(A, PAGE, NAMESPACE)) == 0
     assert drained(cache)
     faulty.raise_set = False                                 # the pages are written when next backed up
     serve(cache, A)

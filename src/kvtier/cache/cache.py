@@ -59,7 +59,7 @@ class HierarchicalCache:
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, storage: Storage | None = None, *,
                  write_policy: str = "write_through", prefetch_policy: str = "best_effort",
-                 namespace: str = "default", prefetch_timeout: float = 1.0, storage_timeout: float = 5.0,
+                 namespace: str | None = None, prefetch_timeout: float = 1.0, storage_timeout: float = 5.0,
                  io_backend: str = "direct", allocator: DeviceAllocator | None = None, hash: str = "sha256",
                  synchronous: bool = False) -> None:
         _check_choice("write_policy", write_policy, WRITE_POLICIES)
@@ -72,6 +72,12 @@ class HierarchicalCache:
                              f"and host pool ({host_pool.spec.fingerprint()}, page_size {host_pool.page_size}) differ")
         if storage is not None and not isinstance(storage, Storage):
             raise ValueError(f"storage must implement batch_exists/batch_get/batch_set/stats, got {type(storage)}")
+        if storage is not None and (not isinstance(namespace, str) or not namespace):
+            raise ValueError("a cache with storage needs namespace=: a name for the model whose KV it stores (name or "
+                             "path, revision, dtype — e.g. kvtier.integrations.identity.model_namespace(...)), so that "
+                             f"no other model reads these pages; got {namespace!r}")
+        if namespace is not None and (not isinstance(namespace, str) or not namespace):
+            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
         if allocator is not None and not isinstance(allocator, DeviceAllocator):
             raise ValueError(f"allocator must implement alloc/free/available_size, got {type(allocator)}")
         for what, t in (("prefetch_timeout", prefetch_timeout), ("storage_timeout", storage_timeout)):

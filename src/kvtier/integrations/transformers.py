@@ -21,6 +21,7 @@ from ..cache import HierarchicalCache
 from ..cache.tokens import token_array
 from ..pools import DeviceKVPool, HostKVPool
 from ..spec import Component, KVSpec
+from .identity import model_namespace, weights_digest
 
 
 class UnsupportedModelError(ValueError):
@@ -63,6 +64,16 @@ def spec_from_model(model) -> KVSpec:
                   k.dtype)
 
 
+def hf_namespace(model) -> str:
+    """The checkpoint's identity: ``hf:`` + name or path (the class name for a model
+    built from a config), revision (the hub commit, when known), dtype and a digest
+    of the weights (computed here, once)."""
+    config = model.config
+    name = getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__
+    revision = getattr(config, "_commit_hash", None) or getattr(config, "revision", None)
+    return "hf:" + model_namespace(name, revision, model.dtype, weights_digest(model))
+
+
 @dataclass
 class RequestStats:
     prompt_tokens: int
@@ -89,8 +100,10 @@ class CachedGenerator:
         spec = spec_from_model(model)
         device = DeviceKVPool(spec, device_tokens, page_size, device=model.device)
         host = HostKVPool(spec, host_tokens, page_size, layout=layout)
+        if namespace is None:
+            namespace = hf_namespace(model) if storage is not None else None
         cache = HierarchicalCache(device, host, storage, write_policy=write_policy, prefetch_policy="wait_complete",
-                                  namespace=namespace or f"hf:{model.config.model_type}")
+                                  namespace=namespace)
         return cls(model, cache)
 
     # -- DynamicCache <-> pool ------------------------------------------------------------------
