@@ -164,16 +164,18 @@ def test_a_slow_store_pins_only_host_copies(store):
 
 def test_backups_run_off_the_callers_thread_and_lock():
     cache = make_cache()
-    gate, seen = threading.Event(), []
+    gate, started, seen = threading.Event(), threading.Event(), []
     inner = cache.host_pool.backup_from_device_all_layer
 
     def slow_backup(*args):
         seen.append(threading.current_thread())
+        started.set()
         gate.wait(10)
         return inner(*args)
 
     cache.host_pool.backup_from_device_all_layer = slow_backup
     serve(cache, A)                                          # returns while the backup waits
+    assert started.wait(10)
     other = threading.Thread(target=cache.match_prefix, args=(A,))
     other.start()
     other.join(5)

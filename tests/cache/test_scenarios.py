@@ -178,3 +178,16 @@ def test_alloc_failures_are_counted_when_everything_is_locked():
         assert cache.alloc_device(8) is None
     assert cache.stats()["device_alloc_failures"] == 1
     assert cache.alloc_device(8) is not None
+
+
+def test_write_back_eviction_frees_a_deep_chain():
+    cache = make_cache(device_tokens=32, host_tokens=32, write_policy="write_back")
+    chain = list(range(400, 424))                  # 6 pages, inserted one page deeper each time: 6 nodes
+    for n in range(PAGE, len(chain) + 1, PAGE):
+        serve(cache, chain[:n])
+    assert cache.stats()["host_tokens"] == 0
+    assert cache.evict_device(64) == 24            # each level waits for its backup, then its parent goes
+    assert hits(cache.match_prefix(chain)) == (0, 24, 0)
+    got = cache.acquire(chain)
+    check_prefix(cache, chain, got.device_indices)
+    cache.release(got)

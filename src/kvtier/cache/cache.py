@@ -28,7 +28,7 @@ from .tokens import canonical_salt, token_array
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
-_WAIT_ROUNDS = 4    # eviction waits for backups it started at most this many times
+_STALLED_ROUNDS = 1  # eviction that waited for backups gives up after this many rounds freeing nothing
 
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
@@ -382,14 +382,17 @@ class HierarchicalCache:
         return slots
 
     def _alloc(self, num_tokens: int) -> torch.Tensor | None:
-        for _ in range(_WAIT_ROUNDS):
+        stalled = 0
+        while True:
             with self._lock:
+                before = self.allocator.available_size()
                 slots = self._state.alloc("device", num_tokens)
+                progress = self.allocator.available_size() > before
                 pending = list(self._state.backups)
-            if slots is not None or not pending:
-                break
+            stalled = 0 if progress else stalled + 1
+            if slots is not None or not pending or stalled > _STALLED_ROUNDS:
+                return slots
             self._wait(pending)  # write-back: the pages go once their host copies land
-        return slots
 
     def free_device(self, indices: torch.Tensor) -> None:
         """Return slots the caller owns (e.g. duplicates reported by :meth:`insert`);
@@ -414,15 +417,17 @@ class HierarchicalCache:
     def _evict(self, tier: str, num_tokens: int) -> int:
         _check_count(f"evict_{tier}", num_tokens)
         self._check_open()
-        freed = 0
-        for _ in range(_WAIT_ROUNDS):
+        freed, stalled = 0, 0
+        while True:
             with self._lock:
-                freed += self._state.evict(tier, num_tokens - freed)
+                got = self._state.evict(tier, num_tokens - freed)
                 pending = list(self._state.backups) if tier == "device" else []
-            if freed >= num_tokens or not pending:
-                break
+            freed += got
+            stalled = 0 if got else stalled + 1
+            if freed >= num_tokens or not pending or stalled > _STALLED_ROUNDS:
+                return freed
+            # write-back: a page goes once its host copy lands, and then its parent may go
             self._wait(pending)
-        return freed
 
     def _wait(self, marks) -> None:
         for mark in marks:
