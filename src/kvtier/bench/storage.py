@@ -177,7 +177,7 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
                     raw = _RawMooncake(store._client(), sizes)
                 stack.callback(store.close)
             except ServerUnavailable as e:
-                skipped[name] = f"{e} not installed"
+                skipped[name] = str(e)
                 continue
             rows += _measure(name, store, raw, host, idx, keys, payload, len(sizes), repeat)
     if directory is None:
