@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from .layout import LAYOUTS
-from .pools import DeviceKVPool, HostKVPool
-from .spec import KVSpec
-from .transfer import IO_BACKENDS
-from .transfer.copy import int_view as _bits
+from ..layout import LAYOUTS
+from ..pools import DeviceKVPool, HostKVPool
+from ..spec import KVSpec
+from ..transfer import IO_BACKENDS
+from ..transfer.copy import int_view as _bits
 
 
 def run(spec: KVSpec, page_size: int = 16, pages: int = 8, seed: int = 0) -> list[dict]:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .cli_spec import add_spec_arguments, spec_from_args
+from .spec import add_spec_arguments, spec_from_args
 from .table import human_bytes, print_table
 
 
@@ -39,7 +39,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from .bench import transfer
+    from ..bench import transfer
 
     dims = []
     for item in args.dims.split(","):
@@ -85,13 +85,13 @@ def _selfcheck(args: argparse.Namespace) -> int:
 
 
 def selfcheck_default_spec():
-    from .spec import KVSpec
+    from ..spec import KVSpec
 
     return KVSpec.mha(8, 4, 192, v_head_dim=128)  # MiMo-V2-Flash-like K/V dims, few layers
 
 
 def _bench_storage(args: argparse.Namespace) -> int:
-    from .bench import storage
+    from ..bench import storage
 
     result = storage.run(layers=args.layers, heads=args.heads, head_dim=args.head_dim, v_head_dim=args.v_head_dim,
                          page_size=args.page_size, pages=args.pages, layout=args.layout,
@@ -112,7 +112,7 @@ def _bench_storage(args: argparse.Namespace) -> int:
 
 
 def _bench_cache(args: argparse.Namespace) -> int:
-    from .bench import cache
+    from ..bench import cache
 
     result = cache.run(page_sizes=tuple(int(x) for x in args.page_sizes.split(",")), prompt_tokens=args.prompt_tokens,
                        tree_pages=args.tree_pages, seed=args.seed)
@@ -135,7 +135,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from . import demo
+    from .. import demo
 
     total = args.sessions * args.turns
     print(f"kvtier demo: tiny {args.model} (random weights), {args.sessions} sessions x {args.turns} turns, "
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the rows and summary as JSON here")
     p.set_defaults(run=_demo)
 
-    from .sim import cli as sim_cli
+    from . import simulate as sim_cli
 
     p = sub.add_parser("simulate", help="replay a request trace through the cache policy (capacity planning)")
     sim_cli.add_arguments(p)

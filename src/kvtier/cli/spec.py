@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .spec import Component, KVSpec, parse_dtype
+from ..spec import Component, KVSpec, parse_dtype
 
 _FIELDS = {
     "mha": ("layers", "heads", "head_dim", "v_head_dim"),

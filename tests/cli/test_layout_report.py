@@ -1,5 +1,5 @@
 from kvtier import KVSpec
-from kvtier.layout_report import layout_reports
+from kvtier.cli.layout_report import layout_reports
 
 
 def test_reports_for_asymmetric_spec():

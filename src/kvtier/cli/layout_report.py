@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import LAYOUTS, contiguous_run
-from .pools import HostKVPool
-from .spec import KVSpec
+from ..layout import LAYOUTS, contiguous_run
+from ..pools import HostKVPool
+from ..spec import KVSpec
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ import argparse
 import json
 from dataclasses import replace
 
-from ..cli_spec import add_spec_arguments, spec_from_args
-from ..table import print_table
-from .simulator import CostModel, SimConfig, belady_hits, simulate
-from .traces import read_mooncake, synthetic
+from ..sim.simulator import CostModel, SimConfig, belady_hits, simulate
+from ..sim.traces import read_mooncake, synthetic
+from .spec import add_spec_arguments, spec_from_args
+from .table import print_table
 
 SWEEPABLE = ("device-tokens", "host-tokens", "storage-tokens")
 
