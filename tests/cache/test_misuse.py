@@ -34,6 +34,17 @@ def test_a_second_release_raises_and_keeps_the_other_holders_lock():
     assert cache.evict_device(64) == 12
 
 
+def test_an_acquisition_is_released_only_by_its_own_cache():
+    cache, other = make_cache(), make_cache()
+    serve(cache, A)
+    got = cache.acquire(A)
+    with pytest.raises(ValueError, match="another cache"):
+        other.release(got)
+    assert cache.evict_device(64) == 0                        # still held
+    cache.release(got)
+    assert cache.evict_device(64) == 12
+
+
 def test_unlock_without_lock_raises_before_any_count_moves():
     cache = make_cache()
     serve(cache, A)

@@ -179,11 +179,14 @@ class HierarchicalCache:
         self._check_open()
         if not isinstance(match, MatchResult):
             raise ValueError(f"expected a MatchResult from match_prefix, got {type(match).__name__}")
-        root = match.last_node
-        while root.parent is not None:
-            root = root.parent
-        if self._state.tree.roots.get(match.salt) is not root:
+        if not self._owns(match.last_node, match.salt):
             raise ValueError("this MatchResult comes from another cache")
+
+    def _owns(self, node, salt: bytes) -> bool:
+        """Whether ``node`` hangs (or hung) below this cache's root for ``salt``."""
+        while node.parent is not None:
+            node = node.parent
+        return self._state.tree.roots.get(salt) is node
 
     # -- one request's prefix, from whichever tier holds it -----------------------------------------------------
     def acquire(self, token_ids: Sequence[int] | torch.Tensor, salt=None, wait: bool = True) -> Acquired:
@@ -247,6 +250,8 @@ class HierarchicalCache:
             self._release(acquired)
 
     def _release(self, acquired: Acquired) -> None:
+        if not self._owns(acquired.lease.node, acquired.match.salt):
+            raise ValueError("this Acquired comes from another cache")
         if acquired.lease.released:
             raise ValueError("release: this Acquired was already released (or committed)")
         self._state.unlock_node(acquired.lease.node)
@@ -282,6 +287,8 @@ class HierarchicalCache:
         pages = self._check_slots(all_slots)
         salt, state = acquired.match.salt, self._state
         with self._lock:
+            if not self._owns(acquired.lease.node, salt):
+                raise ValueError("commit: this Acquired comes from another cache")
             if acquired.lease.released:
                 raise ValueError("commit: this Acquired was already released (or committed)")
             walked = state.check_insert(tokens[:full], pages, salt)
