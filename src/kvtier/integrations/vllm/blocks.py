@@ -1,0 +1,136 @@
+"""How one vLLM KV block maps onto kvtier pages: canonical K/V components or opaque bytes.
+
+vLLM hands the offloading worker each layer's KV cache as ``(num_blocks, page_bytes)``
+int8 rows. What the bytes of a row mean depends on the attention backend and vLLM's
+``kv_cache_layout``. Where kvtier knows that arrangement, a block becomes one kvtier
+page of ``block_size`` slots of a real :class:`~kvtier.spec.KVSpec` — K and V as
+components (MLA: one component ``kv`` of one head) — so the host tier and storage hold
+canonical, head-shardable pages that any engine with the same model and dtype reads.
+Everywhere else a block is stored whole as an *opaque* page: one slot of one
+single-head ``uint8`` component holding each layer's row as it is; those pages round
+trip exactly but only the same backend and layout can read them (their keys say so).
+
+| backend (``kv_cache_layout``) | block interior | kvtier page |
+|---|---|---|
+| ``CPU_ATTN`` (``LBHNC``) | ``(head, kv, slot, dim)``: per head, K of every slot, then V | canonical ``k``, ``v`` |
+| ``FLASH_ATTN``, ``TRITON_ATTN``, ``FLASHINFER`` (``LBNHC``) | ``(kv, slot, head, dim)`` | canonical ``k``, ``v`` |
+| the same (``LBHNC``) | ``(kv, head, slot, dim)`` | canonical ``k``, ``v`` |
+| any MLA backend | ``(slot, dim)`` of ``kv_lora_rank + rope`` | canonical ``kv`` (1 head) |
+| anything else, quantized caches with scales, padded or packed pages | — | opaque |
+
+A canonical mapping is accepted only when its elements fill the layer's page bytes
+exactly; a view built by reshaping and permuting that row is a bijection, so a store
+followed by a load is byte-exact whatever the backend. Only the CPU row is verified
+end to end here; the GPU rows follow vLLM 0.32's documented shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ...spec import DTYPE_NAMES, Component, KVSpec
+
+_MHA_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("CPU_ATTN", "LBHNC"): ("head", "kv", "slot", "dim"),
+    **{(b, "LBNHC"): ("kv", "slot", "head", "dim") for b in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")},
+    **{(b, "LBHNC"): ("kv", "head", "slot", "dim") for b in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")},
+}
+_MLA_ORDER = ("slot", "head", "dim")
+
+#: vLLM cache dtype names -> torch dtypes kvtier can page.
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+           "float32": torch.float32, "float": torch.float32}
+for _name, _attr in (("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+
+def cache_dtype(name: str) -> torch.dtype | None:
+    """vLLM's cache dtype name (``"bfloat16"``, ``"fp8_e4m3"``) as a torch dtype, or None."""
+    return _DTYPES.get(str(name).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What vLLM says about one layer's KV block (the same for every layer of a group)."""
+
+    backend: str            # attention backend name, e.g. "CPU_ATTN"
+    layout: str             # vLLM kv_cache_layout, e.g. "LBHNC"
+    use_mla: bool
+    num_kv_heads: int       # on this worker
+    head_size: int          # MLA: kv_lora_rank + qk_rope_head_dim
+    block_tokens: int
+    dtype: torch.dtype | None
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One vLLM block as one kvtier page.
+
+    ``order`` is the block interior's axis order over ``kv``/``head``/``slot``/``dim``
+    (``None``: opaque). ``page_size`` is the kvtier page size in slots: the block's
+    tokens for canonical pages, 1 for opaque ones.
+    """
+
+    name: str
+    spec: KVSpec
+    page_size: int
+    page_bytes: int          # bytes of one layer's block that the views cover
+    order: tuple[str, ...] | None
+
+    @property
+    def canonical(self) -> bool:
+        return self.order is not None
+
+    def layer_views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{component: (block, slot, head, dim) view}`` of one layer's int8
+        ``(num_blocks, >= page_bytes)`` rows; no copy."""
+        assert rows.dim() == 2 and rows.stride(1) == 1 and rows.shape[1] >= self.page_bytes, (
+            f"layer rows must be (num_blocks, >= {self.page_bytes}) bytes with contiguous rows, "
+            f"got shape {tuple(rows.shape)} strides {rows.stride()}")
+        page = rows[:, :self.page_bytes].view(self.spec.dtype)
+        if self.order is None:  # one slot of one head: the whole row
+            return {"blk": page.view(page.shape[0], 1, 1, page.shape[1])}
+        comps = self.spec.components
+        sizes = {"kv": len(comps), "head": comps[0].head_num, "slot": self.page_size, "dim": comps[0].head_dim}
+        block = page.unflatten(1, tuple(sizes[a] for a in self.order))
+        if "kv" not in self.order:  # MLA: one component
+            block = block.unsqueeze(1 + len(self.order))
+            order = (*self.order, "kv")
+        else:
+            order = self.order
+        canon = block.permute(0, *(1 + order.index(a) for a in ("kv", "slot", "head", "dim")))
+        return {c.name: canon[:, i] for i, c in enumerate(comps)}
+
+    def views(self, layer_rows: Sequence[torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
+        """``{component: per-layer (block, slot, head, dim) views}`` over every layer."""
+        per_layer = [self.layer_views(r) for r in layer_rows]
+        return {name: tuple(v[name] for v in per_layer) for name in self.spec.names}
+
+
+def opaque_format(geometry: Geometry, layers: int, page_bytes: int) -> BlockFormat:
+    """Whole blocks as bytes: a ``(layers, 1 slot, 1 head, page_bytes)`` uint8 page."""
+    spec = KVSpec(layers, (Component("blk", 1, page_bytes),), torch.uint8)
+    name = f"opaque.{geometry.backend}.{geometry.layout}.b{geometry.block_tokens}.{page_bytes}B"
+    return BlockFormat(name, spec, 1, page_bytes, None)
+
+
+def block_format(geometry: Geometry, layers: int, page_bytes: int) -> BlockFormat:
+    """The canonical format of ``geometry`` when kvtier knows its backend and layout and
+    its elements fill ``page_bytes`` exactly; otherwise the opaque one."""
+    g = geometry
+    order = _MLA_ORDER if g.use_mla else _MHA_ORDERS.get((g.backend, g.layout))
+    if order is None or g.dtype is None or g.dtype not in DTYPE_NAMES:
+        return opaque_format(g, layers, page_bytes)
+    if g.use_mla:
+        comps = (Component("kv", 1, g.head_size),)
+    else:
+        comps = (Component("k", g.num_kv_heads, g.head_size), Component("v", g.num_kv_heads, g.head_size))
+    spec = KVSpec(layers, comps, g.dtype)
+    if spec.page_elems(g.block_tokens) // layers * spec.element_size != page_bytes:
+        return opaque_format(g, layers, page_bytes)
+    name = f"kv.{spec.fingerprint()}.b{g.block_tokens}"
+    return BlockFormat(name, spec, g.block_tokens, page_bytes, order)

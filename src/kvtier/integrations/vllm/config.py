@@ -1,0 +1,62 @@
+"""The ``kv_connector_extra_config`` that :class:`KVTierOffloadingSpec` accepts, checked once.
+
+kvtier's own keys are ``host_bytes`` (required), ``storage`` and ``namespace``, plus
+two tuning knobs; the rest are the keys vLLM's ``OffloadingConnector`` itself reads.
+Anything else is a ``ValueError`` at construction that lists the known keys, so a
+typo (``host_byte``) never silently turns the cache off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+#: Keys that vLLM's OffloadingConnector and OffloadingSpec read themselves.
+VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
+                       "self_describing_kv_events", "canonical_layout"})
+#: kvtier's keys and what each means.
+KVTIER_KEYS = {
+    "host_bytes": "bytes of host memory for the host tier (required, > 0)",
+    "storage": "storage URL (file:///dir, redis://host:port/db, mooncake://...); optional",
+    "namespace": "names the model in storage keys instead of its name, revision and dtype; optional",
+    "storage_timeout_s": "seconds a storage probe or prefetch may take before its blocks count as misses (2.0)",
+    "io_threads": "threads moving blocks between the host tier and storage (2)",
+}
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    host_bytes: int
+    storage: str | None = None
+    namespace: str | None = None
+    storage_timeout_s: float = 2.0
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes <= 0:
+            raise ValueError(f"kvtier: host_bytes must be a positive int (bytes of host memory), "
+                             f"got {self.host_bytes!r}")
+        if self.storage is not None and (not isinstance(self.storage, str) or "://" not in self.storage):
+            raise ValueError(f"kvtier: storage must be a URL like file:///dir or redis://host:6379/0, "
+                             f"got {self.storage!r}")
+        if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
+            raise ValueError(f"kvtier: namespace must be a non-empty str, got {self.namespace!r}")
+        timeout = self.storage_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"kvtier: storage_timeout_s must be a positive number, got {timeout!r}")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads <= 0:
+            raise ValueError(f"kvtier: io_threads must be a positive int, got {self.io_threads!r}")
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any]) -> "KVTierConfig":
+        """kvtier's settings from vLLM's ``kv_connector_extra_config``; ``ValueError``
+        naming any key that neither kvtier nor vLLM's connector knows."""
+        unknown = sorted(set(extra) - VLLM_KEYS - set(KVTIER_KEYS))
+        if unknown:
+            known = ", ".join(f"{k} ({v})" for k, v in KVTIER_KEYS.items())
+            raise ValueError(f"kvtier: unknown kv_connector_extra_config keys {unknown}; kvtier's keys: {known}; "
+                             f"vLLM's: {', '.join(sorted(VLLM_KEYS))}")
+        if "host_bytes" not in extra:
+            raise ValueError("kvtier: kv_connector_extra_config needs host_bytes (bytes of host memory for the "
+                             "host tier), e.g. {'host_bytes': 1 << 30}")
+        return cls(**{k: extra[k] for k in KVTIER_KEYS if k in extra})

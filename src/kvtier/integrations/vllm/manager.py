@@ -1,0 +1,104 @@
+"""The scheduler side: vLLM's ``OffloadingManager`` over a :class:`~.tier.HostTier`."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Callable
+
+import numpy as np
+from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingManager, OffloadKey,
+                                     PrepareStoreOutput, ReqContext, RequestOffloadingContext,
+                                     ScheduleEndContext)
+
+from .tier import HostTier, Lookup, Probe
+
+_RESULTS = {Lookup.HIT: LookupResult.HIT, Lookup.PENDING: LookupResult.HIT_PENDING,
+            Lookup.RETRY: LookupResult.RETRY, Lookup.MISS: LookupResult.MISS}
+
+
+class KVTierLoadStoreSpec(LoadStoreSpec):
+    """Host pages of kvtier's tier, one per vLLM block, in the order of the keys."""
+
+    def __init__(self, pages: list[int]) -> None:
+        self.pages = np.asarray(pages, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"KVTierLoadStoreSpec({self.pages.tolist()})"
+
+
+class KVTierOffloadingManager(OffloadingManager):
+    """Keyed by vLLM's ``OffloadKey`` (chained block hash + group): vLLM's hashes already
+    match prefixes, so each key is looked up on its own.
+
+    ``tier`` is a callable returning the engine's :class:`HostTier` (or None while the
+    worker has not built it yet: then everything misses and nothing is stored).
+    """
+
+    def __init__(self, tier: Callable[[], HostTier | None]) -> None:
+        self._tier_fn = tier
+        self._probes: list[Probe] = []  # probes with keys queued this scheduler step
+
+    @property
+    def tier(self) -> HostTier | None:
+        return self._tier_fn()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        tier = self.tier
+        if tier is None:
+            return LookupResult.MISS
+        if tier.storage is None:
+            return _RESULTS[tier.lookup(bytes(key))]
+        probe = req_context.get_state(Probe)
+        if probe is None:
+            probe = Probe()
+            req_context.set_state(probe)
+        idle = not probe.queued
+        result = tier.lookup(bytes(key), probe)
+        if idle and probe.queued:  # its first key this step: send the batch at the step's end
+            self._probes.append(probe)
+        return _RESULTS[result]
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        return KVTierLoadStoreSpec(self.tier.pin([bytes(k) for k in keys]))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        tier = self.tier
+        if tier is not None:
+            tier.touch(bytes(k) for k in keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.tier.unpin(bytes(k) for k in keys)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        tier = self.tier
+        if tier is None:
+            return None
+        by_bytes = {bytes(k): k for k in keys}
+        got = tier.reserve(by_bytes)
+        if got is None:
+            return None
+        return PrepareStoreOutput(keys_to_store=[by_bytes[k] for k in got.keys],
+                                  store_spec=KVTierLoadStoreSpec(got.pages),
+                                  evicted_keys=[OffloadKey(k) for k in got.evicted])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        self.tier.commit((bytes(k) for k in keys), success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send this step's storage look-ups (one batch per request) to the tier's threads."""
+        probes, self._probes = self._probes, []
+        tier = self.tier
+        for probe in probes:
+            tier.send(probe)
+
+    def has_pending_work(self) -> bool:
+        tier = self.tier
+        return bool(self._probes) or (tier is not None and tier.busy())
+
+    def reset_cache(self) -> None:
+        tier = self.tier
+        if tier is not None:
+            tier.reset()
