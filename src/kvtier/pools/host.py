@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..layout import get_layout, require_split_heads
+from ..layout import Layout, get_layout, require_split_heads
 from ..spec import KVSpec
 from ..transfer import check_io_backend, copy_pages
 from .allocator import PageAllocator
@@ -26,6 +26,19 @@ def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
     return bool(pin_memory)
 
 
+def _shapes(spec: KVSpec, layout: Layout, num_pages: int, page_size: int) -> dict[str, tuple[int, ...]]:
+    sizes = {"page": num_pages, "slot": page_size, "layer": spec.layer_num}
+    return {c.name: layout.shape({**sizes, "head": c.head_num, "dim": c.head_dim}) for c in spec.components}
+
+
+def _shared_allocation(buffers: list[torch.Tensor]) -> torch.Tensor | None:
+    """A uint8 view of the one storage all ``buffers`` live in, or ``None`` if several."""
+    storage = buffers[0].untyped_storage()
+    if any(b.untyped_storage().data_ptr() != storage.data_ptr() for b in buffers[1:]):
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=buffers[0].device).set_(storage)
+
+
 class HostKVPool:
     """A host pool of ``size`` token slots in pages of ``page_size``, one buffer per component.
 
@@ -41,22 +54,70 @@ class HostKVPool:
                  copy_threads: int | None = None) -> None:
         check_spec(spec)
         check_sizes(size, page_size)
-        self._layout = get_layout(layout)
+        lay = get_layout(layout)
         dev = parse_device(device)
         pin = _resolve_pin(pin_memory, dev)
-        self.spec, self.size, self.page_size, self.device = spec, size, page_size, dev
-        self.layout = self._layout.name
-        self.num_pages = size // page_size
+        raw, buffers = carve(spec, _shapes(spec, lay, size // page_size, page_size), device=dev, pin_memory=pin)
+        self._init(spec, page_size, lay, dev, raw, buffers, copy_threads)
+
+    @classmethod
+    def from_buffers(cls, spec: KVSpec, buffers: dict[str, torch.Tensor], page_size: int,
+                     layout: str = "page_first", copy_threads: int | None = None) -> "HostKVPool":
+        """Wrap existing host tensors (an engine's own host pool) without copying.
+
+        ``buffers[name]`` holds component ``name`` in ``layout``'s axis order, e.g.
+        ``page_first``: ``(page, slot, layer, head, dim)``, C-contiguous, of ``spec.dtype``,
+        all on one device and with one page count. Every method then reads and writes
+        those tensors in place. :attr:`raw` is the one allocation they share, or ``None``
+        when they live in several (see :attr:`regions`). ``alloc``/``free`` keep this
+        object's own bookkeeping; an engine that owns the memory usually manages its
+        slots itself. Raises ``ValueError`` naming the first mismatch.
+        """
+        check_spec(spec)
+        lay = get_layout(layout)
+        if not isinstance(buffers, dict) or set(buffers) != set(spec.names):
+            got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
+            raise ValueError(f"buffers must map exactly the components {list(spec.names)}, got {got}")
+        first = buffers[spec.names[0]]
+        if not isinstance(first, torch.Tensor) or first.dim() != len(lay.order):
+            raise ValueError(f"buffers[{spec.names[0]!r}] must be a {len(lay.order)}-D tensor in {lay.name} order "
+                             f"{lay.order}, got {getattr(first, 'shape', type(first).__name__)}")
+        num_pages = first.shape[lay.order.index("page")]
+        check_sizes(num_pages * page_size, page_size)
+        shapes = _shapes(spec, lay, num_pages, page_size)
+        for c in spec.components:
+            t, where = buffers[c.name], f"buffers[{c.name!r}]"
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{where} is {type(t).__name__}, not a tensor")
+            if tuple(t.shape) != shapes[c.name]:
+                raise ValueError(f"{where} has shape {tuple(t.shape)}; {lay.name} {lay.order} with page_size "
+                                 f"{page_size} needs {shapes[c.name]}")
+            if t.dtype != spec.dtype:
+                raise ValueError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
+            if t.device != first.device:
+                raise ValueError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}] on {first.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{where} is not contiguous (strides {t.stride()}); page spans need each "
+                                 f"component's buffer packed in {lay.name} order")
+        pool = cls.__new__(cls)
+        pool._init(spec, page_size, lay, first.device, _shared_allocation(list(buffers.values())),
+                   {c.name: buffers[c.name] for c in spec.components}, copy_threads)
+        return pool
+
+    def _init(self, spec, page_size, layout, device, raw, buffers, copy_threads) -> None:
+        self._layout = layout
+        self.spec, self.page_size, self.device = spec, page_size, device
+        self.layout = layout.name
+        self.num_pages = buffers[spec.names[0]].shape[layout.order.index("page")]
+        self.size = self.num_pages * page_size
         self.copy_threads = copy_threads or max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
-        sizes = {"page": self.num_pages, "slot": page_size, "layer": spec.layer_num}
-        shapes = {c.name: self._layout.shape({**sizes, "head": c.head_num, "dim": c.head_dim})
-                  for c in spec.components}
-        self.raw, self.buffers = carve(spec, shapes, device=dev, pin_memory=pin)
+        self.raw: torch.Tensor | None = raw
+        self.buffers: dict[str, torch.Tensor] = buffers
         self.page_views: dict[str, PageViews] = {}
         for name, buf in self.buffers.items():
             canon = self._layout.canonical(buf)  # (page, slot, layer, head, dim)
             self.page_views[name] = PageViews.build(canon, tuple(canon.unbind(2)))
-        self._allocator = PageAllocator(size, page_size)
+        self._allocator = PageAllocator(self.size, page_size)
 
     # -- properties ------------------------------------------------------------
     @property
@@ -72,6 +133,18 @@ class HostKVPool:
     def page_bytes(self) -> int:
         """Bytes of one page over every layer and component."""
         return self.page_size * self.spec.bytes_per_token
+
+    @property
+    def regions(self) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` of each distinct allocation holding this pool's buffers
+        (one for a pool allocated here): what a zero-copy transport must register."""
+        if self.raw is not None:
+            return [(self.raw.data_ptr(), self.raw.numel())]
+        spans = {}
+        for buf in self.buffers.values():
+            storage = buf.untyped_storage()
+            spans[storage.data_ptr()] = storage.nbytes()
+        return sorted(spans.items())
 
     # -- allocation --------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor | None:
