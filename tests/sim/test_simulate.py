@@ -78,6 +78,26 @@ def test_malformed_lines_name_their_line(tmp_path, line, message):
         read_mooncake(path)
 
 
+@pytest.mark.parametrize("line, block_tokens, message", [
+    ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}', 512,
+     r"line 2: 2 hash_ids for input_length 1025; 512-token blocks need ceil\(1025 / 512\) = 3"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}', 16, "need ceil.0 / 16. = 0"),
+    ('{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": [1]}', 16, "timestamp must be a finite"),
+])
+def test_lines_are_checked_against_the_block_size(tmp_path, line, block_tokens, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
+    with pytest.raises(TraceError, match=message):
+        read_mooncake(path, block_tokens=block_tokens)
+
+
+def test_bytes_that_are_not_utf8_name_their_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n\n\xc3(\n')
+    with pytest.raises(TraceError, match=r"line 3: not UTF-8 \(byte 0xc3 at offset 0\)"):
+        read_mooncake(path)
+
+
 def test_cli_json_sweep_and_plot(tmp_path, capsys):
     from kvtier.cli import main
 

@@ -9,6 +9,7 @@ last block; only whole blocks can be reused.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,21 +28,30 @@ class Request:
     blocks: tuple[int, ...]  # block ids of the prompt, in order
 
 
-def read_mooncake(path: str | Path) -> list[Request]:
+def read_mooncake(path: str | Path, block_tokens: int | None = None) -> list[Request]:
     """Every request of a Mooncake-format jsonl file (``timestamp``, ``input_length``,
-    ``output_length``, ``hash_ids``); :class:`TraceError` with the line number otherwise."""
-    return list(iter_mooncake(path))
+    ``output_length``, ``hash_ids``); :class:`TraceError` with the line number otherwise.
+    With ``block_tokens``, each line must carry ceil(input_length / block_tokens) hash ids."""
+    return list(iter_mooncake(path, block_tokens))
 
 
-def iter_mooncake(path: str | Path) -> Iterator[Request]:
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
+def iter_mooncake(path: str | Path, block_tokens: int | None = None) -> Iterator[Request]:
+    if block_tokens is not None and (isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
+                                     or block_tokens <= 0):
+        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
             if not line.strip():
                 continue
-            yield _parse(line, f"{path}, line {number}")
+            yield _parse(line, where, block_tokens)
 
 
-def _parse(line: str, where: str) -> Request:
+def _parse(line: str, where: str, block_tokens: int | None) -> Request:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -57,9 +67,16 @@ def _parse(line: str, where: str) -> Request:
     for key in ("input_length", "output_length"):
         if not isinstance(row[key], int) or isinstance(row[key], bool) or row[key] < 0:
             raise TraceError(f"{where}: {key} must be a non-negative int, got {row[key]!r}")
-    if not isinstance(row["timestamp"], (int, float)) or isinstance(row["timestamp"], bool):
-        raise TraceError(f"{where}: timestamp must be a number, got {row['timestamp']!r}")
-    return Request(float(row["timestamp"]), row["input_length"], row["output_length"], tuple(ids))
+    stamp = row["timestamp"]
+    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not math.isfinite(stamp):
+        raise TraceError(f"{where}: timestamp must be a finite number, got {stamp!r}")
+    if block_tokens is not None:
+        need = -(-row["input_length"] // block_tokens)
+        if len(ids) != need:
+            raise TraceError(f"{where}: {len(ids)} hash_ids for input_length {row['input_length']}; "
+                             f"{block_tokens}-token blocks need ceil({row['input_length']} / {block_tokens}) = "
+                             f"{need} (a trace cut with another block size?)")
+    return Request(float(stamp), row["input_length"], row["output_length"], tuple(ids))
 
 
 def synthetic(*, sessions: int = 50, turns: int = 6, system_prompts: int = 4, system_blocks: int = 4,
