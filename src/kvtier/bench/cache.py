@@ -31,7 +31,33 @@ def _per_call_us(fn, calls: int) -> float:
     return best * 1e6
 
 
+#: Host bytes per cached token (its id in the tree, the 2-byte pool slot, the allocator and
+#: ownership entries of its page, the prompts held to build the tree), measured at
+#: about 13 and doubled.
+_BYTES_PER_TOKEN = 32
+
+
+def check_config(page_sizes, prompt_tokens: int, tree_pages: int) -> None:
+    """``ValueError`` unless every prompt is whole pages of every page size, at least 2 tokens long."""
+    if not page_sizes:
+        raise ValueError("give at least one page size")
+    for name, value in (("prompt_tokens", prompt_tokens), ("tree_pages", tree_pages),
+                        *(("page_size", p) for p in page_sizes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    bad = [p for p in page_sizes if prompt_tokens % p]
+    if prompt_tokens < 2 or bad:
+        raise ValueError(f"prompt_tokens {prompt_tokens} must be at least 2 and a multiple of every page size "
+                         f"({', '.join(map(str, page_sizes))})")
+
+
+def memory_bytes(page_sizes, prompt_tokens: int, tree_pages: int) -> int:
+    """Host bytes :func:`run` takes at its peak (the page sizes run one after another)."""
+    return max(tree_pages * p + 24 * prompt_tokens for p in page_sizes) * _BYTES_PER_TOKEN
+
+
 def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: int) -> dict:
+    check_config((page_size,), prompt_tokens, tree_pages)
     rng = random.Random(seed)
     spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)  # metadata is what is timed: 2 bytes a token
     prompts_needed = tree_pages * page_size // (prompt_tokens * 3 // 4) + 2
@@ -73,4 +99,5 @@ def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: i
 
 
 def run(page_sizes=(16, 64), prompt_tokens: int = 8192, tree_pages: int = 100_000, seed: int = 0) -> dict:
+    check_config(page_sizes, prompt_tokens, tree_pages)
     return {"rows": [bench_page_size(ps, prompt_tokens, tree_pages, seed) for ps in page_sizes]}

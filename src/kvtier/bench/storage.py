@@ -143,9 +143,27 @@ def _measure(name, store, raw, host, idx, keys, payload, objects, repeat) -> lis
     return rows
 
 
+BACKENDS = ("file", "redis", "mooncake")
+_MOONCAKE_SEGMENT_EXTRA = 64 << 20
+
+
+def memory_bytes(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
+                 page_size: int = 64, pages: int = 32, backends=BACKENDS) -> int:
+    """Host memory :func:`run` takes at its peak: a device and a host pool, the raw client's
+    buffer and kvtier's staging (each about the payload), and Mooncake's segment."""
+    pool = pages * page_size * KVSpec.mha(layers, heads, head_dim, v_head_dim).bytes_per_token
+    mooncake = 4 * pool + _MOONCAKE_SEGMENT_EXTRA if "mooncake" in backends else 0
+    return 4 * pool + mooncake
+
+
 def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
-        page_size: int = 64, pages: int = 32, layout: str = "page_head", backends=("file", "redis", "mooncake"),
+        page_size: int = 64, pages: int = 32, layout: str = "page_head", backends=BACKENDS,
         directory: str | None = None, repeat: int = 3) -> dict:
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise ValueError(f"backends {list(backends)!r}: choose from {', '.join(BACKENDS)}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat <= 0:
+        raise ValueError(f"repeat must be a positive int, got {repeat!r}")
     spec = KVSpec.mha(layers, heads, head_dim, v_head_dim)
     size = pages * page_size
     dev = DeviceKVPool(spec, size, page_size)
@@ -159,29 +177,31 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
     payload = sum(sizes)
     rows, skipped = [], {}
     workdir = Path(directory or tempfile.mkdtemp(prefix="kvtier-bench-"))
-    for name in backends:
-        with contextlib.ExitStack() as stack:
-            try:
-                if name == "file":
-                    store = storage.open(f"file://{workdir / 'kvtier'}")
-                    raw = _RawFile(workdir / "raw", sizes)
-                elif name == "redis":
-                    server = stack.enter_context(RedisServer())
-                    store = storage.open(server.url)
-                    raw = _RawRedis(server.url, sizes)
-                    stack.callback(raw.close)
-                else:
-                    master = stack.enter_context(MooncakeMaster())
-                    segment = 4 * payload + (64 << 20)
-                    store = storage.open(f"{master.url}&global_segment_size={segment}")
-                    raw = _RawMooncake(store._client(), sizes)
-                stack.callback(store.close)
-            except ServerUnavailable as e:
-                skipped[name] = str(e)
-                continue
-            rows += _measure(name, store, raw, host, idx, keys, payload, len(sizes), repeat)
-    if directory is None:
-        shutil.rmtree(workdir, ignore_errors=True)
+    try:
+        for name in backends:
+            with contextlib.ExitStack() as stack:
+                try:
+                    if name == "file":
+                        store = storage.open(f"file://{workdir / 'kvtier'}")
+                        raw = _RawFile(workdir / "raw", sizes)
+                    elif name == "redis":
+                        server = stack.enter_context(RedisServer())
+                        store = storage.open(server.url)
+                        raw = _RawRedis(server.url, sizes)
+                        stack.callback(raw.close)
+                    else:
+                        master = stack.enter_context(MooncakeMaster())
+                        segment = 4 * payload + _MOONCAKE_SEGMENT_EXTRA
+                        store = storage.open(f"{master.url}&global_segment_size={segment}")
+                        raw = _RawMooncake(store._client(), sizes)
+                    stack.callback(store.close)
+                except ServerUnavailable as e:
+                    skipped[name] = str(e)
+                    continue
+                rows += _measure(name, store, raw, host, idx, keys, payload, len(sizes), repeat)
+    finally:
+        if directory is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     return {
         "config": {"spec": spec.fingerprint(), "page_size": page_size, "pages": pages, "layout": layout,
                    "objects_per_page": len(plan.write_parts), "repeat": repeat, "dir": str(workdir),

@@ -11,6 +11,9 @@ import torch
 def best_seconds(fn: Callable[[], None], repeat: int, warmup: int = 1, cuda: bool = False) -> float:
     """Fastest of ``repeat`` runs after ``warmup`` untimed ones (first touches fault pages in).
     With ``cuda``, each run ends with a device synchronize, so queued copies count."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+
     def run():
         fn()
         if cuda:

@@ -101,11 +101,43 @@ def bench_meta(spec: KVSpec, *, page_size: int, pages: int, repeat: int, seed: i
     return rows
 
 
+def check_device(device: str) -> torch.device:
+    """The benchmark's device: ``cpu``, or a CUDA device that exists here (``ValueError`` otherwise)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here (a CPU-only torch build, or no GPU "
+                             "visible); use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return dev
+
+
+def memory_bytes(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_sizes=(64,),
+                 pages: int = 256, meta_pages: int = 4096) -> tuple[int, int]:
+    """``(host, device)`` bytes :func:`run` takes at its peak: one device and one host pool
+    of the largest spec, and the span metadata's indices and Python lists."""
+    pool = max(pages * max(page_sizes) // ps * ps * KVSpec.mha(layers, heads, k, v).bytes_per_token
+               for ps in page_sizes for k, v in dims)
+    meta = meta_pages * (4 * 8 * page_sizes[0] + 2 * 2 * layers * 64)  # (ptr, size) per layer and component
+    return pool + meta, pool
+
+
 def run(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_sizes=(64,),
         pages: int = 256, layouts=tuple(LAYOUTS), backends=("direct", "kernel"), repeat: int = 3,
         meta_pages: int = 4096, seed: int = 0, device: str = "cpu") -> dict:
     """The whole benchmark as a JSON-ready dict. ``pages`` is for the largest page
     size; smaller pages keep the same bytes (more pages)."""
+    check_device(device)
+    for name, value in (("pages", pages), ("repeat", repeat), ("meta_pages", meta_pages),
+                        *(("page_size", p) for p in page_sizes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     started = time.time()
     rows, limits = [], {}
     for page_size in page_sizes:
