@@ -10,12 +10,9 @@ the device pool, the host pool after a load, and storage after a prefetch.
 from __future__ import annotations
 
 import random
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .integrations.tiny_models import build
 from .integrations.transformers import CachedGenerator, generate_uncached
-from .storage import open as open_storage
 
 
 @dataclass
@@ -32,34 +29,35 @@ class Turn:
     identical: bool
 
 
-def run(*, model: str = "mimo", sessions: int = 4, turns: int = 5, storage: str | None = None,
-        layout: str = "page_first", device_tokens: int = 448, host_tokens: int = 768, page_size: int = 16,
-        system_tokens: int = 96, user_tokens: int = 48, new_tokens: int = 8, seed: int = 0, progress=None
-        ) -> tuple[list[Turn], dict]:
+def run(net, store, *, namespace: str, sessions: int = 4, turns: int = 5, layout: str = "page_first",
+        device_tokens: int = 448, host_tokens: int = 768, page_size: int = 16, system_tokens: int = 96,
+        user_tokens: int = 48, new_tokens: int = 8, seed: int = 0, progress=None) -> tuple[list[Turn], dict]:
+    """``sessions`` x ``turns`` requests of ``net`` (e.g. ``kvtier.integrations.tiny_models.build``) through a
+    cache over ``store`` (the caller's to close), each checked against running without kvtier."""
+    if sessions <= 0 or turns <= 0:
+        raise ValueError(f"sessions and turns must be positive, got {sessions} and {turns}")
     rng = random.Random(seed)
-    net = build(model, seed=seed)
     vocab = net.config.vocab_size
-    store = open_storage(storage or f"file://{tempfile.mkdtemp(prefix='kvtier-demo-')}")
     gen = CachedGenerator.build(net, device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
-                                storage=store, layout=layout, namespace=f"demo-{model}-{seed}")
-    system = [rng.randrange(vocab) for _ in range(system_tokens)]
-    history = [list(system) for _ in range(sessions)]
-    rows = []
-    for turn in range(turns):
-        for s in range(sessions):
-            prompt = history[s] + [rng.randrange(vocab) for _ in range(user_tokens)]
-            got = gen.generate(prompt, max_new_tokens=new_tokens)
-            gen.cache.flush()  # storage writes land before the next request looks for them
-            ref, baseline_s = generate_uncached(net, prompt, max_new_tokens=new_tokens)
-            rows.append(Turn(s, turn, len(prompt), got.device_tokens, got.host_tokens, got.storage_tokens,
-                             got.prefill_tokens, got.prefill_s * 1e3, baseline_s * 1e3, got.output == ref))
-            history[s] = prompt + got.output
-            if progress is not None:
-                progress()
-    summary = _summary(rows, gen.cache.stats())
-    gen.cache.close()
-    store.close()
-    return rows, summary
+                                storage=store, layout=layout, namespace=namespace)
+    try:
+        system = [rng.randrange(vocab) for _ in range(system_tokens)]
+        history = [list(system) for _ in range(sessions)]
+        rows = []
+        for turn in range(turns):
+            for s in range(sessions):
+                prompt = history[s] + [rng.randrange(vocab) for _ in range(user_tokens)]
+                got = gen.generate(prompt, max_new_tokens=new_tokens)
+                gen.cache.flush()  # storage writes land before the next request looks for them
+                ref, baseline_s = generate_uncached(net, prompt, max_new_tokens=new_tokens)
+                rows.append(Turn(s, turn, len(prompt), got.device_tokens, got.host_tokens, got.storage_tokens,
+                                 got.prefill_tokens, got.prefill_s * 1e3, baseline_s * 1e3, got.output == ref))
+                history[s] = prompt + got.output
+                if progress is not None:
+                    progress()
+        return rows, _summary(rows, gen.cache.stats())
+    finally:
+        gen.cache.close()
 
 
 def _summary(rows: list[Turn], stats: dict) -> dict:
@@ -75,33 +73,3 @@ def _summary(rows: list[Turn], stats: dict) -> dict:
         "evicted_tokens": {"device": stats["device_evicted_tokens"], "host": stats["host_evicted_tokens"]},
         "stored_tokens": stats["stored_tokens"],
     }
-
-
-def plot(rows: list[Turn], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = range(len(rows))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    bottom_acc = [0] * len(rows)
-    for tier, color in (("device", "#2a9d8f"), ("host", "#e9c46a"), ("storage", "#f4a261"), ("prefilled", "#8d99ae")):
-        values = [getattr(r, tier) for r in rows]
-        top.bar(x, values, bottom=bottom_acc, color=color, label=tier)
-        bottom_acc = [a + b for a, b in zip(bottom_acc, values)]
-    top.set_ylabel("prompt tokens")
-    top.legend(ncol=4, fontsize=8)
-    top.set_title("kvtier demo: where each request's prompt KV came from")
-    bottom.plot(x, [r.baseline_ms for r in rows], marker="o", label="prefill without kvtier")
-    bottom.plot(x, [r.prefill_ms for r in rows], marker="o", label="prefill with kvtier")
-    bottom.set_ylabel("ms")
-    bottom.set_xlabel("request (sessions interleaved, turn by turn)")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def rows_json(rows: list[Turn]) -> list[dict]:
-    return [asdict(r) for r in rows]

@@ -41,7 +41,7 @@ def test_inspect_json_and_other_geometries(capsys):
     (["--mha", "layers=0,heads=8,head_dim=64"], "layer_num must be a positive int, got 0"),
     (["--mha", "layers=2,heads=8,head_dim=64", "--dtype", "bf17"], "unknown dtype 'bf17'"),
     ([], "exactly one of"),
-    (["--mha", "layers=2,heads=8,head_dim=64", "--page-size", "0"], "page_size must be a positive int"),
+    (["--mha", "layers=2,heads=8,head_dim=64", "--page-size", "0"], "--page-size: must be a positive integer, got '0'"),
 ])
 def test_inspect_bad_spec_is_a_clear_error(capsys, argv, message):
     code, _, err = run(capsys, "inspect", *argv)

@@ -25,13 +25,19 @@ class LayoutReport:
     page_format: str
 
 
+def memory_bytes(page_size: int) -> int:
+    """Host memory :func:`layout_reports` takes: the pools live on the ``meta`` device (shapes,
+    no bytes), so only the page's token-slot indices and their checked copies are real."""
+    return 4 * 8 * page_size
+
+
 def layout_reports(spec: KVSpec, page_size: int) -> list[LayoutReport]:
-    """One report per layout, measured on a one-page pool of ``spec``."""
+    """One report per layout, measured on a one-page ``meta`` pool of ``spec`` (nothing allocated)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     reports = []
     for name in LAYOUTS:
-        pool = HostKVPool(spec, page_size, page_size, layout=name, pin_memory=False)
+        pool = HostKVPool(spec, page_size, page_size, layout=name, device="meta")
         _, sizes = pool.get_page_buffer_meta(torch.arange(page_size))
         runs = {}
         for c in spec.components:

@@ -7,6 +7,7 @@ device -> host (all layers) -> flat page -> a host pool of the *next* layout -> 
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -16,6 +17,45 @@ from ..pools import DeviceKVPool, HostKVPool
 from ..spec import KVSpec
 from ..transfer import IO_BACKENDS
 from ..transfer.copy import int_view as _bits
+from .preflight import check_host_memory
+from .spec import add_spec_arguments, has_spec, spec_from_args
+from .table import print_table
+from .types import positive_int
+
+#: Pools alive at once: the source, and the previous and the next round's host, other and
+#: destination pools (a pool is freed only when its name is rebound).
+_POOLS_AT_PEAK = 7
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_spec_arguments(p)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--pages", type=positive_int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def default_spec() -> KVSpec:
+    return KVSpec.mha(8, 4, 192, v_head_dim=128)  # MiMo-V2-Flash-like K/V dims, few layers
+
+
+def command(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args) if has_spec(args) else default_spec()
+    check_host_memory(memory_bytes(spec, args.page_size, args.pages),
+                      f"{args.pages} pages of {args.page_size} tokens of {spec.fingerprint()}",
+                      "use fewer or smaller pages")
+    print(f"round trip device -> host -> flat page -> other layout -> device, spec {spec.fingerprint()}")
+    rows = run(spec, page_size=args.page_size, pages=args.pages, seed=args.seed)
+    print_table("self-check (bytes compared bit for bit)", ["layouts", "io_backend", "result", "ms"],
+                [[r["layout"], r["io_backend"], "identical" if r["ok"] else "MISMATCH", f"{r['ms']:.1f}"]
+                 for r in rows])
+    failed = sum(not r["ok"] for r in rows)
+    print(f"{len(rows) - failed} of {len(rows)} round trips identical")
+    return 1 if failed else 0
+
+
+def memory_bytes(spec: KVSpec, page_size: int, pages: int) -> int:
+    """Host memory :func:`run` takes at its peak."""
+    return _POOLS_AT_PEAK * pages * page_size * spec.bytes_per_token
 
 
 def run(spec: KVSpec, page_size: int = 16, pages: int = 8, seed: int = 0) -> list[dict]:

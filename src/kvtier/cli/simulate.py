@@ -3,61 +3,59 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 from dataclasses import replace
 
 from ..sim.simulator import CostModel, SimConfig, belady_hits, simulate
 from ..sim.traces import read_mooncake, synthetic
-from .spec import add_spec_arguments, spec_from_args
-from .table import print_table
+from .preflight import check_host_memory, check_input_file, check_output_path, require_module
+from .spec import add_spec_arguments, has_spec, spec_from_args
+from .table import json_text, print_table
+from .types import capacity, capacity_type, positive_float, positive_int
 
 SWEEPABLE = ("device-tokens", "host-tokens", "storage-tokens")
+# NOTE: the meta-device pools hold no KV, but their free lists and ownership flags are real:
+# an int64 page id plus flags per block (about 9 bytes measured), with room for transient copies.
+_BYTES_PER_BLOCK = 16
+_SYNTHETIC_BYTES_PER_SESSION = 8 << 10  # six requests of ~20 block ids each, as Python objects
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="Mooncake-format jsonl (timestamp, input_length, output_length, hash_ids), "
                                  "or 'synthetic' for a generated multi-turn chat workload")
-    p.add_argument("--block-tokens", type=int, default=512, help="tokens per hash_ids block (default 512)")
-    p.add_argument("--device-tokens", type=_tokens, default=1_000_000)
-    p.add_argument("--host-tokens", type=_tokens, default=4_000_000)
-    p.add_argument("--storage-tokens", type=_tokens, default=0, help="N, or inf; 0 for no storage (default)")
+    p.add_argument("--block-tokens", type=positive_int, default=512,
+                   help="tokens per hash_ids block (default 512); each trace line must carry "
+                        "ceil(input_length / block_tokens) hash_ids")
+    p.add_argument("--device-tokens", type=capacity_type(), default=1_000_000, help="N (default 1e6)")
+    p.add_argument("--host-tokens", type=capacity_type(), default=4_000_000, help="N (default 4e6)")
+    p.add_argument("--storage-tokens", type=capacity_type(unlimited=True), default=0,
+                   help="N, or inf; 0 for no storage (default)")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--sweep", default=None, help="e.g. host-tokens=1e6,4e6,16e6")
     p.add_argument("--oracle", action="store_true", help="add Belady (clairvoyant) hits at the same capacities")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=CostModel.prefill_tokens_per_s)
-    p.add_argument("--host-gbps", type=float, default=CostModel.host_gbps)
-    p.add_argument("--storage-gbps", type=float, default=CostModel.storage_gbps)
-    p.add_argument("--synthetic-sessions", type=int, default=200)
+    p.add_argument("--prefill-tokens-per-s", type=positive_float, default=CostModel.prefill_tokens_per_s)
+    p.add_argument("--host-gbps", type=positive_float, default=CostModel.host_gbps)
+    p.add_argument("--storage-gbps", type=positive_float, default=CostModel.storage_gbps)
+    p.add_argument("--synthetic-sessions", type=positive_int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list, one object per configuration; an unlimited capacity (inf) is null")
     add_spec_arguments(p)
 
 
-def _tokens(text: str) -> float:
-    if text.strip().lower() in ("inf", "infinite", "unlimited"):
-        return float("inf")
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"capacity must be >= 0, got {text}")
-    return value
-
-
-def run(args: argparse.Namespace) -> int:
-    requests = (synthetic(sessions=args.synthetic_sessions, block_tokens=args.block_tokens, seed=args.seed)
-                if args.trace == "synthetic" else read_mooncake(args.trace))
-    has_spec = any(getattr(args, k, None) for k in ("spec", "mha", "mla", "k_only", "components"))
-    base = SimConfig(device_tokens=args.device_tokens, host_tokens=args.host_tokens,
-                     storage_tokens=args.storage_tokens, block_tokens=args.block_tokens, write_policy=args.policy,
-                     cost=CostModel(args.prefill_tokens_per_s, args.host_gbps, args.storage_gbps),
-                     **({"spec": spec_from_args(args)} if has_spec else {}))
-    configs = [base]
-    if args.sweep:
-        name, _, values = args.sweep.partition("=")
-        if name not in SWEEPABLE:
-            raise ValueError(f"--sweep {name!r}: sweepable are {', '.join(SWEEPABLE)}")
-        configs = [replace(base, **{name.replace("-", "_"): _tokens(v)}) for v in values.split(",")]
+def command(args: argparse.Namespace) -> int:
+    configs = _configs(args)
+    check_output_path(args.plot, "--plot")
+    if args.plot:
+        require_module("matplotlib", "--plot", "demo")
+    for config in configs:
+        blocks = (config.device_tokens + config.host_tokens) // config.block_tokens
+        check_host_memory(int(blocks) * _BYTES_PER_BLOCK, f"device {_fmt(config.device_tokens)} + host "
+                          f"{_fmt(config.host_tokens)} tokens in {config.block_tokens}-token blocks",
+                          "lower the capacities or raise --block-tokens")
+    requests = _requests(args)
     results = []
     for config in configs:
         result = _simulate_with_progress(requests, config, quiet=args.json)
@@ -69,13 +67,55 @@ def run(args: argparse.Namespace) -> int:
                     requests, config.device_tokens + config.host_tokens + config.storage_tokens, config.block_tokens)
         results.append((config, result))
     if args.json:
-        print(json.dumps([{"device_tokens": c.device_tokens, "host_tokens": c.host_tokens,
-                           "storage_tokens": c.storage_tokens, **r.as_dict()} for c, r in results], indent=2))
+        print(json_text([{"device_tokens": _count(c.device_tokens), "host_tokens": _count(c.host_tokens),
+                          "storage_tokens": _count(c.storage_tokens), **r.as_dict()} for c, r in results]))
     else:
         _print(requests, results, args.sweep)
     if args.plot:
         _plot(results, args.sweep or "host-tokens", args.plot)
     return 0
+
+
+def _configs(args: argparse.Namespace) -> list[SimConfig]:
+    """Every configuration to replay, checked: ``ValueError`` before anything is read or built."""
+    base = SimConfig(device_tokens=args.device_tokens, host_tokens=args.host_tokens,
+                     storage_tokens=args.storage_tokens, block_tokens=args.block_tokens, write_policy=args.policy,
+                     cost=CostModel(args.prefill_tokens_per_s, args.host_gbps, args.storage_gbps),
+                     **({"spec": spec_from_args(args)} if has_spec(args) else {}))
+    configs = [base]
+    if args.sweep:
+        name, sep, values = args.sweep.partition("=")
+        if not sep or name not in SWEEPABLE:
+            raise ValueError(f"--sweep {args.sweep!r}: expected NAME=A,B,... with NAME one of {', '.join(SWEEPABLE)}")
+        field = name.replace("-", "_")
+        configs = []
+        for text in values.split(","):
+            try:
+                value = capacity(text, unlimited=field == "storage_tokens")
+            except ValueError as e:
+                raise ValueError(f"--sweep {name}={text}: {e}") from None
+            configs.append(replace(base, **{field: value}))
+    for c in configs:
+        for flag, tokens in (("--device-tokens", c.device_tokens), ("--host-tokens", c.host_tokens)):
+            if tokens < c.block_tokens:
+                raise ValueError(f"{flag} {_fmt(tokens)} is less than one {c.block_tokens}-token block; the device "
+                                 "and host tiers need at least one block each")
+    return configs
+
+
+def _requests(args: argparse.Namespace) -> list:
+    if args.trace == "synthetic":
+        check_host_memory(args.synthetic_sessions * _SYNTHETIC_BYTES_PER_SESSION,
+                          f"--synthetic-sessions {args.synthetic_sessions}", "generate fewer sessions")
+        return synthetic(sessions=args.synthetic_sessions, block_tokens=args.block_tokens, seed=args.seed)
+    check_input_file(args.trace, "trace")
+    try:
+        requests = read_mooncake(args.trace, block_tokens=args.block_tokens)
+    except OSError as e:
+        raise ValueError(f"trace {args.trace}: {e.strerror or e}") from None
+    if not requests:
+        raise ValueError(f"trace {args.trace}: no requests (an empty file?)")
+    return requests
 
 
 def _simulate_with_progress(requests, config, quiet: bool):
@@ -90,8 +130,13 @@ def _simulate_with_progress(requests, config, quiet: bool):
         return simulate(requests, config, progress=lambda: bar.advance(task))
 
 
+def _count(tokens: float) -> int | None:
+    """A capacity for JSON: an integer, or ``None`` when unlimited."""
+    return None if math.isinf(tokens) else int(tokens)
+
+
 def _fmt(tokens: float) -> str:
-    return "inf" if tokens == float("inf") else f"{tokens:,.0f}"
+    return "inf" if math.isinf(tokens) else f"{tokens:,.0f}"
 
 
 def _pct(part: float, whole: float) -> str:
@@ -129,13 +174,13 @@ def _plot(results, sweep: str, path: str) -> None:
     xs = [getattr(c, name.replace("-", "_")) for c, _ in results]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for tier in ("device_hit", "host_hit", "storage_hit"):
-        ax.plot(xs, [getattr(r, tier) / r.prompt_tokens for _, r in results], marker="o", label=tier.replace("_", " "))
-    ax.plot(xs, [r.hit / r.prompt_tokens for _, r in results], marker="o", linewidth=2, label="all tiers")
-    ax.plot(xs, [r.bound / r.prompt_tokens for _, r in results], linestyle="--", color="gray", label="infinite bound")
+        ax.plot(xs, [_share(getattr(r, tier), r) for _, r in results], marker="o", label=tier.replace("_", " "))
+    ax.plot(xs, [_share(r.hit, r) for _, r in results], marker="o", linewidth=2, label="all tiers")
+    ax.plot(xs, [_share(r.bound, r) for _, r in results], linestyle="--", color="gray", label="infinite bound")
     if any(r.oracle for _, r in results):
-        ax.plot(xs, [r.oracle.get("device+host", 0) / r.prompt_tokens for _, r in results], linestyle=":",
+        ax.plot(xs, [_share(r.oracle.get("device+host", 0), r) for _, r in results], linestyle=":",
                 marker="x", label="Belady, device+host")
-    finite = [x for x in xs if 0 < x < float("inf")]
+    finite = [x for x in xs if 0 < x < math.inf]
     if finite and max(finite) / min(finite) >= 10:
         ax.set_xscale("log")
     ax.set_xlabel(f"{name} (tokens)")
@@ -146,3 +191,7 @@ def _plot(results, sweep: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _share(tokens: int, result) -> float:
+    return tokens / result.prompt_tokens if result.prompt_tokens else 0.0

@@ -63,12 +63,23 @@ def _parse_components(text: str) -> tuple[int, list[Component]]:
             comps.append(Component(name.strip(), int(heads), int(dim)))
         except ValueError as e:
             raise ValueError(f"--components item {part!r}: {e}") from None
-    return int(layers), comps
+    try:
+        return int(layers), comps
+    except ValueError:
+        raise ValueError(f"--components {text!r}: layers {layers!r} is not an integer") from None
+
+
+_OPTIONS = ("spec", "mha", "mla", "k_only", "components")
+
+
+def has_spec(args: argparse.Namespace) -> bool:
+    """Whether any geometry option was given."""
+    return any(getattr(args, k, None) for k in _OPTIONS)
 
 
 def spec_from_args(args: argparse.Namespace) -> KVSpec:
     """Build the KVSpec named by exactly one of the geometry options."""
-    given = [k for k in ("spec", "mha", "mla", "k_only", "components") if getattr(args, k, None)]
+    given = [k for k in _OPTIONS if getattr(args, k, None)]
     if len(given) != 1:
         raise ValueError("give exactly one of --spec, --mha, --mla, --k-only, --components")
     dtype = parse_dtype(args.dtype)

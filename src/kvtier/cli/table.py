@@ -1,7 +1,10 @@
-"""Printing result tables: with ``rich`` when installed, plain aligned text otherwise."""
+"""Printing results: tables (with ``rich`` when installed, plain aligned text otherwise)
+and strict JSON."""
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 from typing import Sequence
 
@@ -33,8 +36,23 @@ def _print_plain(title: str, columns: Sequence[str], rows: Sequence[Sequence[obj
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
             return f"{n:.4g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def json_text(value: object) -> str:
+    """Strict JSON (RFC 8259): non-finite floats, such as an unlimited capacity, become ``null``."""
+    return json.dumps(_finite(value), indent=2, allow_nan=False)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,160 @@
+"""``kvtier bench transfer|storage|cache``: each figure a ratio to a limit measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..layout import LAYOUTS
+from ..transfer import IO_BACKENDS
+from .preflight import check_device_memory, check_host_memory
+from .table import json_text, print_table
+from .types import int_list, name_list, positive_int
+
+_JSON_HELP = "print the results as JSON (strict: a non-finite number is null)"
+_SMALLER = "use fewer or smaller pages, layers or heads"
+
+
+def _dims(text: str) -> tuple[tuple[int, int], ...]:
+    """``"128,192/128"`` -> ``((128, 128), (192, 128))``: K[/V] head dims."""
+    dims = []
+    for item in text.split(","):
+        k, _, v = item.partition("/")
+        try:
+            k_dim, v_dim = int(k), int(v or k)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: expected K or K/V head dims") from None
+        if k_dim <= 0 or v_dim <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: head dims must be positive")
+        dims.append((k_dim, v_dim))
+    return tuple(dims)
+
+
+def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--dims", type=_dims, default="128,192/128",
+                   help="K[/V] head dims, comma separated (default 128,192/128)")
+    p.add_argument("--page-size", type=int_list, default="64", help="page size(s), comma separated, e.g. 16,64,256")
+    p.add_argument("--device", default="cpu", help="device pool's device: cpu (default) or cuda")
+    p.add_argument("--pages", type=positive_int, default=256)
+    p.add_argument("--layouts", type=name_list(LAYOUTS), default=",".join(LAYOUTS))
+    p.add_argument("--backends", type=name_list(IO_BACKENDS), default="direct,kernel")
+    p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--meta-pages", type=positive_int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help=_JSON_HELP)
+
+
+def transfer_command(args: argparse.Namespace) -> int:
+    from ..bench import transfer
+
+    device = transfer.check_device(args.device)
+    sizes = dict(layers=args.layers, heads=args.heads, dims=args.dims, page_sizes=args.page_size, pages=args.pages,
+                 meta_pages=args.meta_pages)
+    host_bytes, device_bytes = transfer.memory_bytes(**sizes)
+    what = f"{args.pages} pages of {max(args.page_size)} tokens"
+    if device.type == "cuda":
+        check_device_memory(device_bytes, device, what, _SMALLER)
+    else:
+        host_bytes += device_bytes
+    check_host_memory(host_bytes, what, _SMALLER)
+    result = transfer.run(**sizes, layouts=args.layouts, backends=args.backends, repeat=args.repeat, seed=args.seed,
+                          device=args.device)
+    if args.json:
+        print(json_text(result))
+        return 0
+    cfg = result["config"]
+    print(f"{cfg['layers']} layers, {cfg['heads']} KV heads, bf16, page sizes {cfg['page_sizes']}, "
+          f"{cfg['pages']} pages (of the largest size) in random order on both sides; device {cfg['device_name']}; "
+          f"torch threads {cfg['torch_threads']}")
+    for key, gbps in result["memcpy_gbps"].items():
+        print(f"memcpy limit for {key}: backup (device->host) {gbps['backup']:.2f} GB/s, "
+              f"load (host->device) {gbps['load']:.2f} GB/s")
+    rows = [[r["spec"], r["page_size"], r["layout"], r["io_backend"], r["direction"], f"{r['gbps']:.2f}",
+             f"{r['ratio']:.2f}x"] for r in result["transfer"]]
+    print_table("transfer (ratio = GB/s / same-direction memcpy GB/s, same run)",
+                ["spec", "page", "layout", "io_backend", "direction", "GB/s", "x memcpy"], rows)
+    rows = [[r["layout"], r["kind"], r["pages"], r["spans"], f"{r['ms']:.3f}"] for r in result["meta"]]
+    print_table("span metadata", ["layout", "kind", "pages", "spans", "ms"], rows)
+    return 0
+
+
+def add_storage_arguments(p: argparse.ArgumentParser) -> None:
+    from ..bench.storage import BACKENDS
+
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--v-head-dim", type=positive_int, default=None)
+    p.add_argument("--page-size", type=positive_int, default=64)
+    p.add_argument("--pages", type=positive_int, default=32)
+    p.add_argument("--layout", default="page_head", choices=list(LAYOUTS))
+    p.add_argument("--backends", type=name_list(BACKENDS), default=",".join(BACKENDS),
+                   help=f"comma separated, from {', '.join(BACKENDS)} (default all)")
+    p.add_argument("--dir", default=None, help="existing directory for the file backend (default: a temporary one)")
+    p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--json", action="store_true", help=_JSON_HELP)
+
+
+def storage_command(args: argparse.Namespace) -> int:
+    from ..bench import storage
+
+    if args.dir is not None and not Path(args.dir).is_dir():
+        raise ValueError(f"--dir {args.dir}: not an existing directory")
+    sizes = dict(layers=args.layers, heads=args.heads, head_dim=args.head_dim, v_head_dim=args.v_head_dim,
+                 page_size=args.page_size, pages=args.pages)
+    check_host_memory(storage.memory_bytes(**sizes, backends=args.backends),
+                      f"{args.pages} pages of {args.page_size} tokens", _SMALLER)
+    result = storage.run(**sizes, layout=args.layout, backends=args.backends, directory=args.dir, repeat=args.repeat)
+    if args.json:
+        print(json_text(result))
+        return 0
+    cfg = result["config"]
+    print(f"{cfg['spec']}, page_size {cfg['page_size']}, {cfg['pages']} pages ({cfg['objects_per_page']} objects "
+          f"each), layout {cfg['layout']}; raw = the backend's own client moving the same objects")
+    rows = [[r["backend"], r["op"], r["objects"], f"{r['gbytes']:.3f}", f"{r['kvtier_gbps']:.2f}",
+             f"{r['raw_gbps']:.2f}", f"{r['ratio']:.2f}x"] for r in result["rows"]]
+    print_table("storage (ratio = kvtier GB/s / raw client GB/s, same run)",
+                ["backend", "op", "objects", "GB", "kvtier GB/s", "raw GB/s", "x raw"], rows)
+    for name, why in result["skipped"].items():
+        print(f"skipped {name}: {why}")
+    return 0
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--page-sizes", type=int_list, default="16,64")
+    p.add_argument("--prompt-tokens", type=positive_int, default=8192,
+                   help="tokens per prompt, a multiple of every page size (default 8192)")
+    p.add_argument("--tree-pages", type=positive_int, default=100_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help=_JSON_HELP)
+
+
+def cache_command(args: argparse.Namespace) -> int:
+    from ..bench import cache
+
+    cache.check_config(args.page_sizes, args.prompt_tokens, args.tree_pages)
+    check_host_memory(cache.memory_bytes(args.page_sizes, args.prompt_tokens, args.tree_pages),
+                      f"--tree-pages {args.tree_pages}", "use fewer tree pages or smaller pages")
+    result = cache.run(page_sizes=args.page_sizes, prompt_tokens=args.prompt_tokens, tree_pages=args.tree_pages,
+                       seed=args.seed)
+    if args.json:
+        print(json_text(result))
+        return 0
+    rows = [[r["page_size"], r["tree_pages"], f"{r['match_hit_us']:.1f}", f"{r['match_new_us']:.1f}",
+             f"{r['insert_us']:.1f}", f"{r['list_copy_us']:.1f}", f"{r['match_hit_x_floor']:.1f}x"]
+            for r in result["rows"]]
+    print_table(f"cache metadata, {args.prompt_tokens}-token prompts "
+                "(x floor = / copying the prompt's token list, same run)",
+                ["page_size", "tree pages", "match hit us", "match new us", "insert us", "list copy us",
+                 "match x floor"], rows)
+    return 0
+
+
+#: name -> (help, add_arguments, command)
+SUBCOMMANDS = {
+    "transfer": ("device<->host page copies per layout and io backend", add_transfer_arguments, transfer_command),
+    "storage": ("put/get GB/s per storage backend vs its raw client", add_storage_arguments, storage_command),
+    "cache": ("match_prefix / insert speed over a large tree", add_cache_arguments, cache_command),
+}

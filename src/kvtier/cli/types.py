@@ -1,0 +1,89 @@
+"""Argument types for the command line: a bad value is refused by argparse, in one line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (rates, bandwidths)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"16,64"`` -> ``(16, 64)``, each a positive integer."""
+    try:
+        return tuple(positive_int(part) for part in text.split(","))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: each comma-separated item {e}") from None
+
+
+def name_list(choices) -> Callable[[str], tuple[str, ...]]:
+    """A type for ``"a,b"`` lists whose items must be among ``choices``, each at most once."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(","))
+        for name in names:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(f"unknown name {name!r} in {text!r}; choose from {', '.join(choices)}")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{text!r} names an item twice")
+        return names
+
+    parse.__name__ = "name list"
+    return parse
+
+
+def capacity(text: str, *, unlimited: bool = False) -> float:
+    """Tokens as ``N`` or ``1e6``, >= 0; ``inf`` only where ``unlimited``. Raises ``ValueError``."""
+    word = text.strip().lower()
+    if word in ("inf", "infinite", "unlimited"):
+        if unlimited:
+            return math.inf
+        raise ValueError(f"must be a finite number of tokens, got {text!r} (only --storage-tokens may be inf)")
+    try:
+        value = float(word)
+    except ValueError:
+        raise ValueError(f"must be a number of tokens such as 4096 or 1e6, got {text!r}") from None
+    if math.isnan(value):
+        raise ValueError(f"must be a number of tokens, got {text!r}")
+    if math.isinf(value) and not unlimited:
+        raise ValueError(f"must be a finite number of tokens, got {text!r} (only --storage-tokens may be inf)")
+    if value < 0:
+        raise ValueError(f"must be >= 0 tokens, got {text!r}")
+    return value
+
+
+def capacity_type(*, unlimited: bool = False) -> Callable[[str], float]:
+    """:func:`capacity` as an argparse type."""
+    def parse(text: str) -> float:
+        try:
+            return capacity(text, unlimited=unlimited)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = "capacity"
+    return parse
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
