@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test test-vllm bench install clean
+.PHONY: demo test test-vllm test-sglang bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
+	$(MAKE) test-sglang
 
 # vLLM's CPU build needs transformers<5.20: its tests run in their own venv (about 8
 # minutes and 3.4 GB on first use; scripts/vllm-env.sh is idempotent).
@@ -30,8 +31,14 @@ test-vllm:
 	bash scripts/vllm-env.sh
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/vllm
 
+# sglang 0.5.23 (HiCache storage backend tests) pins its own transformers and torch: its
+# own venv too (about 7.5 minutes and 2.5 GB on first use; scripts/sglang-env.sh is idempotent).
+test-sglang:
+	bash scripts/sglang-env.sh
+	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/integrations/sglang
+
 bench: $(STAMP)
 	$(BIN)/kvtier bench transfer
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .venv-sglang .pytest_cache .hypothesis
