@@ -46,11 +46,14 @@ class _Allocator:
         return self.device_pool
 
 
-def mha_pools(layout: str, head_num: int = 2, head_dim: int = 16, v_head_dim: int = 8, tokens: int = 1024):
-    """sglang's MHA device pool and the host pool class sglang picks for it
-    (``AsymmetricMHATokenToKVPoolHost`` when ``head_dim != v_head_dim``)."""
+def mha_pools(layout: str, head_num: int = 2, head_dim: int = 16, v_head_dim: int = 8, tokens: int = 1024,
+              start_layer: int = 0):
+    """sglang's MHA device pool (layers ``start_layer`` on: a pipeline stage) and the host
+    pool class sglang picks for it (``AsymmetricMHATokenToKVPoolHost`` when
+    ``head_dim != v_head_dim``)."""
     device = MHATokenToKVPool(size=tokens, page_size=PAGE_SIZE, dtype=DTYPE, head_num=head_num, head_dim=head_dim,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False, v_head_dim=v_head_dim)
+                              layer_num=LAYERS, device="cpu", enable_memory_saver=False, v_head_dim=v_head_dim,
+                              start_layer=start_layer, end_layer=start_layer + LAYERS)
     info = device.get_device_pool_infos()[0].buffer_info
     host = get_mha_host_pool_cls(info)(
         info, 2.0, 0, PAGE_SIZE, layout, pin_memory=False, device="cpu",
@@ -121,13 +124,14 @@ def kvtier_config(url: str, **extra) -> dict:
 
 
 def attach(device, host, backend: str = "dynamic", extra_config: dict | None = None, tp_rank: int = 0,
-           tp_size: int = 1, model_name: str | None = "tiny-model") -> HiCacheController:
+           tp_size: int = 1, model_name: str | None = "tiny-model", pp_rank: int = 0,
+           pp_size: int = 1) -> HiCacheController:
     """A controller over ``device``/``host`` whose storage backend sglang's own
     ``attach_storage_backend`` created (``StorageBackendFactory``, then
     ``register_mem_pool_host``), with this rank's tensor-parallel place."""
     controller = HiCacheController(_Allocator(device), host, PAGE_SIZE, tp_group=None,
                                    load_cache_event=threading.Event(), io_backend="direct")
-    with get_parallel().override(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_dcp_size=1,
+    with get_parallel().override(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_dcp_size=1,
                                  attn_dcp_rank=0):
         controller.attach_storage_backend(backend, model_name=model_name,
                                           storage_backend_extra_config=dict(extra_config or {}))

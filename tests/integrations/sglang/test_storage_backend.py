@@ -157,6 +157,23 @@ def test_namespace_defaults_to_the_model_and_can_be_shared_explicitly(tmp_path):
             assert pages == 4 and same_tokens(first, first_slots, host, dst)
 
 
+def test_pipeline_stages_keep_their_layers_apart(tmp_path):
+    """Two stages of equal depth have one geometry; the layer range keeps their pages apart."""
+    url = f"file://{tmp_path}"
+    stages = []
+    for stage in range(2):
+        device, host = mha_pools("page_first", start_layer=3 * stage)
+        fill_random(host, 30 + stage)
+        controller = attach(device, host, extra_config=kvtier_config(url), pp_rank=stage, pp_size=2)
+        src = host.alloc(2 * PAGE_SIZE)
+        assert backup(controller, src, tokens_for(2)) == 2 * PAGE_SIZE
+        stages.append((host, src))
+    device, host = mha_pools("page_first_direct", start_layer=0)  # stage 0 again, after stage 1 wrote
+    reader = attach(device, host, extra_config=kvtier_config(url), pp_rank=0, pp_size=2)
+    hit, pages, dst = prefetch(reader, host, tokens_for(2))
+    assert pages == 2 and same_tokens(stages[0][0], stages[0][1], host, dst)
+
+
 def test_stats_are_sglang_storage_metrics_with_kvtier_counters(tmp_path):
     controller, host, _ = written("asym", "page_first_direct", f"file://{tmp_path}", pages=6)
     prefetch(controller, host, tokens_for(6))
