@@ -162,5 +162,5 @@ def prefetch(controller, host, tokens: list[int]) -> tuple[int, int, torch.Tenso
     return hit_tokens, pages, slots
 
 
-__all__ = ["POOLS", "make_pools", "PAGE_SIZE", "STORAGE_BATCH_SIZE", "attach", "backup", "fill_random", "kvtier_config", "mha_pools",
-           "mla_pools", "page_keys", "prefetch", "same_tokens", "token_major"]
+__all__ = ["PAGE_SIZE", "POOLS", "STORAGE_BATCH_SIZE", "attach", "backup", "fill_random", "kvtier_config",
+           "make_pools", "mha_pools", "mla_pools", "page_keys", "prefetch", "same_tokens", "token_major"]

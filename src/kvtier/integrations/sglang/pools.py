@@ -141,9 +141,9 @@ def wrap_flat_page(pool, topology: Topology, page: torch.Tensor) -> HostKVPool:
     ``get_data_page(i).flatten()`` returns, the components one after the other, each
     in the pool's own axis order."""
     spec = pool_spec(pool, topology)
-    if not isinstance(page, torch.Tensor) or page.dtype != spec.dtype or page.numel() != spec.page_elems(pool.page_size):
-        raise ValueError(f"a flat page of this pool is a {spec.dtype} tensor of {spec.page_elems(pool.page_size)} "
-                         f"elements, got {getattr(page, 'dtype', type(page).__name__)} "
-                         f"{getattr(page, 'numel', lambda: None)()}")
+    elems = spec.page_elems(pool.page_size)
+    if not isinstance(page, torch.Tensor) or page.dtype != spec.dtype or page.numel() != elems:
+        got = f"{page.dtype} tensor of {page.numel()}" if isinstance(page, torch.Tensor) else type(page).__name__
+        raise ValueError(f"a flat page of this pool is a {spec.dtype} tensor of {elems} elements, got {got}")
     parts = page.reshape(-1).split([pool.page_size * spec.layer_num * c.token_elems for c in spec.components])
     return wrap_pool(pool, topology, {c.name: part for c, part in zip(spec.components, parts)})

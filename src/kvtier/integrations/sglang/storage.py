@@ -88,9 +88,10 @@ class KVTierStorage(HiCacheStorage):
         pool = wrap_pool(mem_pool_host, topology)
         spec = pool.spec
         if not self.settings.interface_v1 and any(c.head_dim != spec.components[0].head_dim for c in spec.components):
-            raise UnsupportedPoolError("kvtier: this pool's K and V differ in head_dim, and without \"interface_v1\": 1 "
-                                       "sglang moves pages through the pool's flat-page methods, which raise for such "
-                                       "pools; add \"interface_v1\": 1 to --hicache-storage-backend-extra-config")
+            raise UnsupportedPoolError(
+                "kvtier: this pool's K and V differ in head_dim, and without \"interface_v1\": 1 sglang moves pages "
+                "through the pool's flat-page methods, which raise for such pools; add \"interface_v1\": 1 to "
+                "--hicache-storage-backend-extra-config")
         options: dict[str, Any] = {"spec": spec, "page_size": pool.page_size}
         if cfg.tp_lcm_size and not topology.replicated:
             # NOTE: sglang's tp_lcm_size names the TP sizes that share pages; head groups of
