@@ -259,3 +259,21 @@ def test_kvtier_imports_without_sglang_and_the_class_loads_lazily():
                          cwd=Path(__file__).parent)
     assert out.stdout.strip() == "lazy"
     assert torch.__version__.startswith("2.13.0")
+
+
+def test_what_sglang_file_backend_does_with_the_same_pools(tmp_path, monkeypatch):
+    """The comparison the README states: sglang's own file backend on symmetric MHA pools
+    round-trips within one layout and TP size, misses at another TP size, and loads
+    another layout's pages as they are (its keys name neither layout nor dtype)."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    device, writer = make_pools("mha", "page_first")
+    fill_random(writer, 12)
+    src = writer.alloc(3 * PAGE_SIZE)
+    assert backup(attach(device, writer, backend="file"), src, tokens_for(3)) == 3 * PAGE_SIZE
+    hit, pages, dst = prefetch(attach(device, writer, backend="file"), writer, tokens_for(3))
+    assert pages == 3 and same_tokens(writer, src, writer, dst)
+    device, half = make_pools("mha", "page_first", tp_size=2)
+    assert prefetch(attach(device, half, backend="file", tp_rank=0, tp_size=2), half, tokens_for(3))[:2] == (0, 0)
+    device, other = make_pools("mha", "layer_first")
+    hit, pages, dst = prefetch(attach(device, other, backend="file"), other, tokens_for(3))
+    assert pages == 3 and not same_tokens(writer, src, other, dst)  # loaded, but permuted
