@@ -90,6 +90,24 @@ def test_store_of_held_keys_copies_nothing_and_failed_store_frees():
     assert rig.tier.lru_order() == [] and rig.tier.pool.available_size() == 4 * BLOCK
 
 
+def test_reset_forgets_everything_and_frees_in_flight_pages_two_steps_later():
+    rig = Rig(CPU_GQA, host_blocks=4)
+    a, b, c = keys("a", "b", "c")
+    rig.store([a, b], [0, 1])
+    rig.manager.prepare_load([a], context())           # a load vLLM will drop at the reset
+    rig.manager.prepare_store([c], context())          # a store vLLM will drop too
+    rig.manager.reset_cache()
+    assert [rig.manager.lookup(k, context()) for k in (a, b, c)] == [LookupResult.MISS] * 3
+    assert rig.tier.pool.available_size() == 2 * BLOCK  # b freed now; a and c wait for vLLM's flush
+    rig.manager.on_schedule_end(END)
+    assert rig.tier.pool.available_size() == 2 * BLOCK
+    rig.manager.on_schedule_end(END)
+    assert rig.tier.pool.available_size() == 4 * BLOCK
+    rig.manager.complete_load([a], context())          # a late completion is ignored
+    rig.store([a], [0])
+    assert rig.manager.lookup(a, context()) is LookupResult.HIT
+
+
 def _stored_rig(tmp_path, names, **kw):
     """A rig whose blocks of ``names`` went through the host tier into file storage."""
     first = Rig(CPU_GQA, storage=kvtier.storage.open(f"file://{tmp_path}"), **kw)

@@ -12,6 +12,9 @@ from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingMana
 
 from .tier import HostTier, Lookup, Probe
 
+#: Seconds a scheduler step may wait for storage look-ups in flight (see HostTier.yield_to_io).
+IO_YIELD_S = 0.002
+
 _RESULTS = {Lookup.HIT: LookupResult.HIT, Lookup.PENDING: LookupResult.HIT_PENDING,
             Lookup.RETRY: LookupResult.RETRY, Lookup.MISS: LookupResult.MISS}
 
@@ -88,11 +91,16 @@ class KVTierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Send this step's storage look-ups (one batch per request) to the tier's threads."""
+        """Send this step's storage look-ups (one batch per request) to the tier's
+        threads, and give them up to ``IO_YIELD_S`` of this step to run."""
         probes, self._probes = self._probes, []
         tier = self.tier
+        if tier is None:
+            return
         for probe in probes:
             tier.send(probe)
+        tier.tick()
+        tier.yield_to_io(IO_YIELD_S)
 
     def has_pending_work(self) -> bool:
         tier = self.tier

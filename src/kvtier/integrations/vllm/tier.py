@@ -53,9 +53,14 @@ class Lookup(Enum):
 class _Page:
     page: int
     state: PageState
-    pins: int = 0
+    loads: int = 0         # loads into vLLM in flight
+    writes: int = 0        # copies to storage in flight
     in_storage: bool = False
     deadline: float = 0.0  # FETCHING: after this, look-ups stop waiting for it
+
+    @property
+    def pins(self) -> int:
+        return self.loads + self.writes
 
 
 @dataclass
@@ -91,6 +96,8 @@ class HostTier:
         self.pool = HostKVPool(fmt.spec, num_pages * fmt.page_size, fmt.page_size, layout="page_head")
         self.num_pages = num_pages
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a probe finishes
+        self._orphans: list[tuple[int, bytes]] = []  # (schedule ends to wait, key) after a reset
         self._pages: dict[bytes, _Page] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # READY keys, least recent first
         self._inflight = 0  # probe jobs running or queued
@@ -141,7 +148,18 @@ class HostTier:
     def busy(self) -> bool:
         """Whether storage probes are running (the engine should keep stepping)."""
         with self._lock:
-            return self._inflight > 0
+            return self._inflight > 0 or bool(self._orphans)
+
+    def yield_to_io(self, budget_s: float) -> None:
+        """Wait up to ``budget_s`` for running probes to finish.
+
+        NOTE: a scheduler with nothing to do but wait for storage spins through empty
+        steps holding the GIL, and I/O threads that need the GIL for every object then
+        crawl (measured here: a 100-block fetch took 0.1 s to over 2 s). Waiting on a
+        condition releases the GIL; the budget bounds what a step can lose."""
+        with self._lock:
+            if self._inflight:
+                self._idle.wait(budget_s)
 
     # -- stores from vLLM --------------------------------------------------------------------
     def reserve(self, keys: Iterable[bytes]) -> Reservation | None:
@@ -173,7 +191,7 @@ class HostTier:
                 self._lru[k] = None
                 self.stats["stored"] += 1
                 if self._writer is not None:
-                    page.pins += 1
+                    page.writes += 1
                     to_write.append((k, page.page))
         if to_write:
             self._writer.submit(self._write, to_write)
@@ -187,7 +205,7 @@ class HostTier:
             if missing:
                 raise ValueError(f"kvtier: load of blocks that are not ready: {missing[:4]}")
             for k in keys:
-                self._pages[k].pins += 1
+                self._pages[k].loads += 1
                 self._lru.move_to_end(k)
             self.stats["loaded"] += len(keys)
             return [self._pages[k].page for k in keys]
@@ -196,8 +214,9 @@ class HostTier:
         with self._lock:
             for k in keys:
                 page = self._pages.get(k)
-                assert page is not None and page.pins > 0, f"unpin of {k.hex()[:16]} that is not pinned"
-                page.pins -= 1
+                if page is None or page.loads == 0:  # a reset forgot it: vLLM dropped that job
+                    continue
+                page.loads -= 1
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark READY keys as recently used (in the given order)."""
@@ -212,12 +231,40 @@ class HostTier:
             return list(self._lru)
 
     def reset(self) -> list[bytes]:
-        """Drop every READY page without pins; returns their keys."""
+        """Forget every page (vLLM's connector reset); returns the keys dropped now.
+
+        vLLM discards the jobs in flight at a reset: their ``complete_*`` never comes.
+        Pages those jobs may still copy into (STORING, or pinned by a load) are
+        unreadable at once and freed after two more scheduler steps, by when vLLM
+        has flushed those copies; pins of storage writes are released by the writer."""
         with self._lock:
-            gone = [k for k in self._lru if self._pages[k].pins == 0]
-            for k in gone:
-                self._drop(k)
+            gone = []
+            for k, page in list(self._pages.items()):
+                if page.state is PageState.FETCHING:
+                    continue  # the fetch thread finishes it
+                if page.state is PageState.STORING or page.pins:
+                    self._lru.pop(k, None)
+                    page.state = PageState.STORING  # unreadable, never evicted
+                    self._orphans.append((2, k))
+                else:
+                    self._drop(k)
+                    gone.append(k)
             return gone
+
+    def tick(self) -> None:
+        """One scheduler step ended: free the orphans of a reset whose time has come
+        (and whose copy to storage, if any, has finished)."""
+        with self._lock:
+            keep = []
+            for steps, k in self._orphans:
+                page = self._pages.get(k)
+                if page is None:
+                    continue
+                if steps > 1 or page.writes:
+                    keep.append((max(steps - 1, 1), k))
+                else:
+                    self._drop(k)
+            self._orphans = keep
 
     # -- storage -----------------------------------------------------------------------------------
     def send(self, probe: Probe) -> None:
@@ -267,6 +314,7 @@ class HostTier:
                     probe.missing.add(k)
                     self.stats["fetch_failed"] += 1
             self._inflight -= 1
+            self._idle.notify_all()
 
     def _write(self, items: list[tuple[bytes, int]]) -> None:
         try:
@@ -277,8 +325,8 @@ class HostTier:
             ok = [False] * len(items)
         with self._lock:
             for (k, _), good in zip(items, ok):
-                page = self._pages[k]
-                page.pins -= 1
+                page = self._pages[k]  # a page with writes in flight is never dropped
+                page.writes -= 1
                 page.in_storage = page.in_storage or bool(good)
                 self.stats["written" if good else "write_failed"] += 1
 
