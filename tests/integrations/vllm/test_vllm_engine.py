@@ -147,11 +147,18 @@ def test_second_geometry_mha_head_size_64(mha_model, tmp_path):
     _close(llm)
 
 
+def _unavailable(why: str):
+    """Skip, or fail where CI requires every service (KVTIER_REQUIRE_SERVICES=1)."""
+    if os.environ.get("KVTIER_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"{why} (KVTIER_REQUIRE_SERVICES=1)")
+    pytest.skip(why)
+
+
 @pytest.fixture
 def redis_url(tmp_path):
     server = shutil.which("redis-server") or shutil.which("valkey-server")
     if server is None:
-        pytest.skip("no redis-server or valkey-server on PATH")
+        _unavailable("no redis-server or valkey-server on PATH")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -165,7 +172,7 @@ def redis_url(tmp_path):
                 break
             except OSError:
                 if time.monotonic() > end or proc.poll() is not None:
-                    pytest.skip(f"{server} did not start")
+                    _unavailable(f"{server} did not start")
                 time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:

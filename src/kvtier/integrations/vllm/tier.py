@@ -1,18 +1,14 @@
 """kvtier's host tier (and storage behind it) keyed by vLLM's offload keys.
 
-One :class:`HostTier` per vLLM engine holds a :class:`~kvtier.pools.HostKVPool` of
-one page per vLLM block, the state of every page, an LRU of readable pages, and the
-storage client. The scheduler-side manager asks it what is where and reserves pages;
-the worker copies blocks in and out of its pool. Page states::
+One :class:`HostTier` per vLLM engine: a :class:`~kvtier.pools.HostKVPool` of one
+page per vLLM block, a :class:`~.pages.PageTable` saying which block is where, and
+the storage client. The scheduler-side manager asks it what is where and reserves
+pages; the worker copies blocks in and out of its pool.
 
-    (none) --reserve--> STORING --commit(ok)--> READY <--fetched-- FETCHING <--probe-- (none)
-                           \\--commit(fail)--> (none)       READY --evict/reset--> (none)
-
-Only READY pages with no pin (a load in flight or a copy to storage in flight) are
-evicted. Storage work runs on threads and never blocks the caller: a probe asks
-storage which of a request's blocks exist and fetches them, checksums verified,
-into pages that become READY; a store is copied to storage after vLLM commits it.
-A storage fault, or a probe slower than ``timeout_s``, is a miss.
+Storage work runs on threads and never blocks the caller: a *probe* asks storage
+which of a request's blocks exist and fetches them, checksums verified, into pages
+that then become READY; a committed store is copied to storage afterwards. A storage
+fault, or a probe slower than ``timeout_s``, is a miss.
 """
 
 from __future__ import annotations
@@ -20,26 +16,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from ...pools import HostKVPool
-from ...pools.indices import page_slots
 from ...storage import Storage
 from .blocks import BlockFormat
+from .pages import Page, PageState, PageTable, Reservation
 
 log = logging.getLogger("kvtier.vllm")
-
-
-class PageState(Enum):
-    STORING = "storing"    # reserved for a store from vLLM, not yet readable
-    READY = "ready"        # readable; in the LRU
-    FETCHING = "fetching"  # being read from storage
 
 
 class Lookup(Enum):
@@ -50,39 +39,19 @@ class Lookup(Enum):
 
 
 @dataclass
-class _Page:
-    page: int
-    state: PageState
-    loads: int = 0         # loads into vLLM in flight
-    writes: int = 0        # copies to storage in flight
-    in_storage: bool = False
-    deadline: float = 0.0  # FETCHING: after this, look-ups stop waiting for it
-
-    @property
-    def pins(self) -> int:
-        return self.loads + self.writes
-
-
-@dataclass
 class Probe:
     """One request's storage look-ups (kept in vLLM's per-request context)."""
 
-    queued: list[bytes] = field(default_factory=list)   # asked, not yet sent
+    queued: list[bytes] = field(default_factory=list)       # asked, not sent yet
     sent: dict[bytes, float] = field(default_factory=dict)  # key -> deadline
     missing: set[bytes] = field(default_factory=set)
-
-
-class Reservation(NamedTuple):
-    keys: list[bytes]      # keys that vLLM must copy
-    pages: list[int]       # their host pages
-    evicted: list[bytes]   # keys evicted to make room
 
 
 class HostTier:
     """Host pages for vLLM blocks of one :class:`BlockFormat`, with optional storage.
 
-    Thread safety: every method may be called from any thread; state changes happen
-    under one lock, storage I/O outside it.
+    Thread safety: every method may be called from any thread; the page table changes
+    under one lock, storage I/O runs outside it.
     """
 
     def __init__(self, fmt: BlockFormat, host_bytes: int, *, storage: Storage | None = None,
@@ -93,34 +62,29 @@ class HostTier:
             raise ValueError(f"kvtier: host_bytes {host_bytes} holds no block of {page_bytes} bytes; "
                              f"give at least {page_bytes}")
         self.format, self.storage, self.key_prefix, self.timeout_s = fmt, storage, key_prefix, timeout_s
-        self.pool = HostKVPool(fmt.spec, num_pages * fmt.page_size, fmt.page_size, layout="page_head")
         self.num_pages = num_pages
+        self.pool = HostKVPool(fmt.spec, num_pages * fmt.page_size, fmt.page_size, layout="page_head")
+        self._table = PageTable(self.pool)
+        self.stats = self._table.stats
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a probe finishes
-        self._orphans: list[tuple[int, bytes]] = []  # (schedule ends to wait, key) after a reset
-        self._pages: dict[bytes, _Page] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # READY keys, least recent first
-        self._inflight = 0  # probe jobs running or queued
+        self._inflight = 0                            # probes sent and not finished
         self._reader = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fetch") if storage else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-write") if storage else None
-        self.stats = {"stored": 0, "loaded": 0, "evicted": 0, "fetched": 0, "fetch_failed": 0, "written": 0,
-                      "write_failed": 0, "probe_timeouts": 0}
 
-    # -- keys and slots -------------------------------------------------------------
     def storage_key(self, key: bytes) -> str:
         return f"{self.key_prefix}/{key.hex()}"
 
     def slots(self, pages: Sequence[int]) -> torch.Tensor:
-        """Token slots of host ``pages`` (what the pool and storage take)."""
-        return page_slots(torch.as_tensor(list(pages), dtype=torch.int64), self.format.page_size)
+        return self._table.slots(pages)
 
-    # -- what is where ------------------------------------------------------------------
+    # -- what is where ----------------------------------------------------------------------
     def lookup(self, key: bytes, probe: Probe | None = None) -> Lookup:
-        """Where ``key`` is. Unknown keys are queued on ``probe`` for storage (sent by
+        """Where ``key`` is. With storage, unknown keys are queued on ``probe`` (sent by
         :meth:`send`) and answer RETRY until storage answers or ``timeout_s`` passes."""
         now = time.monotonic()
         with self._lock:
-            page = self._pages.get(key)
+            page = self._table.get(key)
             if page is not None:
                 if page.state is PageState.READY:
                     return Lookup.HIT
@@ -140,15 +104,65 @@ class HostTier:
             probe.missing.add(key)
             return Lookup.MISS
 
-    def ready(self, key: bytes) -> bool:
-        with self._lock:
-            page = self._pages.get(key)
-            return page is not None and page.state is PageState.READY
-
     def busy(self) -> bool:
-        """Whether storage probes are running (the engine should keep stepping)."""
+        """Whether work is in flight that needs the engine to keep stepping."""
         with self._lock:
-            return self._inflight > 0 or bool(self._orphans)
+            return self._inflight > 0 or self._table.has_orphans
+
+    def lru_order(self) -> list[bytes]:
+        """READY keys, least recently used first (what eviction takes next)."""
+        with self._lock:
+            return self._table.lru_order()
+
+    # -- the manager's calls -------------------------------------------------------------------
+    def reserve(self, keys: Iterable[bytes]) -> Reservation | None:
+        """Pages for the keys not held yet, evicting least recently used READY pages;
+        ``None`` (and nothing changed) when they do not fit."""
+        with self._lock:
+            return self._table.reserve(keys)
+
+    def commit(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Stores vLLM finished: READY (then copied to storage), or dropped on failure."""
+        with self._lock:
+            ready = self._table.commit(list(keys), success)
+            to_write = [(k, p.page) for k, p in ready if not p.in_storage] if self._writer else []
+            for k, _ in to_write:
+                self._table.get(k).writes += 1
+        if to_write:
+            self._writer.submit(self._write, to_write)
+
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        """Host pages of READY ``keys``, protected from eviction until :meth:`unpin`."""
+        with self._lock:
+            return self._table.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._table.unpin(keys)
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._table.touch(keys)
+
+    def reset(self) -> list[bytes]:
+        with self._lock:
+            return self._table.reset()
+
+    def tick(self) -> None:
+        with self._lock:
+            self._table.tick()
+
+    # -- storage -------------------------------------------------------------------------------------
+    def send(self, probe: Probe) -> None:
+        """Start the storage look-up of ``probe``'s queued keys on a thread."""
+        with self._lock:
+            keys, probe.queued = probe.queued, []
+            if not keys or self._reader is None:
+                return
+            deadline = time.monotonic() + self.timeout_s
+            probe.sent.update(dict.fromkeys(keys, deadline))
+            self._inflight += 1
+        self._reader.submit(self._fetch, probe, keys, deadline)
 
     def yield_to_io(self, budget_s: float) -> None:
         """Wait up to ``budget_s`` for running probes to finish.
@@ -161,160 +175,41 @@ class HostTier:
             if self._inflight:
                 self._idle.wait(budget_s)
 
-    # -- stores from vLLM --------------------------------------------------------------------
-    def reserve(self, keys: Iterable[bytes]) -> Reservation | None:
-        """Pages for the keys not held yet, evicting least recently used READY pages;
-        ``None`` (and nothing changed) when they do not fit."""
-        with self._lock:
-            new = [k for k in dict.fromkeys(keys) if k not in self._pages]
-            got = self._allocate(len(new))
-            if got is None:
-                return None
-            pages, evicted = got
-            for k, p in zip(new, pages):
-                self._pages[k] = _Page(p, PageState.STORING)
-            return Reservation(new, pages, evicted)
-
-    def commit(self, keys: Iterable[bytes], success: bool = True) -> None:
-        """Stores that vLLM finished: STORING pages become READY (and go to storage),
-        or are dropped when ``success`` is false."""
-        to_write = []
-        with self._lock:
-            for k in keys:
-                page = self._pages.get(k)
-                if page is None or page.state is not PageState.STORING:
-                    continue
-                if not success:
-                    self._drop(k)
-                    continue
-                page.state = PageState.READY
-                self._lru[k] = None
-                self.stats["stored"] += 1
-                if self._writer is not None:
-                    page.writes += 1
-                    to_write.append((k, page.page))
-        if to_write:
-            self._writer.submit(self._write, to_write)
-
-    # -- loads into vLLM -------------------------------------------------------------------------
-    def pin(self, keys: Sequence[bytes]) -> list[int]:
-        """Host pages of READY ``keys``, protected from eviction until :meth:`unpin`."""
-        with self._lock:
-            missing = [k.hex()[:16] for k in keys if k not in self._pages
-                       or self._pages[k].state is not PageState.READY]
-            if missing:
-                raise ValueError(f"kvtier: load of blocks that are not ready: {missing[:4]}")
-            for k in keys:
-                self._pages[k].loads += 1
-                self._lru.move_to_end(k)
-            self.stats["loaded"] += len(keys)
-            return [self._pages[k].page for k in keys]
-
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        with self._lock:
-            for k in keys:
-                page = self._pages.get(k)
-                if page is None or page.loads == 0:  # a reset forgot it: vLLM dropped that job
-                    continue
-                page.loads -= 1
-
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark READY keys as recently used (in the given order)."""
-        with self._lock:
-            for k in keys:
-                if k in self._lru:
-                    self._lru.move_to_end(k)
-
-    def lru_order(self) -> list[bytes]:
-        """READY keys, least recently used first (what eviction takes next)."""
-        with self._lock:
-            return list(self._lru)
-
-    def reset(self) -> list[bytes]:
-        """Forget every page (vLLM's connector reset); returns the keys dropped now.
-
-        vLLM discards the jobs in flight at a reset: their ``complete_*`` never comes.
-        Pages those jobs may still copy into (STORING, or pinned by a load) are
-        unreadable at once and freed after two more scheduler steps, by when vLLM
-        has flushed those copies; pins of storage writes are released by the writer."""
-        with self._lock:
-            gone = []
-            for k, page in list(self._pages.items()):
-                if page.state is PageState.FETCHING:
-                    continue  # the fetch thread finishes it
-                if page.state is PageState.STORING or page.pins:
-                    self._lru.pop(k, None)
-                    page.state = PageState.STORING  # unreadable, never evicted
-                    self._orphans.append((2, k))
-                else:
-                    self._drop(k)
-                    gone.append(k)
-            return gone
-
-    def tick(self) -> None:
-        """One scheduler step ended: free the orphans of a reset whose time has come
-        (and whose copy to storage, if any, has finished)."""
-        with self._lock:
-            keep = []
-            for steps, k in self._orphans:
-                page = self._pages.get(k)
-                if page is None:
-                    continue
-                if steps > 1 or page.writes:
-                    keep.append((max(steps - 1, 1), k))
-                else:
-                    self._drop(k)
-            self._orphans = keep
-
-    # -- storage -----------------------------------------------------------------------------------
-    def send(self, probe: Probe) -> None:
-        """Start the storage look-up of ``probe``'s queued keys on a thread."""
-        with self._lock:
-            keys, probe.queued = probe.queued, []
-            if not keys or self._reader is None:
-                return
-            deadline = time.monotonic() + self.timeout_s
-            for k in keys:
-                probe.sent[k] = deadline
-            self._inflight += 1
-        self._reader.submit(self._fetch, probe, keys, deadline)
-
     def _fetch(self, probe: Probe, keys: list[bytes], deadline: float) -> None:
         fetching: list[tuple[bytes, int]] = []
+        ok: list[bool] = []
         try:
             present = self.storage.batch_exists([self.storage_key(k) for k in keys])
             with self._lock:
-                wanted = [k for k in keys[:present] if k not in self._pages]
-                got = self._allocate(len(wanted))
-                while got is None and wanted:  # fetch the longest prefix that fits
-                    wanted.pop()
-                    got = self._allocate(len(wanted))
-                pages = got[0] if got else []
-                for k, p in zip(wanted, pages):
-                    self._pages[k] = _Page(p, PageState.FETCHING, in_storage=True, deadline=deadline)
-                    fetching.append((k, p))
-                probe.missing.update(k for k in keys if k not in self._pages)
-            ok = [False] * len(fetching)
+                fetching = self._start_fetching(keys[:present], deadline)
+                probe.missing.update(k for k in keys if self._table.get(k) is None)
             if fetching:
                 ok = self.storage.batch_get([self.storage_key(k) for k, _ in fetching], self.pool,
                                             self.slots([p for _, p in fetching]))
-        except Exception:  # a bug or fault in storage must not take vLLM down: misses
+        except Exception:  # a fault or bug in storage must not take vLLM down: misses
             log.exception("kvtier: storage look-up failed; its blocks count as misses")
-            ok = [False] * len(fetching)
-            with self._lock:
-                probe.missing.update(k for k in keys if k not in self._pages)
         with self._lock:
-            for (k, _), good in zip(fetching, ok):
-                if good:
-                    self._pages[k].state = PageState.READY
-                    self._lru[k] = None
+            for i, (k, _) in enumerate(fetching):
+                if i < len(ok) and ok[i]:
+                    self._table.make_ready(k)
                     self.stats["fetched"] += 1
                 else:
-                    self._drop(k)
-                    probe.missing.add(k)
+                    self._table.drop(k)
                     self.stats["fetch_failed"] += 1
+            probe.missing.update(k for k in keys if self._table.get(k) is None)
             self._inflight -= 1
             self._idle.notify_all()
+
+    def _start_fetching(self, keys: list[bytes], deadline: float) -> list[tuple[bytes, int]]:
+        """FETCHING pages for the longest prefix of ``keys`` (not held yet) that fits."""
+        wanted = [k for k in keys if self._table.get(k) is None]
+        got = self._table.allocate(len(wanted))
+        while got is None:
+            wanted.pop()
+            got = self._table.allocate(len(wanted))
+        for k, p in zip(wanted, got[0]):
+            self._table.add(k, Page(p, PageState.FETCHING, in_storage=True, deadline=deadline))
+        return list(zip(wanted, got[0]))
 
     def _write(self, items: list[tuple[bytes, int]]) -> None:
         try:
@@ -325,7 +220,7 @@ class HostTier:
             ok = [False] * len(items)
         with self._lock:
             for (k, _), good in zip(items, ok):
-                page = self._pages[k]  # a page with writes in flight is never dropped
+                page = self._table.get(k)  # a page with writes in flight is never dropped
                 page.writes -= 1
                 page.in_storage = page.in_storage or bool(good)
                 self.stats["written" if good else "write_failed"] += 1
@@ -335,41 +230,16 @@ class HostTier:
         for ex in (self._writer, self._reader):
             if ex is not None:
                 ex.submit(lambda: None).result(timeout)
-        end = time.monotonic() + (timeout or 60.0)
-        while self.busy() and time.monotonic() < end:
-            time.sleep(0.001)
+        with self._lock:
+            self._idle.wait_for(lambda: self._inflight == 0, timeout)
 
     def close(self) -> None:
+        """Finish storage writes in flight, then release the storage client."""
         for ex in (self._reader, self._writer):
             if ex is not None:
                 ex.shutdown(wait=True)
         if self.storage is not None:
             self.storage.close()
 
-    # -- under the lock ------------------------------------------------------------------------------
-    def _allocate(self, n: int) -> tuple[list[int], list[bytes]] | None:
-        """``n`` free pages, evicting LRU pages without pins; None if they cannot be had
-        (then nothing is evicted)."""
-        if n == 0:
-            return [], []
-        free = self.pool.available_size() // self.format.page_size
-        victims: list[bytes] = []
-        if free < n:
-            for k in self._lru:
-                if self._pages[k].pins == 0:
-                    victims.append(k)
-                    if free + len(victims) == n:
-                        break
-            if free + len(victims) < n:
-                return None
-        for k in victims:
-            self._drop(k)
-        self.stats["evicted"] += len(victims)
-        slots = self.pool.alloc(n * self.format.page_size)
-        assert slots is not None, f"{n} pages should be free after evicting {len(victims)}"
-        return (slots[::self.format.page_size] // self.format.page_size).tolist(), victims
 
-    def _drop(self, key: bytes) -> None:
-        page = self._pages.pop(key)
-        self._lru.pop(key, None)
-        self.pool.free(self.slots([page.page]))
+__all__ = ["HostTier", "Lookup", "PageState", "Probe", "Reservation"]
