@@ -94,7 +94,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
         from vllm.config import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()
-        revision = vllm_config.model_config.revision if vllm_config is not None else None
+        revision = None
+        if vllm_config is not None:  # the hub commit when vLLM resolved one, else what was asked for
+            model = vllm_config.model_config
+            revision = getattr(model.hf_config, "_commit_hash", None) or model.revision
         return "vllm:" + model_namespace(self.config.model.name, revision, self.config.model.dtype, None)
 
     def build_tier(self, fmt: BlockFormat) -> HostTier:
