@@ -7,7 +7,9 @@ one-token generate (median over ``--repeats``). Rows, all measured in one run:
 - ``kvtier host``: vLLM's prefix cache reset, the prefix loaded from kvtier's host tier;
 - ``kvtier storage``: vLLM's cache and kvtier's host tier reset, the prefix fetched
   from file storage into the host tier, then loaded;
-- ``vLLM prefix cache``: nothing reset, vLLM's own cache hits (the floor).
+- ``vLLM prefix cache``: nothing reset, vLLM's own cache hits (the floor);
+- ``kvtier, nothing cached``: prompts seen nowhere before, so kvtier's cost on a miss
+  (its storage look-up defers the request by at least one scheduler step).
 
 Run in .venv-vllm (``make test-vllm`` creates it)::
 
@@ -102,6 +104,9 @@ def main() -> None:
     rows.append(("kvtier host tier", *_ttft(llm, prompts(2), llm.reset_prefix_cache)))
     rows.append(("kvtier storage (file://)",
                  *_ttft(llm, prompts(3), lambda: llm.reset_prefix_cache(reset_connector=True))))
+    cold = [f"{prompt(args.prefix_words, offset=1000 + i)} {prompt(args.suffix_words)}"
+            for i in range(args.repeats + 1)]
+    rows.append(("kvtier, nothing cached (misses)", *_ttft(llm, cold, llm.reset_prefix_cache)))
     llm.llm_engine.engine_core.shutdown()
 
     base = rows[0][1]
