@@ -33,3 +33,50 @@ def shard_flat(full_page: torch.Tensor, spec: KVSpec, page_size: int, rank: int,
         parts.append(page.reshape(-1))
         offset += n
     return torch.cat(parts)
+
+
+class PeakRSS:
+    """Growth of the process's peak resident set over a block: ``with PeakRSS() as p: ...``,
+    then ``p.growth`` in bytes. The peak (VmHWM) is reset at entry where Linux allows it
+    (``/proc/self/clear_refs``), so earlier peaks of the test process do not hide growth."""
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {field} in /proc/self/status")
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        self.before = self._status("VmHWM")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.growth = self._status("VmHWM") - self.before
+
+
+def run_bounded(fn, timeout: float = 60.0):
+    """``fn()`` on a daemon thread; fails the test if it has not returned after ``timeout``
+    seconds (a hang detector, not a speed check). Returns ``fn``'s result."""
+    import threading
+
+    out = {}
+
+    def call() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised on the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"the call still runs after {timeout}s: it blocks"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

@@ -1,4 +1,5 @@
-"""Every storage backend against the same contract: round trips, prefixes, isolation, TP sharing."""
+"""Every storage backend against the same contract: round trips, prefixes, isolation, TP sharing,
+geometry as identity, and misuse refused before any I/O."""
 
 import uuid
 
@@ -77,14 +78,100 @@ def test_exists_counts_leading_pages(open_store):
     assert store.batch_exists(keys[1:]) == 0
 
 
-def test_exists_without_a_known_geometry_sees_any_geometry(open_store):
+def bind(open_store, spec, page_size, layout="page_first"):
+    return dict(spec=spec, page_size=page_size, **({"layout": layout} if open_store.zero_copy else {}))
+
+
+def test_exists_for_the_bound_geometry_or_any(open_store):
     host, idx = filled_host(SPECS["mha"], 2)
     keys = keys_for(2)
     open_store().batch_set(keys, host, idx)
-    fresh = open_store()  # same medium, nothing bound yet
-    assert fresh.batch_exists(keys) == 2
-    bound = open_store(spec=SPECS["asym"], **({"layout": "page_first"} if open_store.zero_copy else {}))
-    assert bound.batch_exists(keys) == 0
+    assert open_store().batch_exists(keys) == 2  # unbound: any geometry
+    assert open_store(**bind(open_store, SPECS["mha"], 4)).batch_exists(keys) == 2
+    assert open_store(**bind(open_store, SPECS["asym"], 4)).batch_exists(keys) == 0
+    assert open_store(**bind(open_store, SPECS["mha"], 2)).batch_exists(keys) == 0
+
+
+def test_calls_never_rebind_the_geometry(open_store):
+    """What batch_exists answers does not depend on which pool called last."""
+    host, idx = filled_host(SPECS["mha"], 2)
+    keys = keys_for(2)
+    store = open_store()
+    store.batch_set(keys, host, idx)
+    before = store.batch_exists(keys)
+    other = HostKVPool(SPECS["asym"], 8, 4)
+    assert store.batch_get(keys, other, other.alloc(8)) == [False, False]
+    assert store.batch_exists(keys) == before == 2
+    bound = open_store(**bind(open_store, SPECS["mha"], 4))
+    for pool in (other, HostKVPool(SPECS["mha"], 8, 2), HostKVPool(SPECS["mha"], 8, 4, layout="page_head")):
+        if pool.layout == "page_head" and not open_store.zero_copy:
+            continue  # copy backends' objects do not depend on the layout
+        with pytest.raises(ValueError, match="this store is bound to"):
+            bound.batch_get(keys, pool, pool.alloc(8))
+    assert bound.stats()["misses"] == 0 and bound.batch_exists(keys) == 2
+
+
+def test_another_page_size_misses_and_deletes_nothing(open_store):
+    """Page size is part of an object's identity: a reader with another one misses, and
+    the writer's objects stay readable."""
+    spec = SPECS["asym"]
+    writer, widx = filled_host(spec, 2, page_size=16)
+    keys = keys_for(2, page_size=16)
+    store = open_store()
+    assert store.batch_set(keys, writer, widx) == [True, True]
+    small = HostKVPool(spec, 32, 8, layout=writer.layout)
+    sidx = small.alloc(16)
+    before = bits(small.get_data_page(0)).clone()
+    assert store.batch_get(keys, small, sidx) == [False, False]
+    assert torch.equal(bits(small.get_data_page(0)), before)
+    reader = HostKVPool(spec, 32, 16, layout=writer.layout)
+    ridx = reader.alloc(32)
+    assert store.batch_get(keys, reader, ridx) == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(writer, widx), flat_pages(reader, ridx)))
+    assert store.stats()["corrupt"] == 0 and store.stats()["errors"] == 0
+
+
+def test_repeated_destination_pages_raise_before_io(open_store):
+    host, idx = filled_host(SPECS["mha"], 2)
+    store = open_store()
+    keys = keys_for(2)
+    store.batch_set(keys, host, idx)
+    reader = HostKVPool(SPECS["mha"], 8, 4)
+    before = bits(reader.get_data_page(0)).clone()
+    with pytest.raises(ValueError, match="same page more than once"):
+        store.batch_get(keys, reader, torch.cat([torch.arange(4), torch.arange(4)]))
+    assert torch.equal(bits(reader.get_data_page(0)), before)
+    assert store.stats()["hits"] + store.stats()["misses"] == 0
+    assert store.batch_set(keys, host, torch.cat([idx[:4], idx[:4]])) == [True, True]  # a source may repeat
+
+
+def test_a_too_long_key_raises_before_any_key_is_written(open_store):
+    host, idx = filled_host(SPECS["mha"], 3)
+    store = open_store()
+    good = keys_for(2)
+    cases = [("x" * 65_536, "key 2 is 65536 bytes \\(UTF-8\\), over the limit of 65535"),
+             ("\u00e9" * 32_768, "key 2 is 65536 bytes"),
+             ("\ud800", "not encodable as UTF-8")]
+    if not open_store.zero_copy:  # '<key>#<field>' must fit an object header too
+        cases.append(("x" * 65_535, "would be up to 6\\d{4} bytes, over the header's 65535"))
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            store.batch_set([*good, bad], host, idx)
+    assert store.batch_exists(good) == 0 and store.stats()["pages_written"] == 0
+
+
+def test_keys_may_be_any_iterable_read_once(open_store):
+    host, idx = filled_host(SPECS["mha"], 3)
+    store = open_store()
+    keys = keys_for(3)
+    assert store.batch_set(iter(keys), host, idx) == [True] * 3
+    assert store.batch_exists(k for k in keys) == 3
+    reader = HostKVPool(SPECS["mha"], 12, 4)
+    ridx = reader.alloc(12)
+    assert store.batch_get((k for k in keys), reader, ridx) == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(reader, ridx)))
+    store.delete(k for k in keys[:1])
+    assert store.batch_exists(tuple(keys)) == 0 and store.batch_exists(keys[1:]) == 2
 
 
 def test_namespaces_salts_dtypes_and_dims_are_isolated(open_store):

@@ -1,17 +1,19 @@
-"""File backend: corruption, restarts across processes, capacity, path safety."""
+"""File backend: corruption, hostile files, restarts across processes, capacity, path safety, options."""
 
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import kvtier.storage
 from kvtier import HostKVPool
 from helpers import SPECS
-from storage_helpers import filled_host, flat_pages
+from storage_helpers import PeakRSS, filled_host, flat_pages, run_bounded
 
 SPEC = SPECS["asym"]
 
@@ -116,7 +118,7 @@ def test_open_rejects_bad_urls(tmp_path):
     with pytest.raises(ValueError, match="capacity_bytes"):
         kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=0)
     with pytest.raises(ValueError, match="head_groups 3 does not divide"):
-        kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, head_groups=3)
+        kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, page_size=4, head_groups=3)
 
 
 def test_unwritable_directory_is_a_counted_failure(tmp_path):
@@ -128,3 +130,94 @@ def test_unwritable_directory_is_a_counted_failure(tmp_path):
     assert store.batch_set(keys_for(1), host, idx) == [False]
     assert store.stats()["errors"] >= 1 and store.stats()["write_failures"] == 1
     assert store.batch_get(keys_for(1), host, idx) == [False]
+
+
+@pytest.mark.parametrize("hostile", ["sparse_1gib", "symlink_to_dev_zero", "fifo", "directory"])
+def test_hostile_file_at_an_object_path_is_a_counted_miss(tmp_path, hostile):
+    """Whatever sits at an object's path is opened without following links or blocking,
+    and read only if it is a regular file of the expected size."""
+    host, idx = filled_host(SPEC, 2)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    keys = keys_for(2)
+    store.batch_set(keys, host, idx)
+    victim = object_files(tmp_path)[0]
+    victim.unlink()
+    if hostile == "sparse_1gib":
+        with open(victim, "wb") as f:
+            f.truncate(1 << 30)
+    elif hostile == "symlink_to_dev_zero":
+        victim.symlink_to("/dev/zero")
+    elif hostile == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.mkdir()
+    reader = HostKVPool(SPEC, 8, 4)
+    ridx = reader.alloc(8)
+    before = [p.clone() for p in flat_pages(reader, ridx)]
+    with PeakRSS() as rss:
+        got = run_bounded(lambda: store.batch_get(keys, reader, ridx))
+    assert got.count(False) == 1
+    bad = got.index(False)
+    assert torch.equal(flat_pages(reader, ridx)[bad], before[bad]), "the destination page must be untouched"
+    assert not torch.equal(flat_pages(reader, ridx)[1 - bad], before[1 - bad])
+    assert store.stats()["errors"] == 1 and store.stats()["hits"] == 1
+    assert rss.growth < 200 << 20, f"peak RSS grew by {rss.growth >> 20} MiB"
+
+
+def test_only_objects_that_call_themselves_corrupt_are_deleted(tmp_path):
+    """An intact object whose header promises another payload length is a counted miss
+    and stays; one with bytes appended after its payload is corrupt and is deleted."""
+    from kvtier.storage.codec import header_size, write_header
+
+    host, idx = filled_host(SPEC, 2)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    keys = keys_for(2)
+    store.batch_set(keys, host, idx)
+    intact, extended = object_files(tmp_path)[0], object_files(tmp_path)[4]
+    assert intact.parent != extended.parent  # one object of each page
+    key = next(k for k in keys if store._key_dir(k) == intact.parent)
+    name = f"{key}#{intact.name.replace('.', '/')}"
+    blob = np.zeros(header_size(name) + 100, dtype=np.uint8)
+    write_header(name, blob)  # a whole, checksummed object of 100 payload bytes
+    intact.write_bytes(blob.tobytes())
+    extended.write_bytes(extended.read_bytes() + b"tail")
+    reader = HostKVPool(SPEC, 8, 4)
+    assert store.batch_get(keys, reader, reader.alloc(8)) == [False, False]
+    stats = store.stats()
+    assert stats["corrupt"] == 1 and stats["errors"] == 2
+    assert intact.read_bytes() == blob.tobytes() and not extended.exists()
+
+
+def test_options_in_the_url_query(tmp_path):
+    host, idx = filled_host(SPEC, 4)
+    probe = kvtier.storage.open(f"file://{tmp_path}/probe")
+    probe.batch_set(keys_for(1), host, idx[:4])
+    page_bytes = sum(p.stat().st_size for p in object_files(tmp_path / "probe"))
+    store = kvtier.storage.open(f"file://{tmp_path}/lru?capacity_bytes={2 * page_bytes}&io_threads=1&fsync=true")
+    assert (store.capacity_bytes, store.io_threads, store.fsync) == (2 * page_bytes, 1, True)
+    assert store.batch_set(keys_for(4), host, idx) == [True] * 4
+    assert [store.batch_exists([k]) for k in keys_for(4)] == [0, 0, 1, 1]  # the capacity applies
+    assert store.stats()["evictions"] == 2
+
+
+@pytest.mark.parametrize("query, match", [
+    ("colour=blue", "unknown URL option 'colour'; supported URL options: capacity_bytes, fsync, head_groups, "
+                    "io_threads, page_size"),
+    ("capacity_bytes=100kb", "capacity_bytes='100kb' is not a int"),
+    ("capacity_bytes=0", "capacity_bytes must be a int >= 1"),
+    ("fsync=maybe", "fsync='maybe' is not a bool"),
+    ("io_threads=2&io_threads=3", "io_threads' given more than once"),
+    ("page_size=4", "spec= and page_size= bind"),
+])
+def test_bad_url_options_fail_at_open(tmp_path, query, match):
+    with pytest.raises(ValueError, match=match):
+        kvtier.storage.open(f"file://{tmp_path}?{query}")
+
+
+def test_bad_keyword_options_fail_at_open(tmp_path):
+    with pytest.raises(ValueError, match="io_threads' given more than once"):
+        kvtier.storage.open(f"file://{tmp_path}?io_threads=2", io_threads=2)
+    with pytest.raises(ValueError, match="unknown options \\['ttl'\\]; supported URL options: capacity_bytes"):
+        kvtier.storage.open(f"file://{tmp_path}", ttl=60)
+    with pytest.raises(ValueError, match="fsync must be a bool"):
+        kvtier.storage.open(f"file://{tmp_path}", fsync="yes")

@@ -74,5 +74,48 @@ def test_unreachable_master_at_open_is_counted_and_retried_later():
 def test_bad_urls(mooncake_master):
     with pytest.raises(ValueError, match="host:port"):
         kvtier.storage.open("mooncake://?metadata=x")
-    with pytest.raises(ValueError, match="unknown options"):
-        kvtier.storage.open(mooncake_master.url + "&colour=blue")
+    for query, match in [("colour=blue", "unknown URL option 'colour'; supported URL options: backoff, "
+                                         "connect_timeout, global_segment_size, head_groups, layout"),
+                         ("protocol=udp", "protocol must be a tcp\\|rdma"),
+                         ("global_segment_size=big", "global_segment_size='big' is not a int"),
+                         ("layout=diagonal", "layout must be a layer_first\\|page_first"),
+                         ("connect_timeout=0", "connect_timeout must be a number >= 0.001"),
+                         ("layout=page_head", "layout= binds a mooncake store together with spec=")]:
+        with pytest.raises(ValueError, match=match):
+            kvtier.storage.open(f"{mooncake_master.url.split('?')[0]}?{query}")
+    with pytest.raises(ValueError, match="'protocol' given more than once"):
+        kvtier.storage.open(mooncake_master.url, protocol="tcp")
+
+
+def test_url_options_apply(mooncake_master):
+    url = f"{mooncake_master.url}&prefix=q-opts/&backoff=7.5&connect_timeout=0.25&global_segment_size={64 << 20}"
+    store = kvtier.storage.open(url)
+    try:
+        assert (store.prefix, store._breaker.backoff, store._connect_timeout) == ("q-opts/", 7.5, 0.25)
+        host, idx = filled_host(SPEC, 2, layout="page_head")
+        assert store.batch_set(keys_for(2), host, idx) == [True, True]
+        plain = kvtier.storage.open(mooncake_master.url)  # the default prefix: other objects
+        assert plain.batch_exists(keys_for(2)) == 0
+        plain.close()
+        reader = HostKVPool(SPEC, 8, 4, layout="page_head")
+        ridx = reader.alloc(8)
+        assert store.batch_get(keys_for(2), reader, ridx) == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(reader, ridx)))
+    finally:
+        store.clear()
+        store.close()
+
+
+def test_delete_removes_only_the_keys_named(store):
+    """Keys are opaque text: deleting "a" leaves "a/b", "a#b" and "a%23b" (and their bytes) alone."""
+    keys = ["a", "a/b", "a#b", "a%23b", "a.*", "b"]
+    host, idx = filled_host(SPEC, len(keys), layout="page_head")
+    assert store.batch_set(keys, host, idx) == [True] * len(keys)
+    store.delete(["a", "a.*"])
+    assert [store.batch_exists([k]) for k in keys] == [0, 1, 1, 1, 0, 1]
+    reader = HostKVPool(SPEC, 4 * len(keys), 4, layout="page_head")
+    ridx = reader.alloc(4 * len(keys))
+    assert store.batch_get(keys, reader, ridx) == [False, True, True, True, False, True]
+    for i in (1, 2, 3, 5):
+        assert torch.equal(flat_pages(host, idx)[i], flat_pages(reader, ridx)[i])
+    assert store.stats()["errors"] == 0

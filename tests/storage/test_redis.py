@@ -1,5 +1,8 @@
-"""Redis backend: a server that dies mid-run turns into misses, and works again when back."""
+"""Redis backend: a server that dies or hangs mid-run turns into misses (fast, once the
+breaker is open), and works again when back; hostile values; options in the URL."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -8,7 +11,8 @@ import torch
 import kvtier.storage
 from helpers import SPECS
 from services import RedisServer
-from storage_helpers import filled_host, flat_pages
+from kvtier import HostKVPool
+from storage_helpers import PeakRSS, filled_host, flat_pages
 
 SPEC = SPECS["asym"]
 
@@ -21,7 +25,8 @@ def test_killed_server_gives_misses_then_hits_after_restart():
     server = RedisServer().start()
     try:
         host, idx = filled_host(SPEC, 3)
-        store = kvtier.storage.open(server.url, socket_timeout=1.0, socket_connect_timeout=0.5)
+        # backoff=0: no breaker, so the first call after the restart reconnects
+        store = kvtier.storage.open(server.url, socket_timeout=1.0, socket_connect_timeout=0.5, backoff=0)
         keys = keys_for(3)
         assert store.batch_set(keys, host, idx) == [True] * 3
         server.stop()
@@ -121,3 +126,122 @@ def test_rediss_tls_round_trip():
         untrusting.close()
     finally:
         server.stop()
+
+
+def test_hung_server_fails_fast_for_the_backoff_then_hits_again():
+    """A server stopped with SIGSTOP costs one socket timeout; for the backoff after it,
+    calls are misses and counted errors without waiting on the network."""
+    server = RedisServer().start()
+    timeout = 1.0
+    try:
+        host, idx = filled_host(SPEC, 2)
+        store = kvtier.storage.open(server.url, socket_timeout=timeout, socket_connect_timeout=timeout, backoff=3.0)
+        keys = keys_for(2)
+        assert store.batch_set(keys, host, idx) == [True, True]
+        reader, ridx = filled_host(SPEC, 2, seed=9)
+        before = [p.clone() for p in flat_pages(reader, ridx)]
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            assert store.batch_get(keys, reader, ridx) == [False, False]  # waits out one socket timeout
+            errors = store.stats()["errors"]
+            t0 = time.monotonic()
+            assert store.batch_get(keys, reader, ridx) == [False, False]
+            assert store.batch_exists(keys) == 0
+            assert store.batch_set(keys, host, idx) == [False, False]
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert elapsed < timeout / 2, f"calls within the backoff took {elapsed:.2f}s: they waited on the server"
+        assert store.stats()["errors"] >= errors + 3
+        assert all(torch.equal(a, b) for a, b in zip(before, flat_pages(reader, ridx)))
+        deadline = time.monotonic() + 30  # the backoff passes, then a call reaches the server again
+        while (got := store.batch_get(keys, reader, ridx)) != [True, True] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert got == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(reader, ridx)))
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_an_oversized_value_is_never_fetched(redis_server):
+    """A 64 MiB value planted in a page's field is a counted miss; its length is read
+    first, so the client never receives it."""
+    import redis
+
+    host, idx = filled_host(SPEC, 2)
+    store = kvtier.storage.open(redis_server.url, prefix="big:")
+    keys = keys_for(2)
+    store.batch_set(keys, host, idx)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = f"big:{keys[0]}"
+    field = sorted(raw.hkeys(name))[0]
+    size = 64 << 20
+    # made by the server itself, so that this process never holds the value either
+    raw.eval("redis.call('HSET', KEYS[1], ARGV[1], string.rep('x', tonumber(ARGV[2])))", 1, name, field, size)
+    assert raw.hstrlen(name, field) == size
+    reader = HostKVPool(SPEC, 8, 4)
+    ridx = reader.alloc(8)
+    before = [p.clone() for p in flat_pages(reader, ridx)]
+    with PeakRSS() as rss:
+        assert store.batch_get(keys, reader, ridx) == [False, True]
+    assert rss.growth < size // 4, f"peak RSS grew by {rss.growth >> 20} MiB"
+    assert torch.equal(flat_pages(reader, ridx)[0], before[0])
+    assert torch.equal(flat_pages(reader, ridx)[1], flat_pages(host, idx)[1])
+    assert store.stats()["errors"] == 1 and store.stats()["corrupt"] == 0
+    raw.delete(f"big:{keys[1]}")
+    raw.set(f"big:{keys[1]}", b"not a hash")  # another type at the key: a counted miss too
+    assert store.batch_get(keys[1:], reader, ridx[4:]) == [False]
+    assert store.stats()["errors"] == 1 + 4  # one per part of the page (4 head groups)
+    store.clear()
+
+
+def test_url_options_apply(redis_server):
+    import redis
+
+    url = (f"{redis_server.url}?ttl=60&socket_timeout=0.5&socket_connect_timeout=0.25&backoff=1.5&prefix=opt:"
+           f"&io_threads=1")
+    store = kvtier.storage.open(url)
+    host, idx = filled_host(SPEC, 2)
+    keys = keys_for(2)
+    assert store.batch_set(keys, host, idx) == [True, True]
+    raw = redis.Redis.from_url(redis_server.url)
+    assert 0 < raw.ttl(f"opt:{keys[0]}") <= 60
+    reader, ridx = filled_host(SPEC, 2, seed=7)
+    assert store.batch_get(keys, reader, ridx) == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(reader, ridx)))
+    pool_kwargs = store._client.connection_pool.connection_kwargs
+    assert (pool_kwargs["socket_timeout"], pool_kwargs["socket_connect_timeout"]) == (0.5, 0.25)
+    assert (store._breaker.backoff, store.io_threads, store.stats()["errors"]) == (1.5, 1, 0)
+    store.clear()
+    store.close()
+
+
+@pytest.mark.parametrize("suffix, match", [
+    ("/0?ttl=soon", "ttl='soon' is not a int"),
+    ("/0?ttl=0", "ttl must be a int >= 1"),
+    ("/0?socket_timeout=nan", "socket_timeout must be a number >= 0.001"),
+    ("/0?backoff=-1", "backoff must be a number >= 0"),
+    ("/0?colour=blue", "unknown URL option 'colour'; supported URL options: backoff, head_groups, io_threads, "
+                       "page_size, prefix, socket_connect_timeout, socket_timeout, ttl"),
+    ("/0?db=3", "unknown URL option 'db'"),
+    ("/99", "DB index is out of range"),
+    ("/x", "the path must be /<database index>, a non-negative int; got /x"),
+    ("/-1", "got /-1"),
+])
+def test_bad_options_and_database_index_fail_at_open(redis_server, suffix, match):
+    with pytest.raises(ValueError, match=match):
+        kvtier.storage.open(redis_server.url.rsplit("/", 1)[0] + suffix)
+
+
+def test_server_down_at_open_is_a_counted_miss():
+    from services import free_port
+
+    for url in (f"redis://127.0.0.1:{free_port()}/0", f"redis+cluster://127.0.0.1:{free_port()}"):
+        store = kvtier.storage.open(url, socket_connect_timeout=0.5)
+        host, idx = filled_host(SPEC, 1)
+        assert store.batch_set(keys_for(1), host, idx) == [False]
+        assert store.batch_get(keys_for(1), host, idx) == [False]
+        assert store.batch_exists(keys_for(1)) == 0
+        assert store.stats()["errors"] >= 3
+        store.close()

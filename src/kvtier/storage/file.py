@@ -1,12 +1,18 @@
 """``file:///dir``: one file per page part, in sharded directories; the embedded default.
 
-    <dir>/kvtier-v1/<h[0:2]>/<h[2:]>/<field>     h = sha256(key), field = "<fingerprint>.<part>"
+    <dir>/kvtier-v1/<h[0:2]>/<h[2:]>/<field>     h = sha256(key), field = "<fingerprint>.p<page size>.<part>"
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. Writes
 go to a temporary file in the same directory and are renamed into place
 (``os.replace``), so readers see a whole object or none. With ``capacity_bytes``
 the least recently used keys are evicted; the LRU order is seeded from directory
 mtimes at open, and a hit touches its directory, so it survives restarts.
+
+Reads trust nothing found in the directory: an object is opened with
+``O_NOFOLLOW | O_NONBLOCK`` (a symlink or a FIFO neither redirects nor blocks the
+read), must be a regular file, and is read only if its size is the size the
+reader's plan expects, into a buffer of that size. A file of another size gives at
+most its header to judge it by. Anything else is a miss and a counted error.
 """
 
 from __future__ import annotations
@@ -15,27 +21,34 @@ import hashlib
 import itertools
 import os
 import shutil
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
-from .base import ObjectStorage
+from .codec import Partial, header_size
+from .objectstore import ObjectStorage
+from .options import Opt, check_options
 
 _ROOT = "kvtier-v1"
 _counter = itertools.count()
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+class NotAnObject(OSError):
+    """Something other than a regular file sits at an object's path."""
 
 
 class FileStorage(ObjectStorage):
     scheme = "file"
+    OPTIONS = {**ObjectStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool)}
 
     def __init__(self, path: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = False,
                  **options) -> None:
         super().__init__(**options)
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-                                           or capacity_bytes <= 0):
-            raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
+        check_options(self.OPTIONS, capacity_bytes=capacity_bytes, fsync=fsync)
         self.root = Path(path).resolve() / _ROOT
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -93,12 +106,7 @@ class FileStorage(ObjectStorage):
         for (key, field), buf in zip(items, dest):
             path = self._path(key, field)
             try:
-                with open(path, "rb", buffering=0) as f:
-                    if os.fstat(f.fileno()).st_size == buf.nbytes:
-                        n = f.readinto(memoryview(buf))
-                        out.append(buf[:n])
-                    else:  # the wrong size: hand it over as is, decode() calls it corrupt
-                        out.append(f.read())
+                out.append(self._read(path, buf, header_size(f"{key}#{field}")))
                 touched.add(path.parent)
             except FileNotFoundError:
                 out.append(None)
@@ -110,8 +118,35 @@ class FileStorage(ObjectStorage):
                 self._touch(d)
         return out
 
+    @staticmethod
+    def _read(path: Path, buf: np.ndarray, head_bytes: int):
+        """The object at ``path`` read into ``buf`` if it is a regular file of exactly
+        ``buf.nbytes`` bytes or fewer; else a :class:`Partial` of its first ``head_bytes``."""
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotAnObject(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+            want = st.st_size if st.st_size <= buf.nbytes else min(head_bytes, buf.nbytes)
+            view, got = memoryview(buf)[:want], 0
+            while got < want:  # a read may return fewer bytes than asked
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+            return buf[:got] if st.st_size <= buf.nbytes else Partial(view[:got], st.st_size)
+        finally:
+            os.close(fd)
+
     def _has(self, items) -> list[bool]:
-        return [self._path(k, f).is_file() for k, f in items]
+        return [self._is_object(self._path(k, f)) for k, f in items]
+
+    @staticmethod
+    def _is_object(path: Path) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def _has_any(self, keys) -> list[bool]:
         out = []
@@ -145,8 +180,10 @@ class FileStorage(ObjectStorage):
     def _scan(self) -> None:
         dirs = []
         for shard in self.root.iterdir():
-            for d in shard.iterdir():
-                size = sum(f.stat().st_size for f in d.iterdir() if not f.name.startswith("."))
+            for d in (shard.iterdir() if shard.is_dir() and not shard.is_symlink() else ()):
+                if not d.is_dir() or d.is_symlink():
+                    continue
+                size = sum(f.lstat().st_size for f in d.iterdir() if not f.name.startswith("."))
                 dirs.append((d.stat().st_mtime, d, size))
         for _, d, size in sorted(dirs, key=lambda t: t[0]):
             self._lru[d] = size

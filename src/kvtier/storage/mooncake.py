@@ -9,16 +9,19 @@ another layout's bytes.
 
 - ``page_head`` pools store one object per head group (and one for replicated
   single-head components), so tensor-parallel shards of any size share pages:
-  ``<prefix><key>/<fingerprint>/<format>/h<j>of<G>``.
-- Other layouts store one object per page: ``.../<format>/page`` (full specs only;
-  a shard must use ``page_head``).
+  ``<prefix><key>#<fingerprint>/p<page size>/<format>/h<j>of<G>``.
+- Other layouts store one object per page: ``...#.../<format>/page`` (full specs
+  only; a shard must use ``page_head``).
 - A marker ``<prefix><key>`` (1 byte) is written last, so ``batch_exists`` works
-  before any geometry is known; once one is (``spec=`` and ``layout=`` options, or
-  the last pool used), it also checks that geometry's objects.
+  with no geometry bound; with one (``spec=``, ``page_size=`` and ``layout=``) it
+  also checks that geometry's objects.
+- In names, ``%`` and ``#`` of a key are escaped (``%25``, ``%23``), so ``#`` ends
+  the key part: ``delete(["a"])`` removes ``a`` and ``a#...``, never ``a/b``'s objects.
 
-Query options of the URL: ``metadata`` (metadata server URL, e.g.
+Options (keywords or URL query): ``metadata`` (metadata server URL, e.g.
 ``http://host:port/metadata``), ``protocol`` (``tcp`` or ``rdma``),
-``local_hostname``, ``global_segment_size``, ``local_buffer_size``, ``rdma_devices``.
+``local_hostname``, ``global_segment_size``, ``local_buffer_size``, ``rdma_devices``,
+``prefix``, ``layout``, ``connect_timeout``, ``backoff``.
 A failed zero-copy read may have written part of the page: the page is reported as
 a miss (``False``) and must not be used, exactly as for any miss.
 """
@@ -29,46 +32,62 @@ import re
 import socket
 import threading
 import time
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 import torch
 
-from ..errors import UnsupportedLayoutError
-from ..layout import Layout, get_layout
+from ..layout import LAYOUTS, Layout, get_layout
 from ..pools import HostKVPool
 from .base import Storage, _check_keys
-from .objects import PagePlan
+from .faults import Breaker
+from .options import Opt, check_options
+from .zerocopy import escape_key, page_objects, spans
 
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND in Mooncake's error codes
-_RETRY_SETUP_S = 5.0
 
 
 class MooncakeStorage(Storage):
     scheme = "mooncake"
+    OPTIONS = {**Storage.OPTIONS, "prefix": Opt(str), "metadata": Opt(str, none_ok=True),
+               "protocol": Opt(str, choices=("tcp", "rdma")), "local_hostname": Opt(str),
+               "global_segment_size": Opt(int, 1), "local_buffer_size": Opt(int, 0), "rdma_devices": Opt(str),
+               "layout": Opt(str, none_ok=True, choices=tuple(LAYOUTS)), "connect_timeout": Opt(float, 0.001),
+               "backoff": Opt(float, 0)}
 
     def __init__(self, url: str, *, prefix: str = "kvtier/", metadata: str | None = None, protocol: str = "tcp",
                  local_hostname: str = "127.0.0.1", global_segment_size: int = 256 << 20,
                  local_buffer_size: int = 64 << 20, rdma_devices: str = "", layout: str | None = None,
-                 connect_timeout: float = 2.0, **options) -> None:
+                 connect_timeout: float = 2.0, backoff: float = 5.0, **options) -> None:
         super().__init__(**options)
+        check_options(self.OPTIONS, prefix=prefix, metadata=metadata, protocol=protocol,
+                      local_hostname=local_hostname, global_segment_size=global_segment_size,
+                      local_buffer_size=local_buffer_size, rdma_devices=rdma_devices, layout=layout,
+                      connect_timeout=connect_timeout, backoff=backoff)
+        if (layout is None) != (self._spec is None):
+            raise ValueError("layout= binds a mooncake store together with spec= and page_size=: give all three "
+                             f"or none (got layout={layout!r}, spec bound: {self._spec is not None})")
         self._layout: Layout | None = None if layout is None else get_layout(layout)
+        if self._bound is not None:
+            page_objects(self._spec, self._layout, self._bound, False)  # a shard needs a split-heads layout
         parts = urlsplit(url)
-        if not parts.hostname or not parts.port:
+        try:
+            host, port = parts.hostname, parts.port
+        except ValueError:
+            host = port = None
+        if not host or not port:
             raise ValueError(f"mooncake URL {url!r} needs the master's host:port")
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        unknown = set(query) - {"metadata", "protocol", "local_hostname", "global_segment_size",
-                                "local_buffer_size", "rdma_devices"}
-        if unknown:
-            raise ValueError(f"mooncake URL has unknown options {sorted(unknown)}")
+        if parts.query:
+            raise ValueError(f"mooncake URL {url!r}: URL options are read by kvtier.storage.open(); "
+                             "pass keywords here")
         self.prefix = prefix
         self._config = {
-            "local_hostname": query.get("local_hostname", local_hostname),
-            "metadata_server": query.get("metadata", metadata or "P2PHANDSHAKE"),
-            "global_segment_size": int(query.get("global_segment_size", global_segment_size)),
-            "local_buffer_size": int(query.get("local_buffer_size", local_buffer_size)),
-            "protocol": query.get("protocol", protocol),
-            "rdma_devices": query.get("rdma_devices", rdma_devices),
-            "master_server_addr": f"{parts.hostname}:{parts.port}",
+            "local_hostname": local_hostname,
+            "metadata_server": metadata or "P2PHANDSHAKE",
+            "global_segment_size": global_segment_size,
+            "local_buffer_size": local_buffer_size,
+            "protocol": protocol,
+            "rdma_devices": rdma_devices,
+            "master_server_addr": f"{host}:{port}",
         }
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -80,66 +99,52 @@ class MooncakeStorage(Storage):
         self._store = None
         self._closed = False
         self._connect_timeout = connect_timeout
-        self._last_setup = 0.0
+        self._breaker = Breaker(backoff)
         self._suspect = False  # an RPC failed: probe the master before the next call
-        self._retry_at = 0.0
         self._registered: dict[int, HostKVPool] = {}  # raw data_ptr -> pool (kept alive while registered)
         self._marker = torch.ones(64, dtype=torch.uint8)
-        self._connect()
+        self._client()
 
     # -- connection ----------------------------------------------------------------------
     # NOTE: Mooncake's setup() retries an unreachable master for minutes while holding
-    # the GIL, so a thread cannot bound it. A plain TCP connect to the master (and to an
-    # HTTP metadata server) first turns "down" into a quick, counted failure.
-    def _connect(self):
-        """The set-up client, or None while the master is unreachable (retried every few seconds)."""
-        with self._lock:
-            if self._store is not None or self._closed:
-                return self._store
-            if self._last_setup and time.monotonic() - self._last_setup < _RETRY_SETUP_S:
-                return None
-            self._last_setup = time.monotonic()
-            try:
-                for host, port in self._endpoints():
-                    socket.create_connection((host, port), timeout=self._connect_timeout).close()
-                store = self._cls()
-                c = self._config
-                rc = store.setup(c["local_hostname"], c["metadata_server"], c["global_segment_size"],
-                                 c["local_buffer_size"], c["protocol"], c["rdma_devices"], c["master_server_addr"])
-                if rc != 0:
-                    raise RuntimeError(f"setup returned {rc}")
-                if store.register_buffer(self._marker.data_ptr(), self._marker.numel()) != 0:
-                    raise RuntimeError("register_buffer failed for the marker buffer")
-            except Exception as e:
-                self._fault("setup", e)
-                return None
-            self._store = store
-            return store
-
+    # the GIL, so a thread cannot bound it, and its RPCs to a master that is gone block
+    # for seconds each. A plain TCP connect to the master (and to an HTTP metadata
+    # server) first turns "down" into a quick, counted failure; after any failure the
+    # breaker makes calls misses at once for ``backoff`` seconds, then probes again.
     def _client(self):
-        """The client for one operation, or None (counted as an error): while the master
-        was seen failing, calls return misses at once (Mooncake's RPCs would block for
-        seconds each) and a TCP probe every few seconds decides when to try again."""
-        store = self._connect()
-        if store is not None and self._suspect:
-            now = time.monotonic()
-            if now < self._retry_at:
-                store = None
-            else:
-                try:
+        """The set-up client for one operation, or None (counted as an error)."""
+        if self._closed:
+            return None
+        if self._breaker.is_open():
+            self._stats.add(errors=1)
+            return None
+        try:
+            with self._lock:
+                if self._store is None or self._suspect:
                     for host, port in self._endpoints():
                         socket.create_connection((host, port), timeout=self._connect_timeout).close()
                     self._suspect = False
-                except OSError:
-                    self._retry_at = now + _RETRY_SETUP_S
-                    store = None
-        if store is None and not self._closed:
-            self._stats.add(errors=1)
+                if self._store is None and not self._closed:
+                    self._store = self._setup()
+                return self._store
+        except Exception as e:
+            self._failed("connect", e)
+            return None
+
+    def _setup(self):
+        store = self._cls()
+        c = self._config
+        rc = store.setup(c["local_hostname"], c["metadata_server"], c["global_segment_size"],
+                         c["local_buffer_size"], c["protocol"], c["rdma_devices"], c["master_server_addr"])
+        if rc != 0:
+            raise RuntimeError(f"setup returned {rc}")
+        if store.register_buffer(self._marker.data_ptr(), self._marker.numel()) != 0:
+            raise RuntimeError("register_buffer failed for the marker buffer")
         return store
 
     def _failed(self, op: str, error: BaseException | str) -> None:
         self._suspect = True
-        self._retry_at = time.monotonic() + _RETRY_SETUP_S
+        self._breaker.trip(error)
         self._fault(op, error if isinstance(error, BaseException) else RuntimeError(error))
 
     def _endpoints(self) -> list[tuple[str, int]]:
@@ -161,39 +166,22 @@ class MooncakeStorage(Storage):
             self._registered[ptr] = pool
 
     # -- objects -------------------------------------------------------------------------
-    def _objects(self, spec, layout: Layout, plan: PagePlan, writing: bool):
-        """``(suffix, pieces)`` per object of one page; pieces give the spans."""
-        fmt = layout.page_format
-        if layout.supports_split_heads:
-            parts = plan.write_parts if writing else plan.read_parts
-            return [(f"{p.field.rsplit('/', 1)[0]}/{fmt}/{p.field.rsplit('/', 1)[1]}", p.pieces) for p in parts]
-        if spec.shard_of is not None:
-            raise UnsupportedLayoutError(
-                f"zero-copy storage of a tensor-parallel shard needs contiguous head groups, which layout "
-                f"{layout.name!r} does not give; use layout='page_head'")
-        return [(f"{spec.fingerprint()}/{fmt}/page", None)]
+    def _check_pool(self, host_pool: HostKVPool) -> None:
+        super()._check_pool(host_pool)
+        if self._layout is not None and host_pool.layout != self._layout.name:
+            raise ValueError(f"this store is bound to layout {self._layout.name!r}; the pool has {host_pool.layout!r}")
 
-    def _spans(self, pool: HostKVPool, slot: int, pieces) -> tuple[list[int], list[int]]:
-        if pieces is None:
-            return pool.get_page_buffer_meta(torch.arange(slot, slot + pool.page_size))
-        es, page = pool.spec.element_size, slot // pool.page_size
-        ptrs, sizes = [], []
-        for name, h0, h1 in pieces:  # page_head buffers: (page, head, slot, layer, dim)
-            buf = pool.buffers[name]
-            ptrs.append(buf.data_ptr() + (page * buf.stride(0) + h0 * buf.stride(1)) * es)
-            sizes.append((h1 - h0) * buf.stride(1) * es)
-        return ptrs, sizes
+    def _marker_name(self, key: str) -> str:
+        return self.prefix + escape_key(key)
 
     def _batch(self, keys, pool, host_indices, writing):
-        keys, pages = self._check_pages(keys, pool, host_indices)
-        self._layout = get_layout(pool.layout)
-        plan = self._plan(pool.spec, pool.page_size)
-        objects = self._objects(pool.spec, self._layout, plan, writing)
+        keys, pages = self._check_pages(keys, pool, host_indices, writing=writing)
+        objects = page_objects(pool.spec, get_layout(pool.layout), self._plan(pool), writing)
         names, ptrs, sizes, owners = [], [], [], []
         for i, (key, page) in enumerate(zip(keys, pages)):
             for suffix, pieces in objects:
-                p, s = self._spans(pool, page * pool.page_size, pieces)
-                names.append(f"{self.prefix}{key}/{suffix}")
+                p, s = spans(pool, page * pool.page_size, pieces)
+                names.append(f"{self._marker_name(key)}#{suffix}")
                 ptrs.append(p)
                 sizes.append(s)
                 owners.append(i)
@@ -217,8 +205,8 @@ class MooncakeStorage(Storage):
                 self._failed("set", f"batch_put_from_multi_buffers codes {sorted(set(rcs))}")
             done = [k for k, ok in zip(keys, stored) if ok]
             if done:
-                marks = store.batch_put_from([self.prefix + k for k in done], [self._marker.data_ptr()] * len(done),
-                                             [1] * len(done))
+                marks = store.batch_put_from([self._marker_name(k) for k in done],
+                                             [self._marker.data_ptr()] * len(done), [1] * len(done))
                 if any(rc != 0 for rc in marks):
                     self._failed("set", f"marker put codes {sorted(set(marks))}")
         except Exception as e:
@@ -258,12 +246,12 @@ class MooncakeStorage(Storage):
         if store is None or not keys:
             return 0
         t0 = time.perf_counter()
-        names = [self.prefix + k for k in keys]  # markers: any geometry
+        names = [self._marker_name(k) for k in keys]  # markers: any geometry
         per_key = 1
-        if self._spec is not None and self._layout is not None:  # and this geometry's objects
-            suffixes = [s for s, _ in self._objects(self._spec, self._layout, self._plan(self._spec, 1), False)]
+        if self._bound is not None:  # and the bound geometry's objects
+            suffixes = [s for s, _ in page_objects(self._spec, self._layout, self._bound, False)]
             per_key += len(suffixes)
-            names = [n for k in keys for n in (self.prefix + k, *(f"{self.prefix}{k}/{s}" for s in suffixes))]
+            names = [n for m in names for n in (m, *(f"{m}#{s}" for s in suffixes))]
         try:
             rcs = store.batch_is_exist(names)
         except Exception as e:
@@ -282,8 +270,8 @@ class MooncakeStorage(Storage):
         if store is None or not keys:
             return
         try:
-            alternatives = "|".join(re.escape(self.prefix + k) for k in keys)
-            if store.remove_by_regex(f"^({alternatives})(/.*)?$", True) < 0:
+            alternatives = "|".join(re.escape(self._marker_name(k)) for k in keys)
+            if store.remove_by_regex(f"^({alternatives})(#.*)?$", True) < 0:
                 self._failed("delete", "remove_by_regex failed")
         except Exception as e:
             self._failed("delete", e)
@@ -299,6 +287,7 @@ class MooncakeStorage(Storage):
             self._failed("clear", e)
 
     def close(self) -> None:
+        super().close()
         with self._lock:
             self._closed = True
             store, self._store = self._store, None

@@ -14,11 +14,15 @@ gather of ``dim``-sized pieces.
 
 ``G`` defaults to the greatest common divisor of the multi-head components' head
 counts, the finest cut every shard size divides. A part's field name is
-``<spec fingerprint>/<part>``, so dtype and dims are part of every object's identity.
+``<spec fingerprint>/p<page size>/<part>``: everything that sets an object's size
+(dims, dtype, layers, page size, head groups) is part of its identity, so a reader
+of another geometry looks up other names and misses; it never meets an object of a
+size it did not expect and mistakes it for a corrupt one.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,7 +32,7 @@ from ..spec import KVSpec
 
 @dataclass(frozen=True)
 class Part:
-    field: str                                 # "<fingerprint>/<part name>"
+    field: str                                 # "<fingerprint>/p<page size>/<part name>"
     pieces: tuple[tuple[str, int, int], ...]   # (component, local head start, stop)
     nbytes: int
 
@@ -49,7 +53,9 @@ class PagePlan:
         if multi and groups % size:
             raise ValueError(f"head_groups {groups} is not divisible by the shard size {size}")
         self.spec, self.page_size, self.groups = spec, page_size, groups
-        fp, es = full.fingerprint(), spec.element_size
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        fp, es = f"{full.fingerprint()}/p{page_size}", spec.element_size
         token_bytes = page_size * spec.layer_num * es
         self.read_parts: list[Part] = []
         if multi:
@@ -66,6 +72,7 @@ class PagePlan:
                                         sum(c.head_dim for c in single) * token_bytes))
         # NOTE: replicated parts are written by rank 0 only; every rank reads them.
         self.write_parts = [p for p in self.read_parts if rank == 0 or not p.field.endswith("/rep")]
+        self.prefix = fp  # "<fingerprint>/p<page size>": the geometry part of every field
 
     def _piece_views(self, pool, page: int, part: Part, buf: np.ndarray):
         """Pairs ``(view into buf, view into the pool page)``, both numpy
@@ -88,3 +95,9 @@ class PagePlan:
         arr = np.frombuffer(buf, dtype=np.uint8)
         for flat, pool_view in self._piece_views(pool, page, part, arr):
             np.copyto(pool_view, flat)
+
+
+@functools.lru_cache(maxsize=64)
+def page_plan(spec: KVSpec, page_size: int, head_groups: int | None = None) -> PagePlan:
+    """The (immutable, shared) plan of one pool geometry."""
+    return PagePlan(spec, page_size, head_groups)

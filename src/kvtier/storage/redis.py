@@ -1,51 +1,131 @@
 """``redis://``, ``rediss://`` (TLS) and ``redis+cluster://``: Redis or Valkey.
 
 Each page key is one Redis hash ``<prefix><key>``; each stored part is one field
-of it (``<fingerprint>/<part>``), so a page's parts live on one node of a cluster,
-``delete`` is one ``DEL``, and ``ttl`` expires a page whole. Batches go through
-non-transactional pipelines. Timeouts are short by default: a server that is down
-or slow turns into misses, and redis-py reconnects on the next call once the
-server is back.
+of it (``<fingerprint>/p<page size>/<part>``), so a page's parts live on one node
+of a cluster, ``delete`` is one ``DEL``, and ``ttl`` expires a page whole. Batches
+go through non-transactional pipelines.
+
+A read asks for the fields' lengths (``HSTRLEN``) first and fetches only values
+no longer than the object the reader expects: a planted huge value is never
+transferred. A timeout or connection error opens a circuit breaker: for
+``backoff`` seconds every call is a miss and a counted error without touching the
+network (redis-py's own retries are off, so one call costs at most one timeout);
+after that, calls try the server again. At open, one ``PING`` checks the database
+index and credentials when the server is reachable.
 """
 
 from __future__ import annotations
 
-from .base import ObjectStorage
+import threading
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from .codec import Partial
+from .faults import BackendDown, Breaker
+from .objectstore import ObjectStorage
+from .options import Opt, check_options
+
+
+def _db_index(url: str) -> int:
+    parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"redis URL {url!r} has an invalid port") from None
+    if parts.query:
+        raise ValueError(f"redis URL {url!r}: URL options are read by kvtier.storage.open(); pass keywords here")
+    path = unquote(parts.path).strip("/")
+    if not path:
+        return 0
+    if not path.isdecimal() or not path.isascii():
+        raise ValueError(f"redis URL {url!r}: the path must be /<database index>, a non-negative int; got /{path}")
+    return int(path)
 
 
 class RedisStorage(ObjectStorage):
     scheme = "redis"
+    OPTIONS = {**ObjectStorage.OPTIONS, "ttl": Opt(int, 1, none_ok=True), "prefix": Opt(str),
+               "socket_timeout": Opt(float, 0.001), "socket_connect_timeout": Opt(float, 0.001),
+               "backoff": Opt(float, 0)}
+    KEYWORDS = ObjectStorage.KEYWORDS | {"password", "client_options"}
 
     def __init__(self, url: str, *, ttl: int | None = None, prefix: str = "kvtier:", socket_timeout: float = 5.0,
-                 socket_connect_timeout: float = 2.0, password: str | None = None,
+                 socket_connect_timeout: float = 2.0, backoff: float = 5.0, password: str | None = None,
                  client_options: dict | None = None, **options) -> None:
         super().__init__(**options)
+        check_options(self.OPTIONS, ttl=ttl, prefix=prefix, socket_timeout=socket_timeout,
+                      socket_connect_timeout=socket_connect_timeout, backoff=backoff)
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError:  # pragma: no cover - depends on the environment
             raise ValueError("redis:// needs the redis package: pip install 'kvtier[redis]'") from None
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0):
-            raise ValueError(f"ttl must be a positive int (seconds) or None, got {ttl!r}")
+        db = _db_index(url)
         self.ttl, self.prefix = ttl, prefix
-        kwargs = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_connect_timeout}
+        self._breaker = Breaker(backoff)
+        kwargs = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_connect_timeout,
+                  "retry": Retry(NoBackoff(), 0)}  # the breaker, not redis-py, decides when to try again
         if password is not None:
             kwargs["password"] = password
         kwargs.update(client_options or {})  # e.g. ssl_ca_certs=..., ssl_certfile=... for rediss://
+        self._lock = threading.Lock()
+        self._client = None
+        self._closed = False
         if url.startswith("redis+cluster://"):
+            if db:
+                raise ValueError(f"redis URL {url!r}: a Redis cluster has database 0 only")
             from redis.cluster import RedisCluster
 
-            self._client = RedisCluster.from_url("redis://" + url.split("://", 1)[1], **kwargs)
+            rest = urlunsplit(urlsplit(url)._replace(scheme="redis", path=""))
+            self._make = lambda: RedisCluster.from_url(rest, **kwargs)
         else:
-            self._client = redis.Redis.from_url(url, **kwargs)
+            self._make = lambda: redis.Redis.from_url(url, **kwargs)
+        self._check_server(redis)
+
+    def _check_server(self, redis) -> None:
+        """One PING: a database index or credentials the server refuses fail here."""
+        try:
+            self._call(lambda client: client.ping())
+        except (redis.AuthenticationError, redis.ResponseError) as e:
+            self.close()
+            raise ValueError(f"the redis server refused this connection: {type(e).__name__}: {e}") from None
+        except redis.ConnectionError as e:
+            if "Invalid Database" in str(e):
+                self.close()
+                raise ValueError(f"the redis server refused the database index: {e}") from None
+            self._fault("open", e)
+        except Exception as e:  # down now: counted, and calls fail fast for the backoff
+            self._fault("open", e)
 
     def _name(self, key: str) -> str:
         return self.prefix + key
 
-    def _pipeline(self, commands) -> list:
-        pipe = self._client.pipeline(transaction=False)
+    def _call(self, fn):
+        """``fn(client)``, unless the breaker is open; an exception opens the breaker.
+        The client is made on first use: a cluster client connects when it is made,
+        and a cluster that is down must be a miss, like a server that is down."""
+        self._breaker.check()
+        try:
+            with self._lock:
+                if self._closed:
+                    raise BackendDown("the store is closed")
+                if self._client is None:
+                    self._client = self._make()
+                client = self._client
+            return fn(client)
+        except Exception as e:
+            self._breaker.trip(e)
+            raise
+
+    @staticmethod
+    def _execute(client, commands) -> list:
+        pipe = client.pipeline(transaction=False)
         for name, *args in commands:
             getattr(pipe, name)(*args)
         return pipe.execute(raise_on_error=False)
+
+    def _pipeline(self, commands) -> list:
+        return self._call(lambda client: self._execute(client, commands))
 
     @staticmethod
     def _ok(result) -> bool:
@@ -65,8 +145,27 @@ class RedisStorage(ObjectStorage):
         return [all(self._ok(r) for r in results[i * per_item:(i + 1) * per_item]) for i in range(len(items))]
 
     def _get(self, items, dest) -> list:
-        results = self._pipeline([("hget", self._name(k), f) for k, f in items])
-        return [r if self._ok(r) else None for r in results]
+        names = [(self._name(k), f) for k, f in items]
+        lengths = self._pipeline([("hstrlen", n, f) for n, f in names])
+        out: list = [None] * len(items)
+        fetch = []
+        for i, (n, buf) in enumerate(zip(lengths, dest)):
+            if not self._ok(n):  # e.g. WRONGTYPE: something else sits at the key
+                self._fault("get", n)
+            elif n > buf.nbytes:
+                out[i] = Partial(b"", n)  # never fetched
+            elif n:
+                fetch.append(i)
+        if fetch:
+            # NOTE: a value replaced by a larger one between the two round trips is still
+            # fetched; decode() then rejects it. Only a race can make it happen.
+            values = self._pipeline([("hget", *names[i]) for i in fetch])
+            for i, value in zip(fetch, values):
+                if not self._ok(value):
+                    self._fault("get", value)
+                else:
+                    out[i] = value
+        return out
 
     def _has(self, items) -> list[bool]:
         return [r is True or r == 1 for r in self._pipeline([("hexists", self._name(k), f) for k, f in items])]
@@ -81,15 +180,20 @@ class RedisStorage(ObjectStorage):
         self._pipeline([("delete", self._name(k)) for k in keys])
 
     def _remove_all(self) -> None:
-        batch = []
-        for name in self._client.scan_iter(match=self.prefix + "*", count=1000):
-            batch.append(name)
-            if len(batch) >= 1000:
-                self._pipeline([("delete", n) for n in batch])
-                batch = []
-        if batch:
-            self._pipeline([("delete", n) for n in batch])
+        def run(client) -> None:
+            batch = []
+            for name in client.scan_iter(match=self.prefix + "*", count=1000):
+                batch.append(("delete", name))
+                if len(batch) >= 1000:
+                    self._execute(client, batch)
+                    batch = []
+            if batch:
+                self._execute(client, batch)
+        self._call(run)
 
     def close(self) -> None:
         super().close()
-        self._client.close()
+        with self._lock:
+            client, self._client, self._closed = self._client, None, True
+        if client is not None:
+            client.close()

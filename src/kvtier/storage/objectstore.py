@@ -1,0 +1,233 @@
+"""The shared machinery of the copy backends (file, Redis): each page part is one
+checked object ``(key, field) -> header + payload``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..pools import HostKVPool
+from .base import Storage, _check_keys
+from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject, decode, header_size, write_header
+from .options import Opt, check_options
+
+#: Payload bytes packed per backend round trip: bounds memory for large batches.
+BATCH_BYTES = 64 << 20
+
+
+class ObjectStorage(Storage):
+    """A copy backend: each page part is one object ``(key, field) -> header + payload``.
+
+    Subclasses implement the primitives below on their medium; this class does
+    validation, packing, checksums, batching, statistics and fault handling.
+    Objects are packed into (and read into) a per-thread staging arena that is
+    reused across calls: fresh buffers of this size would be page-faulted in on
+    every call, which costs as much as the copy itself.
+    """
+
+    OPTIONS = {**Storage.OPTIONS, "io_threads": Opt(int, 1)}
+
+    def __init__(self, *, io_threads: int = 2, **options) -> None:
+        super().__init__(**options)
+        check_options(self.OPTIONS, io_threads=io_threads)
+        self.io_threads = io_threads
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def _arena(self, nbytes: int) -> np.ndarray:
+        arena = getattr(self._local, "arena", None)
+        if arena is None or arena.nbytes < nbytes:
+            arena = self._local.arena = np.empty(nbytes, dtype=np.uint8)
+        return arena[:nbytes]
+
+    @staticmethod
+    def _carve(arena: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+        offsets = np.cumsum([0, *sizes]).tolist()
+        return [arena[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+    # -- primitives ---------------------------------------------------------------------
+    @abstractmethod
+    def _put(self, items: list[tuple[str, str, np.ndarray]]) -> list[bool]:
+        """Store ``(key, field, blob)`` objects (blob: uint8, header + payload); success per item."""
+
+    @abstractmethod
+    def _get(self, items: list[tuple[str, str]], dest: list[np.ndarray]) -> list:
+        """Stored objects per ``(key, field)``: ``None`` if absent (or a fault the backend
+        counted). ``dest[i]`` is a buffer of the expected object size; a backend reads
+        into it and returns the bytes read. It never reads more than that: an object of
+        another size comes back as :class:`~kvtier.storage.codec.Partial` (at most its
+        header, and its true size), or whole if it is smaller."""
+
+    @abstractmethod
+    def _has(self, items: list[tuple[str, str]]) -> list[bool]:
+        """Whether each ``(key, field)`` object exists."""
+
+    @abstractmethod
+    def _has_any(self, keys: list[str]) -> list[bool]:
+        """Whether any object of each key exists (used when no geometry is bound)."""
+
+    @abstractmethod
+    def _remove(self, items: list[tuple[str, str]]) -> None:
+        """Remove single objects (corrupt ones)."""
+
+    @abstractmethod
+    def _remove_keys(self, keys: list[str]) -> None:
+        """Remove every object of each key."""
+
+    @abstractmethod
+    def _remove_all(self) -> None:
+        """Remove every object this backend stored."""
+
+    # -- the contract ----------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            if self._bound is None:
+                present = self._has_any(keys)
+            else:
+                fields = [p.field for p in self._bound.read_parts]
+                found = self._has([(k, f) for k in keys for f in fields])
+                present = [all(found[i * len(fields):(i + 1) * len(fields)]) for i in range(len(keys))]
+        except Exception as e:  # a storage fault is a miss, never an exception for the caller
+            self._fault("exists", e)
+            return 0
+        finally:
+            self._stats.timed("exists", time.perf_counter() - t0)
+        return next((i for i, p in enumerate(present) if not p), len(keys))
+
+    def _checked(self, keys, host_pool, host_indices, writing: bool):
+        keys, pages = self._check_pages(keys, host_pool, host_indices, writing=writing)
+        plan = self._plan(host_pool)
+        parts = plan.write_parts if writing else plan.read_parts
+        longest = max((len(k.encode()) for k in keys), default=0) + 1 + max(len(p.field.encode()) for p in parts)
+        if longest > MAX_NAME_BYTES:
+            raise ValueError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
+                             f"{MAX_NAME_BYTES}; use shorter keys")
+        return keys, pages, plan, parts
+
+    def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        keys, pages, plan, parts = self._checked(keys, host_pool, host_indices, writing=True)
+        stored = [True] * len(keys)
+        t0 = time.perf_counter()
+
+        def set_chunk(chunk: range) -> None:
+            names = [(i, part, f"{keys[i]}#{part.field}") for i in chunk for part in parts]
+            sizes = [header_size(name) + part.nbytes for _, part, name in names]
+            items = []
+            for (i, part, name), blob in zip(names, self._carve(self._arena(sum(sizes)), sizes)):
+                plan.pack(host_pool, pages[i], part, blob[header_size(name):])
+                write_header(name, blob)
+                items.append((keys[i], part.field, blob))
+            try:
+                ok = self._put(items)
+            except Exception as e:
+                self._fault("set", e)
+                ok = [False] * len(items)
+            for (i, part, _), good in zip(names, ok):
+                stored[i] = stored[i] and bool(good)
+                if good:
+                    self._stats.add(bytes_written=part.nbytes)
+
+        self._run(set_chunk, len(keys), sum(p.nbytes for p in parts))
+        self._stats.add(pages_written=sum(stored), write_failures=len(keys) - sum(stored))
+        self._stats.timed("set", time.perf_counter() - t0)
+        return stored
+
+    def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        keys, pages, plan, parts = self._checked(keys, host_pool, host_indices, writing=False)
+        loaded = [False] * len(keys)
+        t0 = time.perf_counter()
+
+        def get_chunk(chunk: range) -> None:
+            items = [(keys[i], p.field) for i in chunk for p in parts]
+            sizes = [header_size(f"{k}#{f}") + p.nbytes for (k, f), p in zip(items, parts * len(chunk))]
+            try:
+                blobs = self._get(items, self._carve(self._arena(sum(sizes)), sizes))
+            except Exception as e:
+                self._fault("get", e)
+                blobs = [None] * len(items)
+            for n, i in enumerate(chunk):
+                payloads = self._decode(items[n * len(parts):(n + 1) * len(parts)],
+                                        blobs[n * len(parts):(n + 1) * len(parts)], parts)
+                if payloads is None:
+                    continue
+                for part, payload in zip(parts, payloads):  # every part checked before any is copied
+                    plan.unpack(host_pool, pages[i], part, payload)
+                loaded[i] = True
+                self._stats.add(bytes_read=sum(p.nbytes for p in parts))
+
+        self._run(get_chunk, len(keys), sum(p.nbytes for p in parts))
+        hits = sum(loaded)
+        self._stats.add(hits=hits, misses=len(keys) - hits)
+        self._stats.timed("get", time.perf_counter() - t0)
+        return loaded
+
+    def delete(self, keys: Sequence[str]) -> None:
+        keys = _check_keys(keys)
+        try:
+            self._remove_keys(keys)
+        except Exception as e:
+            self._fault("delete", e)
+
+    def clear(self) -> None:
+        try:
+            self._remove_all()
+        except Exception as e:
+            self._fault("clear", e)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _run(self, fn, n: int, page_bytes: int) -> None:
+        """``fn(range)`` over chunks of the ``n`` pages: at most ``BATCH_BYTES`` each, and
+        spread over ``io_threads`` threads (file reads, socket I/O and numpy copies all
+        release the GIL, so two threads overlap one's I/O with the other's copies)."""
+        per_thread = -(-n // self.io_threads)
+        step = max(1, min(per_thread, BATCH_BYTES // max(page_bytes, 1)))
+        chunks = [range(a, min(n, a + step)) for a in range(0, n, step)]
+        if len(chunks) <= 1 or self.io_threads == 1:
+            for chunk in chunks:
+                fn(chunk)
+            return
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.scheme}")
+        for future in [self._pool.submit(fn, chunk) for chunk in chunks]:
+            future.result()
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        super().close()
+
+    def _decode(self, items, blobs, parts) -> list[memoryview] | None:
+        """Checked payloads of one page's parts, or None. A corrupt object is counted
+        and deleted; an unexpected one (intact, another size) is counted and kept."""
+        payloads = []
+        for (key, field), blob, part in zip(items, blobs, parts):
+            if blob is None:
+                return None
+            try:
+                payloads.append(decode(f"{key}#{field}", blob, part.nbytes))
+            except UnexpectedObject as e:
+                self._fault("get", e)
+                return None
+            except CorruptObject as e:
+                self._stats.add(corrupt=1, errors=1)
+                self._warnings.warn(("corrupt",), "kvtier storage %s: %s; deleting it", self.scheme, e)
+                try:
+                    self._remove([(key, field)])
+                except Exception as err:
+                    self._fault("remove", err)
+                return None
+        return payloads
