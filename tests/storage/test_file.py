@@ -117,6 +117,10 @@ def test_open_rejects_bad_urls(tmp_path):
             kvtier.storage.open(url)
     with pytest.raises(ValueError, match="capacity_bytes"):
         kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=0)
+    (tmp_path / "a_file").write_text("")
+    for unusable in ("/proc/x", f"{tmp_path}/a_file/below"):
+        with pytest.raises(ValueError, match="file storage: cannot use directory .*/kvtier-v1: "):
+            kvtier.storage.open(f"file://{unusable}")
     with pytest.raises(ValueError, match="head_groups 3 does not divide"):
         kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, page_size=4, head_groups=3)
 

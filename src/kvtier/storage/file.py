@@ -50,7 +50,12 @@ class FileStorage(ObjectStorage):
         super().__init__(**options)
         check_options(self.OPTIONS, capacity_bytes=capacity_bytes, fsync=fsync)
         self.root = Path(path).resolve() / _ROOT
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            raise ValueError(f"file storage: cannot use directory {self.root}: {e.strerror or e}") from None
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._lock = threading.Lock()
