@@ -1,18 +1,25 @@
-"""sglang HiCache integration: :class:`KVTierStorage`, kvtier storage as HiCache's L3.
+"""sglang HiCache integration.
+
+L3: :class:`KVTierStorage`, kvtier storage as HiCache's storage backend::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
       '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
         "class_name": "KVTierStorage", "interface_v1": 1, "url": "file:///var/cache/kvtier"}'
 
-sglang is imported only when ``KVTierStorage`` is first looked up, so this package
+L2: :func:`install_host_pool`, called before sglang builds its cache, makes sglang's
+host-pool factory return :class:`KVTierMHAHostPool` for K/V with
+``head_dim != v_head_dim`` in every layout (``symmetric=True``: every MHA model).
+
+sglang is imported only when one of these names is first looked up, so this package
 imports (and ``kvtier`` works) without sglang installed.
 """
 
 from __future__ import annotations
 
-_LAZY = {"KVTierStorage": ".storage"}
+_LAZY = {"KVTierStorage": ".storage", "KVTierMHAHostPool": ".host_pool", "install_host_pool": ".host_pool",
+         "uninstall_host_pool": ".host_pool"}
 
-__all__ = ["KVTierStorage"]
+__all__ = ["KVTierMHAHostPool", "KVTierStorage", "install_host_pool", "uninstall_host_pool"]
 
 
 def __getattr__(name: str):

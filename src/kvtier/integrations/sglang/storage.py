@@ -87,7 +87,10 @@ class KVTierStorage(HiCacheStorage):
         topology = Topology(cfg.tp_rank, cfg.tp_size, replicated=bool(cfg.is_mla_model) or family.name == "mla")
         pool = wrap_pool(mem_pool_host, topology)
         spec = pool.spec
-        if not self.settings.interface_v1 and any(c.head_dim != spec.components[0].head_dim for c in spec.components):
+        # NOTE: kvtier's own host pool (install_host_pool) has flat pages for every geometry.
+        flat_pages = getattr(mem_pool_host, "kvtier_pool", None) is not None
+        if not self.settings.interface_v1 and not flat_pages and \
+                any(c.head_dim != spec.components[0].head_dim for c in spec.components):
             raise UnsupportedPoolError(
                 "kvtier: this pool's K and V differ in head_dim, and without \"interface_v1\": 1 sglang moves pages "
                 "through the pool's flat-page methods, which raise for such pools; add \"interface_v1\": 1 to "
