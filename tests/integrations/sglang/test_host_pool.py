@@ -3,6 +3,7 @@ by sglang's HiCacheController on the CPU (sglang's ``MHATokenToKVPool`` as the d
 """
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,15 +12,18 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation as HybridPrefetchOperation  # noqa: E402,E501
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import StorageOperation as HybridStorageOperation  # noqa: E402,E501
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import HostKVCache  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.runtime_context import _CONTEXT, get_parallel  # noqa: E402
 
 from kvtier import UnsupportedLayoutError  # noqa: E402
-from kvtier.integrations.sglang import KVTierMHAHostPool, install_host_pool, uninstall_host_pool  # noqa: E402
-from sglang_harness import (PAGE_SIZE, attach, backup, bits, fill_random, kvtier_config, prefetch,  # noqa: E402
-                            same_tokens, token_major)
+from kvtier.integrations.sglang import (KVTierMHAHostPool, KVTierStorage, install_host_pool,  # noqa: E402
+                                       uninstall_host_pool)
+from sglang_harness import (PAGE_SIZE, attach, backup, bits, fill_random, kvtier_config, page_keys,  # noqa: E402
+                            prefetch, same_tokens, token_major)
 
 LAYERS = 3
 DTYPE = torch.bfloat16
@@ -318,3 +322,78 @@ def test_asymmetric_page_head_pages_written_at_tp2_are_read_at_tp1_and_tp4(insta
                     assert all(torch.equal(bits(token_major(host, n)[dst][:, :, lo - first:hi - first]),
                                            bits(token_major(whost, n)[wsrc][:, :, lo - 4 * w:hi - 4 * w]))
                                for n in ("k", "v"))
+
+
+# -- sglang's whole KV-only stack: HostPoolGroup + HybridCacheController ---------------------------
+def kv_only_stack(layout, io_backend, device, drafts=(), storage=None):
+    """What sglang's plain-KV strategy builds (``build_kv_only_stack``), storage attached."""
+    params = SimpleNamespace(page_size=PAGE_SIZE, mtp_draft_device_pools=tuple(drafts),
+                             token_to_kv_pool_allocator=_Allocator(device, first_page=40), tp_cache_group=None,
+                             attn_cp_cache_group=None, attn_tp_cache_group=None, pp_cache_group=None)
+    with _CONTEXT.override_server_args(hicache_ratio=2.0, hicache_size=0, hicache_mem_layout=layout,
+                                       hicache_io_backend=io_backend), \
+            get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        group, controller = hybrid_pool_assembler.build_kv_only_stack(
+            params=params, kv_pool=device, full_layer_mapping={i: i for i in range(LAYERS)},
+            load_cache_event=threading.Event(), storage_backend="dynamic" if storage else None, use_mla=False,
+            model_name="tiny-asym", storage_backend_extra_config=storage)
+    if storage:
+        controller._stop_storage_threads()
+    return group, controller
+
+
+@pytest.mark.parametrize("layout, io_backend", CONTROLLER_PATHS)
+def test_host_pool_group_and_hybrid_controller_move_target_and_packed_draft_layers(installed, layout, io_backend,
+                                                                                   tmp_path):
+    device, draft = device_pool(tokens=512), MHATokenToKVPool(
+        size=512, page_size=PAGE_SIZE, dtype=DTYPE, head_num=4, head_dim=16, layer_num=1, device="cpu",
+        enable_memory_saver=False, v_head_dim=8, start_layer=0, end_layer=1)
+    fill_device(device, seed=31)
+    fill_device(draft, seed=32)
+    group, controller = kv_only_stack(layout, io_backend, device, drafts=[draft],
+                                      storage=kvtier_config(f"file://{tmp_path}"))
+    host = group.anchor_entry.host_pool
+    assert type(host) is KVTierMHAHostPool and host.layer_num == LAYERS + 1 and host.target_layer_num == LAYERS
+    assert isinstance(controller.storage_backend, KVTierStorage)
+    src = torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in (7, 3, 11)])
+    host_slots = controller.write(src, node_id=1)
+    layers = [(device, layer, layer) for layer in range(LAYERS)] + [(draft, 0, LAYERS)]  # (pool, its layer, host layer)
+
+    def host_holds(host_pool, slots, dev_slots):
+        return all(torch.equal(bits(token_major(host_pool, n)[slots][:, hl]), bits(getattr(p, f"{n}_buffer")[l][dev_slots]))
+                   for n in ("k", "v") for p, l, hl in layers)
+
+    assert host_holds(host, host_slots, src)
+    loaded = controller.load(host_slots, node_id=1)
+    controller.start_loading()
+    assert host_holds(host, host_slots, loaded)
+    # then L3 through the same controller: back up, and prefetch into fresh host slots
+    tokens = list(range(300, 300 + len(src)))
+    backup_op = HybridStorageOperation(host_slots, tokens, hash_value=page_keys(tokens), prefix_keys=[])
+    controller._page_backup(backup_op)
+    assert backup_op.completed_tokens == len(src)
+    prefetch_op = HybridPrefetchOperation(SimpleNamespace(rid="request"), tokens, prefix_keys=[])
+    hashes, hit = controller._storage_hit_query(prefetch_op)
+    fresh = host.alloc(hit)
+    prefetch_op.host_indices, prefetch_op.hash_value = fresh, hashes
+    controller._page_transfer(prefetch_op)
+    pages = controller.prefetch_sync_queue.get_nowait().completed_tokens // PAGE_SIZE  # the transfer's ack
+    assert (hit, pages) == (len(src), 3) and same_tokens(host, host_slots, host, fresh)
+    controller.detach_storage_backend()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sglangs_own_file_backend_stores_asymmetric_flat_pages(installed, layout, tmp_path):
+    """sglang's ``file`` backend moves pages with get_data_page/set_from_flat_data_page,
+    which sglang's asymmetric pool refuses; the files hold sglang's flat byte order."""
+    device, host = pools(layout, tokens=64)
+    fill_random(host, seed=41)
+    controller = attach(device, host, backend="file", extra_config={"file_storage_path": str(tmp_path)})
+    src = host.alloc(3 * PAGE_SIZE)
+    tokens = list(range(900, 900 + 3 * PAGE_SIZE))
+    assert backup(controller, src, tokens) == 3 * PAGE_SIZE
+    files = sorted(tmp_path.glob(f"{page_keys(tokens)[1]}*.bin"))
+    assert len(files) == 1
+    assert files[0].read_bytes() == host.get_data_page(int(src[PAGE_SIZE])).view(torch.uint8).numpy().tobytes()
+    hit, pages, dst = prefetch(controller, host, tokens)
+    assert (hit, pages) == (3 * PAGE_SIZE, 3) and same_tokens(host, src, host, dst)
