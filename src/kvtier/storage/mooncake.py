@@ -101,7 +101,7 @@ class MooncakeStorage(Storage):
         self._connect_timeout = connect_timeout
         self._breaker = Breaker(backoff)
         self._suspect = False  # an RPC failed: probe the master before the next call
-        self._registered: dict[int, HostKVPool] = {}  # raw data_ptr -> pool (kept alive while registered)
+        self._registered: dict[int, HostKVPool] = {}  # region data_ptr -> pool (kept alive while registered)
         self._marker = torch.ones(64, dtype=torch.uint8)
         self._client()
 
@@ -156,14 +156,16 @@ class MooncakeStorage(Storage):
         return out
 
     def _register(self, store, pool: HostKVPool) -> None:
-        ptr = pool.raw.data_ptr()
+        """Register every allocation holding the pool (one, or one per component for a
+        pool that wraps an engine's separate K and V buffers)."""
         with self._lock:
-            if ptr in self._registered:
-                return
-            rc = store.register_buffer(ptr, pool.raw.numel())
-            if rc != 0:
-                raise RuntimeError(f"register_buffer of the host pool returned {rc}")
-            self._registered[ptr] = pool
+            for ptr, nbytes in pool.regions:
+                if ptr in self._registered:
+                    continue
+                rc = store.register_buffer(ptr, nbytes)
+                if rc != 0:
+                    raise RuntimeError(f"register_buffer of a host pool region ({nbytes} bytes) returned {rc}")
+                self._registered[ptr] = pool
 
     # -- objects -------------------------------------------------------------------------
     def _check_pool(self, host_pool: HostKVPool) -> None:

@@ -102,10 +102,6 @@ class KVTierStorage(HiCacheStorage):
             options["head_groups"] = cfg.tp_lcm_size
         if "layout" in type(self._store).OPTIONS:
             options["layout"] = pool.layout
-        if type(self._store).scheme == "mooncake" and pool.raw is None:
-            raise UnsupportedPoolError(
-                "kvtier: the mooncake:// backend registers one allocation per host pool, and this pool keeps K and V "
-                "in two (head_dim != v_head_dim); use a file:// or redis:// URL for this model")
         try:
             store = kvstorage.open(self.settings.url, **options)
         except UnsupportedLayoutError as e:
