@@ -219,3 +219,14 @@ def _raises(call) -> bool:
     except CacheClosedError:
         return True
     return False
+
+
+def test_a_storage_that_keeps_failing_warns_once_per_interval(store, caplog):
+    faulty = FaultyStore(store)
+    faulty.raise_exists = True
+    cache = make_cache(storage=faulty)
+    with caplog.at_level("WARNING", logger="kvtier.cache"):
+        for _ in range(50):
+            assert hits(cache.match_prefix(A)) == (0, 0, 0)
+    assert cache.stats()["storage_exists_errors"] == 50
+    assert len([r for r in caplog.records if "batch_exists raised" in r.getMessage()]) <= 1

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..storage.faults import WarningLimiter
 from .handles import CacheClosedError
 from .protocols import Storage
 from .stats import CacheStats
 from .workers import Worker
 
 log = logging.getLogger("kvtier.cache")
+_warnings = WarningLimiter(log)  # a storage that is down fails every call: say so once per interval
 
 
 class StorageGuard:
@@ -30,7 +32,7 @@ class StorageGuard:
         if not keys:
             return 0
         if not self._idle.acquire(blocking=False):
-            return self._fault("storage_exists", "a previous batch_exists is still running")
+            return self._fault("storage_exists", "busy", "a previous batch_exists is still running")
         answer, done = {}, threading.Event()
 
         def call() -> None:
@@ -48,12 +50,12 @@ class StorageGuard:
             self._idle.release()
             raise
         if not done.wait(self.timeout):
-            return self._fault("storage_exists", f"batch_exists took over {self.timeout}s")
+            return self._fault("storage_exists", "slow", f"batch_exists took over {self.timeout}s")
         n = answer.get("n")
         if "error" in answer:
-            return self._fault("storage_exists", f"batch_exists raised {answer['error']!r}")
+            return self._fault("storage_exists", type(answer["error"]), f"batch_exists raised {answer['error']!r}")
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
-            return self._fault("storage_exists", f"batch_exists answered {n!r} for {len(keys)} keys")
+            return self._fault("storage_exists", "answer", f"batch_exists answered {n!r} for {len(keys)} keys")
         return n
 
     def get(self, keys: list[str], host_pool, host_indices) -> list[bool]:
@@ -61,7 +63,7 @@ class StorageGuard:
         try:
             got = self.storage.batch_get(keys, host_pool, host_indices)
         except Exception as e:
-            self._fault("storage_read", f"batch_get raised {e!r}")
+            self._fault("storage_read", type(e), f"batch_get raised {e!r}")
             return [False] * len(keys)
         return self._per_key("storage_read", "batch_get", got, len(keys))
 
@@ -70,22 +72,23 @@ class StorageGuard:
         try:
             ok = self.storage.batch_set(keys, host_pool, host_indices)
         except Exception as e:
-            log.warning("kvtier storage: batch_set raised %r", e)
+            _warnings.warn(("batch_set", type(e)), "kvtier storage: batch_set raised %r", e)
             return False
         if not isinstance(ok, (list, tuple)) or len(ok) != len(keys):
-            log.warning("kvtier storage: batch_set answered %r for %d keys", ok, len(keys))
+            _warnings.warn(("batch_set", "answer"), "kvtier storage: batch_set answered %r for %d keys", ok, len(keys))
             return False
         return all(x is True for x in ok)
 
     def _per_key(self, kind: str, op: str, got, n: int) -> list[bool]:
         if not isinstance(got, (list, tuple)) or len(got) != n or not all(isinstance(x, bool) for x in got):
-            self._fault(kind, f"{op} answered {got!r:.80} for {n} keys")
+            self._fault(kind, "answer", f"{op} answered {got!r:.80} for {n} keys")
             return [False] * n
         return list(got)
 
-    def _fault(self, kind: str, why: str) -> int:
+    def _fault(self, kind: str, label, why: str) -> int:
+        """Count one ``kind`` error; warn (repeats of ``(kind, label)`` rate-limited)."""
         self._stats.error(kind)
-        log.warning("kvtier storage: %s", why)
+        _warnings.warn((kind, label), "kvtier storage: %s", why)
         return 0
 
     def close(self) -> None:

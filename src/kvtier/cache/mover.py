@@ -17,6 +17,7 @@ from array import array
 
 import torch
 
+from ..storage.faults import WarningLimiter
 from .guard import StorageGuard
 from .handles import CacheClosedError, LoadError, PrefetchHandle
 from .inflight import InFlight
@@ -24,6 +25,7 @@ from .state import CacheState
 from .workers import Worker
 
 log = logging.getLogger("kvtier.cache")
+_warnings = WarningLimiter(log)
 PREFETCH_CHUNK_PAGES = 8
 
 
@@ -94,7 +96,7 @@ class Mover:
                     handle._layer_done(layer)
         except Exception as e:
             error = e
-            log.warning("kvtier: load of %d tokens failed: %r", mark.host.numel(), e)
+            _warnings.warn(("load", type(e)), "kvtier: load of %d tokens failed: %r", mark.host.numel(), e)
         with state.lock:
             (state.fail_load if error is not None else state.finish_load)(mark)
         handle._finish(error)
@@ -113,7 +115,7 @@ class Mover:
                     stream.synchronize()  # the device copy stays pinned until the bytes have landed
             except Exception as e:
                 ok = False
-                log.warning("kvtier: backup of %d tokens failed: %r", mark.host.numel(), e)
+                _warnings.warn(("backup", type(e)), "kvtier: backup of %d tokens failed: %r", mark.host.numel(), e)
         with self.state.lock:
             self.state.finish_backup(mark, ok)
 
