@@ -96,3 +96,42 @@ def test_splits_during_slow_and_failing_loads():
     assert cache.stats()["loaded_tokens"] > 0
     assert _drained(cache)
     cache.close()
+
+
+def test_requests_over_faulty_storage_shared_by_two_caches(tmp_path):
+    import kvtier.storage
+    from faults import FaultyStore
+
+    store = FaultyStore(kvtier.storage.open(f"file://{tmp_path}"))
+    caches = [make_cache(device_tokens=32, host_tokens=32, storage=store, prefetch_policy="wait_complete",
+                         storage_timeout=0.05) for _ in range(2)]
+    errors, stop = [], threading.Event()
+
+    def requests(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                serve_acquire(caches[seed % 2], _prompt(rng))   # every reused page checked bit for bit
+        except BaseException as e:
+            errors.append(e)
+
+    def saboteur():
+        rng = random.Random(11)
+        while not stop.is_set():
+            for fault in ("raise_exists", "raise_get", "raise_set", "short_get"):
+                setattr(store, fault, rng.random() < 0.3)
+            store.exists_delay = 0.1 if rng.random() < 0.1 else 0.0
+            time.sleep(0.005)
+
+    side = threading.Thread(target=saboteur)
+    side.start()
+    _run([threading.Thread(target=requests, args=(s,)) for s in range(4)])
+    stop.set()
+    side.join(10)
+    assert not errors, errors[0]
+    assert sum(c.stats()["errors"] for c in caches) > 0      # the faults did happen
+    for cache in caches:
+        cache.flush()
+        cache.check_integrity(engine_device_slots=0)
+        assert _drained(cache)
+        cache.close()
