@@ -93,8 +93,9 @@ class KVTierStorage(HiCacheStorage):
                 any(c.head_dim != spec.components[0].head_dim for c in spec.components):
             raise UnsupportedPoolError(
                 "kvtier: this pool's K and V differ in head_dim, and without \"interface_v1\": 1 sglang moves pages "
-                "through the pool's flat-page methods, which raise for such pools; add \"interface_v1\": 1 to "
-                "--hicache-storage-backend-extra-config")
+                "through the pool's flat-page methods, which raise for sglang's own pool; add \"interface_v1\": 1 to "
+                "--hicache-storage-backend-extra-config, or let kvtier build the host pool "
+                "(kvtier.integrations.sglang.install_host_pool)")
         options: dict[str, Any] = {"spec": spec, "page_size": pool.page_size}
         if cfg.tp_lcm_size and not topology.replicated:
             # NOTE: sglang's tp_lcm_size names the TP sizes that share pages; head groups of
