@@ -82,6 +82,33 @@ def test_bench_cache_json(capsys):
         assert r["match_hit_x_floor"] == pytest.approx(r["match_hit_us"] / r["list_copy_us"])
 
 
+def test_bench_overlap_json_reports_each_phase(capsys):
+    code, out, _ = run(capsys, "bench", "overlap", "--layers", "3", "--heads", "2", "--head-dim", "16",
+                       "--query-heads", "4", "--tokens", "32,64", "--page-size", "16", "--repeat", "2", "--json")
+    data = json.loads(out)
+    assert code == 0
+    cfg = data["config"]
+    assert cfg["spec"] == "L3-bf16-k=2x16-v=2x16" and cfg["device"] == "cpu" and cfg["query_heads"] == 4
+    assert cfg["load_bytes"] == {"32": 32 * 3 * 2 * 2 * 16 * 2, "64": 64 * 3 * 2 * 2 * 16 * 2}
+    assert cfg["compute_flops_per_layer"]["64"] == 4 * 4 * 64 * 64 * 16
+    assert [(r["tokens"], r["stat"]) for r in data["rows"]] == [(32, "median"), (32, "best"), (64, "median"),
+                                                               (64, "best")]
+    for r in data["rows"]:
+        # NOTE: no bounds on the times themselves: on a shared CPU, phases may slow each other down
+        assert r["load_ms"] > 0 and r["compute_ms"] > 0 and r["both_ms"] > 0
+        shorter = min(r["load_ms"], r["compute_ms"])
+        assert r["hidden"] == pytest.approx((r["load_ms"] + r["compute_ms"] - r["both_ms"]) / shorter)
+        assert r["load_gbps"] == pytest.approx(cfg["load_bytes"][str(r["tokens"])] / r["load_ms"] / 1e6)
+        assert r["load_shorter"] == (r["load_ms"] < r["compute_ms"])
+
+
+def test_bench_overlap_table(capsys):
+    code, out, _ = run(capsys, "bench", "overlap", "--layers", "2", "--heads", "1", "--head-dim", "8",
+                       "--tokens", "16", "--page-size", "8", "--repeat", "1", "--layout", "layer_first")
+    assert code == 0 and "L2-bf16-k=1x8-v=1x8" in out and "host layout layer_first" in out
+    assert "median" in out and "best" in out and "hidden" in out
+
+
 def test_demo_small_runs_identical_and_plots(capsys, tmp_path):
     pytest.importorskip("transformers")
     plot = tmp_path / "demo.png"

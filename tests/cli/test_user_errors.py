@@ -14,7 +14,8 @@ from kvtier.cli import main
 
 WORK = ["kvtier.cli.simulate.simulate", "kvtier.cli.simulate.synthetic", "kvtier.demo.run",
         "kvtier.integrations.tiny_models.build", "kvtier.bench.transfer.run", "kvtier.bench.storage.run",
-        "kvtier.bench.cache.run", "kvtier.cli.inspect.layout_reports", "kvtier.cli.selfcheck.run"]
+        "kvtier.bench.cache.run", "kvtier.bench.overlap.run",
+        "kvtier.cli.inspect.layout_reports", "kvtier.cli.selfcheck.run"]
 LINE = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n'
 
 
@@ -49,6 +50,7 @@ def trace(tmp_path, text, mode="w") -> Path:
     (["demo", "--sessions", "0"], "--sessions: must be a positive integer, got '0'"),
     (["demo", "--turns", "-1"], "--turns: must be a positive integer"),
     (["demo", "--device-tokens", "100"], "--device-tokens 100 is not a multiple of --page-size 16"),
+    (["demo", "--device", "tpu"], "device 'tpu': expected cpu, cuda or cuda:N"),
     (["simulate", "synthetic", "--block-tokens", "0"], "--block-tokens: must be a positive integer, got '0'"),
     (["simulate", "synthetic", "--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s: must be a finite number > 0"),
     (["simulate", "synthetic", "--host-gbps", "0"], "--host-gbps: must be a finite number > 0, got '0'"),
@@ -76,6 +78,14 @@ def trace(tmp_path, text, mode="w") -> Path:
     (["bench", "cache", "--tree-pages", "10000000000000"], "--tree-pages 10000000000000 needs about"),
     (["bench", "storage", "--backends", "ftp"], "--backends: unknown name 'ftp' in 'ftp'; choose from file, redis,"),
     (["bench", "storage", "--pages", "10000000000"], "10000000000 pages of 64 tokens needs about"),
+    (["bench", "overlap", "--tokens", "100"], "--tokens 100 is not a multiple of --page-size 64"),
+    (["bench", "overlap", "--tokens", "64,0"], "--tokens: '64,0': each comma-separated item must be a positive"),
+    (["bench", "overlap", "--head-dim", "x"], "--head-dim: must be an integer, got 'x'"),
+    (["bench", "overlap", "--repeat", "0"], "--repeat: must be a positive integer, got '0'"),
+    (["bench", "overlap", "--io-backend", "dma"], "--io-backend: invalid choice: 'dma'"),
+    (["bench", "overlap", "--layout", "page_frist"], "--layout: invalid choice: 'page_frist'"),
+    (["bench", "overlap", "--device", "tpu"], "device 'tpu': expected cpu, cuda or cuda:N"),
+    (["bench", "overlap", "--tokens", "10000000"], "a 10000000-token prompt needs about"),
     (["inspect", "--mha", "layers=99999999999999999999,heads=1,head_dim=1"], "beyond torch's 2^63-byte limit"),
     (["inspect", "--k-only", "layers=1,heads=1,head_dim=1", "--page-size", str(10**15)],
      "--page-size 1000000000000000 needs about 28.42 PiB"),
@@ -89,10 +99,13 @@ def test_misuse_is_refused_in_one_line(capsys, no_work, tmp_path, argv, message)
     assert list(tmp_path.iterdir()) == []  # nothing written, no demo storage
 
 
-def test_bench_transfer_on_cuda_without_cuda(capsys, no_work):
+@pytest.mark.parametrize("command", [["bench", "transfer"], ["bench", "overlap"], ["demo"]])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_is_refused_without_cuda(capsys, no_work, tmp_path, command, device):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    assert "device 'cuda': CUDA is not available here" in refused(capsys, "bench", "transfer", "--device", "cuda")
+    assert f"device '{device}': CUDA is not available here" in refused(capsys, *command, "--device", device)
+    assert list(tmp_path.iterdir()) == []  # no demo storage
 
 
 @pytest.mark.parametrize("command, flag", [(["simulate", "synthetic", "--json"], "--plot"), (["demo"], "--plot"),

@@ -15,6 +15,7 @@ import torch
 
 from ..layout import LAYOUTS
 from ..pools import DeviceKVPool, HostKVPool
+from ..pools.common import check_device
 from ..pools.indices import page_slots
 from ..spec import KVSpec
 from .timing import best_seconds, memcpy_gbps
@@ -99,23 +100,6 @@ def bench_meta(spec: KVSpec, *, page_size: int, pages: int, repeat: int, seed: i
             spans = len(fn()[0])
             rows.append(MetaRow(name, kind, pages, spans, best_seconds(fn, repeat) * 1e3))
     return rows
-
-
-def check_device(device: str) -> torch.device:
-    """The benchmark's device: ``cpu``, or a CUDA device that exists here (``ValueError`` otherwise)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available here (a CPU-only torch build, or no GPU "
-                             "visible); use cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return dev
 
 
 def memory_bytes(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_sizes=(64,),

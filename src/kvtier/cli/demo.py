@@ -14,7 +14,8 @@ from dataclasses import asdict
 
 from ..integrations.tiny_models import MODELS
 from ..layout import LAYOUTS
-from .preflight import check_host_memory, check_output_path, require_module
+from ..pools.common import check_device
+from .preflight import check_device_memory, check_host_memory, check_output_path, require_module
 from .table import json_text, print_table
 from .types import positive_int
 
@@ -32,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tokens", type=positive_int, default=768, help="a multiple of --page-size")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu",
+                   help="the model's, the device pool's and the computation's device: cpu (default), cuda, cuda:N")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--json", default=None, help="write the rows and summary as JSON here (strict: a non-finite "
                                                 "number is null)")
@@ -42,9 +45,9 @@ def command(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=FutureWarning)
     with _storage(args) as (store, where):
-        print(f"kvtier demo: tiny {args.model} (random weights), {args.sessions} sessions x {args.turns} turns, "
-              f"device {args.device_tokens} / host {args.host_tokens} tokens, storage {where}; every request is run "
-              "again without kvtier")
+        print(f"kvtier demo: tiny {args.model} (random weights) on {args.device}, {args.sessions} sessions x "
+              f"{args.turns} turns, device {args.device_tokens} / host {args.host_tokens} tokens, storage {where}; "
+              "every request is run again without kvtier")
         rows, summary = _run(args, store)
     _report(rows, summary)
     if args.plot:
@@ -60,6 +63,7 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    check_device(args.device)
     for flag, tokens in (("--device-tokens", args.device_tokens), ("--host-tokens", args.host_tokens)):
         if tokens % args.page_size:
             raise ValueError(f"{flag} {tokens} is not a multiple of --page-size {args.page_size}")
@@ -75,11 +79,15 @@ def _run(args: argparse.Namespace, store):
     from ..integrations.tiny_models import build
     from ..integrations.transformers import spec_from_model
 
-    net = build(args.model, seed=args.seed)
+    net = build(args.model, seed=args.seed, device=args.device)
     bytes_per_token = spec_from_model(net).bytes_per_token
-    check_host_memory((args.device_tokens + args.host_tokens) * bytes_per_token,
-                      f"device {args.device_tokens} + host {args.host_tokens} tokens of {bytes_per_token} bytes",
-                      "use fewer tokens")
+    host, device = args.host_tokens * bytes_per_token, args.device_tokens * bytes_per_token
+    what = f"device {args.device_tokens} + host {args.host_tokens} tokens of {bytes_per_token} bytes"
+    if net.device.type == "cuda":
+        check_device_memory(device, net.device, what, "use fewer device tokens")
+    else:
+        host += device
+    check_host_memory(host, what, "use fewer tokens")
     kwargs = dict(namespace=f"demo-{args.model}-{args.seed}", sessions=args.sessions, turns=args.turns,
                   layout=args.layout, device_tokens=args.device_tokens, host_tokens=args.host_tokens,
                   page_size=args.page_size, seed=args.seed)

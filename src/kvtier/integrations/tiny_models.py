@@ -8,8 +8,10 @@ import torch
 MODELS = ("mimo", "llama", "deepseek")
 
 
-def build(name: str, *, seed: int = 0, layers: int = 4, hidden: int = 256, vocab: int = 2048):
-    """A float32 ``*ForCausalLM`` in eval mode:
+def build(name: str, *, seed: int = 0, layers: int = 4, hidden: int = 256, vocab: int = 2048,
+          device: str | torch.device = "cpu"):
+    """A float32 ``*ForCausalLM`` in eval mode on ``device`` (weights drawn on the CPU, so a
+    seed gives the same model everywhere):
 
     - ``mimo``: MiMo-V2-Flash, full-attention layers, K head dim 48 / V head dim 32 (3:2 like 192/128), GQA 8/2;
     - ``llama``: Llama GQA, 8 query heads over 2 KV heads of 32;
@@ -21,7 +23,7 @@ def build(name: str, *, seed: int = 0, layers: int = 4, hidden: int = 256, vocab
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     torch.manual_seed(seed)
     config = _config(name, layers, hidden, vocab)
-    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval().to(device)
 
 
 def _config(name: str, layers: int, hidden: int, vocab: int):

@@ -24,6 +24,24 @@ def parse_device(device: object) -> torch.device:
         raise ValueError(f"invalid device {device!r}: {e}") from None
 
 
+def check_device(device: str) -> torch.device:
+    """A device for a pool and the computation on it: ``cpu``, or a CUDA device that exists
+    here; ``ValueError`` otherwise, before anything is allocated."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here (a CPU-only torch build, or no GPU "
+                             "visible); use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return dev
+
+
 def check_spec(spec: object) -> KVSpec:
     if not isinstance(spec, KVSpec):
         raise ValueError(f"spec must be a KVSpec, got {type(spec).__name__}")
