@@ -37,9 +37,9 @@ def installed():
     uninstall_host_pool()
 
 
-def device_pool(head_num=4, head_dim=16, v_head_dim=8, tokens=256):
+def device_pool(head_num=4, head_dim=16, v_head_dim=8, tokens=256, device="cpu"):
     return MHATokenToKVPool(size=tokens, page_size=PAGE_SIZE, dtype=DTYPE, head_num=head_num, head_dim=head_dim,
-                            layer_num=LAYERS, device="cpu", enable_memory_saver=False, v_head_dim=v_head_dim,
+                            layer_num=LAYERS, device=device, enable_memory_saver=False, v_head_dim=v_head_dim,
                             start_layer=0, end_layer=LAYERS)
 
 
@@ -51,6 +51,7 @@ def build(layout, kv_pool):
 
 
 def pools(layout, **geometry):
+    """sglang's device pool (``device_pool(**geometry)``) and the host pool sglang builds for it."""
     device = device_pool(**geometry)
     return device, build(layout, device)
 
@@ -135,7 +136,7 @@ class _Allocator:
     def alloc(self, n):
         start = self.next_page * PAGE_SIZE
         self.next_page += n // PAGE_SIZE
-        return torch.arange(start, start + n)
+        return torch.arange(start, start + n, device=self.device.device)
 
     def set_hicache_transfer_done_event(self, key, event):
         pass
@@ -148,34 +149,47 @@ def fill_device(device, seed):
 
 
 def host_matches_device(host, host_slots, device, device_slots):
-    return all(torch.equal(bits(token_major(host, name)[host_slots][:, layer]), bits(layers[layer][device_slots]))
+    host_slots, device_slots = host_slots.cpu(), device_slots.cpu()
+    return all(torch.equal(bits(token_major(host, name)[host_slots][:, layer]), bits(layers[layer].cpu()[device_slots]))
                for name, layers in (("k", device.k_buffer), ("v", device.v_buffer)) for layer in range(LAYERS))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 CONTROLLER_PATHS = [(lay, "kernel") for lay in LAYOUTS] + [("layer_first", "direct"), ("page_first_direct", "direct")]
 
 
+@pytest.mark.parametrize("device_type", DEVICES)
 @pytest.mark.parametrize("layout, io_backend", CONTROLLER_PATHS)  # sglang's move_indices allows these for "direct"
-def test_controller_backs_up_and_loads_every_layer_bit_exactly(installed, layout, io_backend):
-    device, host = pools(layout, head_num=4, head_dim=16, v_head_dim=8, tokens=256)
+def test_controller_backs_up_and_loads_every_layer_bit_exactly(installed, layout, io_backend, device_type):
+    device, host = pools(layout, head_num=4, head_dim=16, v_head_dim=8, tokens=256, device=device_type)
+    assert host.pin_memory == (device_type == "cuda")  # pinned exactly where an accelerator exists
     fill_device(device, seed=3)
     allocator = _Allocator(device, first_page=40)
     controller = HiCacheController(allocator, host, PAGE_SIZE, tp_group=None, load_cache_event=threading.Event(),
                                    io_backend=io_backend)
     dev_pages = [9, 2, 31, 5]
-    src = torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in dev_pages])
+    src = torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in dev_pages]).to(device_type)
     host.alloc(PAGE_SIZE)  # so host and device slots differ
     host_slots = controller.write(src, node_id=1)
+    synchronize(device_type)
     assert host_slots.tolist() == list(range(PAGE_SIZE, 5 * PAGE_SIZE))
     assert host_matches_device(host, host_slots, device, src)
     loaded = controller.load(host_slots, node_id=1)
     assert loaded.tolist() == list(range(40 * PAGE_SIZE, 44 * PAGE_SIZE))
     assert not host_matches_device(host, host_slots, device, loaded)
     controller.start_loading()
+    synchronize(device_type)
     assert host_matches_device(host, host_slots, device, loaded)
     for name, layers in (("k", device.k_buffer), ("v", device.v_buffer)):
         for layer in range(LAYERS):  # the load wrote exactly the source bytes, layer by layer
             assert torch.equal(bits(layers[layer][loaded]), bits(layers[layer][src]))
+
+
+def synchronize(device_type):
+    if device_type == "cuda":  # the controller's copies run on its own streams
+        torch.cuda.synchronize()
 
 
 def test_a_load_of_a_layer_the_pool_does_not_hold_does_nothing(installed):
