@@ -6,7 +6,7 @@ its own controller with its ``tp_rank``/``tp_size``; they share one store.
 
 import pytest
 
-pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
 
 from sglang_harness import (PAGE_SIZE, STORAGE_BATCH_SIZE, attach, backup, fill_random, kvtier_config,  # noqa: E402
                             make_pools, prefetch, same_tokens)
