@@ -122,6 +122,27 @@ def test_symmetric_mha_and_mla_keep_sglang_pools_unless_asked():
     assert hybrid_pool_assembler.get_mha_host_pool_cls.__module__ == "sglang.srt.mem_cache.pool_host.mha"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_per_layer_views_and_row_width_as_sglangs_symmetric_pool_has_them(layout):
+    device = device_pool(head_num=2, head_dim=16, v_head_dim=16)
+    install_host_pool(symmetric=True)
+    try:
+        ours, asymmetric = build(layout, device), build(layout, device_pool(v_head_dim=8))
+    finally:
+        uninstall_host_pool()
+    assert ours.token_stride_size == 2 * 16 * 2
+    refs = ours.host_kv_data_refs
+    assert len(refs) == 2 * LAYERS
+    for i, ref in enumerate(refs):  # layer i % LAYERS of K, then of V
+        name, layer = ("k", "v")[i // LAYERS], i % LAYERS
+        expected = token_major(ours, name)[:, layer]
+        assert torch.equal(bits(ref.reshape(expected.shape) if layout != "page_head" else
+                                ref.permute(0, 2, 1, 3).flatten(0, 1)), bits(expected))
+    if layout == "layer_first":
+        assert all(ref.is_contiguous() for ref in refs)
+    assert not hasattr(asymmetric, "token_stride_size")  # no single row width, as in sglang's asymmetric pool
+
+
 # -- L2 transfers through the controller -------------------------------------------------------
 class _Allocator:
     """What HiCacheController asks of sglang's device allocator: pages of device slots."""

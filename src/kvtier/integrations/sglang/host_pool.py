@@ -96,11 +96,11 @@ class KVTierMHAHostPool(HostKVCache):
             raise UnsupportedHostPoolError(f"{pool_label}: decode context parallelism (dcp_size={dcp_size}) is "
                                            "wired in sglang for MLA host pools only")
         infos = (buffer_info, *draft_buffer_infos)
+        target = (buffer_info.head_num, buffer_info.head_dim, buffer_info.v_head_dim, buffer_info.dtype,
+                  buffer_info.device)
         for info in infos:
             _check_buffer_info(info, pool_label)
             geometry = (info.head_num, info.head_dim, info.v_head_dim, info.dtype, info.device)
-            target = (buffer_info.head_num, buffer_info.head_dim, buffer_info.v_head_dim, buffer_info.dtype,
-                      buffer_info.device)
             if geometry != target:
                 raise UnsupportedHostPoolError(f"{pool_label}: a packed draft pool has (heads, K dim, V dim, dtype, "
                                                f"device) {geometry}, the target {target}")
@@ -119,6 +119,10 @@ class KVTierMHAHostPool(HostKVCache):
                          layout=layout, pin_memory=pin_memory, device=device, allocator_type=allocator_type,
                          pool_label=pool_label, host_token_capacity=host_token_capacity)
         self.device_pool = _device_pool(self.spec, infos, self.page_size)
+        if self.head_dim == self.v_head_dim:
+            # One row width for K and V: what sglang's symmetric pool exposes. (Its asymmetric
+            # pool leaves it unset so that no caller copies V with K's width; so does this one.)
+            self.token_stride_size = self.head_num * self.head_dim * self.dtype.itemsize
 
     # -- memory --------------------------------------------------------------------------
     def init_kv_buffer(self):
@@ -133,6 +137,15 @@ class KVTierMHAHostPool(HostKVCache):
         merge = SGLANG_LAYOUTS[self.layout]
         return tuple(buf.flatten(page_axis, page_axis + 1) if merge else buf
                      for buf in (self.kvtier_pool.buffers["k"], self.kvtier_pool.buffers["v"]))
+
+    @property
+    def host_kv_data_refs(self) -> list[torch.Tensor]:
+        """Per-layer views of the host buffers, every K layer then every V layer: the
+        buffer without its layer axis, e.g. ``(token, head, dim)`` in ``layer_first``
+        (contiguous there only; sglang's decode host-receive path asks for that layout)."""
+        order = get_layout(self.layout).order
+        axis = order.index("layer") - (SGLANG_LAYOUTS[self.layout] and order.index("page") < order.index("layer"))
+        return [buf.select(axis, i) for buf in self.kv_buffer for i in range(self.layer_num)]
 
     @property
     def k_buffer(self) -> torch.Tensor:
