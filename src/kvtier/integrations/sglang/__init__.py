@@ -16,8 +16,8 @@ imports (and ``kvtier`` works) without sglang installed.
 
 from __future__ import annotations
 
-_LAZY = {"KVTierStorage": ".storage", "KVTierMHAHostPool": ".host_pool", "install_host_pool": ".host_pool",
-         "uninstall_host_pool": ".host_pool"}
+_LAZY = {"KVTierStorage": ".storage", "KVTierMHAHostPool": ".host_pool", "install_host_pool": ".install",
+         "uninstall_host_pool": ".install"}
 
 __all__ = ["KVTierMHAHostPool", "KVTierStorage", "install_host_pool", "uninstall_host_pool"]
 

@@ -34,6 +34,6 @@ def load() -> None:
     symmetric = MODES[mode_from_env()]
     if symmetric is None:
         return
-    from .host_pool import install_host_pool
+    from .install import install_host_pool
 
     install_host_pool(symmetric=symmetric)
