@@ -8,6 +8,7 @@ import pytest
 import kvtier.storage
 from engine import NAMESPACE, PAGE, check_prefix, make_cache, serve
 from faults import FaultyStore, LoadFaults
+from invariants import drained
 from kvtier import CacheClosedError
 
 A = list(range(100, 116))  # 4 pages
@@ -15,15 +16,6 @@ A = list(range(100, 116))  # 4 pages
 
 def hits(m):
     return (m.device_len, m.host_len, m.storage_len)
-
-
-def drained(cache):
-    """Everything unlocked can go: after evicting all, every slot is free again."""
-    cache.flush()
-    cache.evict_device(cache.device_pool.size)
-    cache.evict_host(cache.host_pool.size)
-    return (cache.device_pool.available_size(), cache.host_pool.available_size()) == \
-        (cache.device_pool.size, cache.host_pool.size)
 
 
 def on_host_only(fail=0, gate=None):

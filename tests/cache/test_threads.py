@@ -7,6 +7,7 @@ import time
 
 from engine import PAGE, make_cache, serve, serve_acquire
 from faults import LoadFaults
+from invariants import drained
 
 
 def _prompt(rng) -> list[int]:
@@ -20,13 +21,6 @@ def _run(threads, seconds=60):
     for t in threads:
         t.join(timeout=seconds)
     assert not any(t.is_alive() for t in threads), "a thread hung"
-
-
-def _drained(cache) -> bool:
-    cache.evict_device(cache.device_pool.size)
-    cache.evict_host(cache.host_pool.size)
-    return (cache.device_pool.available_size(), cache.host_pool.available_size()) == \
-        (cache.device_pool.size, cache.host_pool.size)
 
 
 def test_concurrent_requests_keep_kv_and_accounting_exact():
@@ -56,7 +50,7 @@ def test_concurrent_requests_keep_kv_and_accounting_exact():
     cache.check_integrity(engine_device_slots=0)
     stats = cache.stats()
     assert stats["matches"] == 160 and stats["device_hit_tokens"] + stats["host_hit_tokens"] > 0
-    assert _drained(cache)
+    assert drained(cache)
     cache.close()
 
 
@@ -94,7 +88,7 @@ def test_splits_during_slow_and_failing_loads():
     assert not errors, errors[0]
     cache.check_integrity(engine_device_slots=0)
     assert cache.stats()["loaded_tokens"] > 0
-    assert _drained(cache)
+    assert drained(cache)
     cache.close()
 
 
@@ -133,5 +127,5 @@ def test_requests_over_faulty_storage_shared_by_two_caches(tmp_path):
     for cache in caches:
         cache.flush()
         cache.check_integrity(engine_device_slots=0)
-        assert _drained(cache)
+        assert drained(cache)
         cache.close()
