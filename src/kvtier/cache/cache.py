@@ -16,6 +16,7 @@ import torch
 
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.indices import page_starts
+from ..storage.keys import extend_keys
 from ..transfer import check_io_backend
 from .guard import StorageGuard
 from .handles import Acquired, CacheClosedError, Committed, Lease, LoadHandle, MatchResult, PrefetchHandle
@@ -137,8 +138,6 @@ class HierarchicalCache:
     def _storage_hit(self, tokens, resident: int, parent_key, salt: bytes) -> int:
         if self.storage is None:
             return 0
-        from ..storage.keys import extend_keys
-
         usable = len(tokens) - len(tokens) % self.page_size
         if usable <= resident:
             return 0

@@ -18,6 +18,7 @@ from array import array
 import torch
 
 from ..storage.faults import WarningLimiter
+from ..storage.keys import extend_keys
 from .guard import StorageGuard
 from .handles import CacheClosedError, LoadError, PrefetchHandle
 from .inflight import InFlight
@@ -152,8 +153,6 @@ class Mover:
         return handle
 
     def _prefetch(self, handle, tokens, salt, last, start, host, parent_key) -> None:
-        from ..storage.keys import extend_keys
-
         state, ps, done = self.state, self.state.page_size, 0
         try:
             keys = extend_keys(parent_key, tokens[start:start + handle.target], ps, state.namespace, salt,

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..storage.keys import extend_keys
+from .handles import LoadHandle
 from .inflight import InFlight
 from .lru import LruIndex
 from .radix import Node, RadixTree
@@ -182,8 +183,6 @@ class CacheState:
         from ``reserved``, slots the caller allocated for this, whose rest is freed)
         and mark them loading. Returns ``(handle, mark)``; ``mark`` is ``None`` when
         nothing needs loading (the handle is then finished)."""
-        from .handles import LoadHandle
-
         if not path:
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)
