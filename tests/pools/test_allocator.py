@@ -87,3 +87,41 @@ def test_free_rejects_partial_and_foreign_pages():
     with pytest.raises(ValueError, match="not allocated"):
         a.free(torch.arange(8, 12))
     assert a.available_size() == 8
+
+
+def test_exact_order_lowest_first_then_freed_order():
+    a = PageAllocator(8 * 2, 2)
+    assert a.alloc(4).tolist() == [0, 1, 2, 3]
+    b = a.alloc(6)
+    assert b.tolist() == [4, 5, 6, 7, 8, 9]
+    a.free(torch.tensor([8, 9, 4, 5]))       # freed pages queue up behind the never-used ones
+    assert a.alloc(8).tolist() == [10, 11, 12, 13, 14, 15, 8, 9]
+    assert a.alloc(2).tolist() == [4, 5]
+    assert a.alloc(2) is None
+    a.free(torch.tensor([0, 1]))
+    assert a.allocated(torch.tensor([0, 1, 2, 7])).tolist() == [False, True, True, True]
+    assert a.alloc(2).tolist() == [0, 1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(page_size=st.sampled_from([1, 3]), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=60))
+def test_order_matches_a_fifo_of_free_pages(page_size, ops):
+    # replays (kvtier simulate) depend on which pages come back, not just how many
+    pages = 10
+    a = PageAllocator(pages * page_size, page_size)
+    free, held = list(range(pages)), []
+    for is_alloc, n in ops:
+        if is_alloc:
+            got = a.alloc(n * page_size)
+            if n > len(free):
+                assert got is None
+                continue
+            want, free = free[:n], free[n:]
+            assert got.tolist() == [p * page_size + s for p in want for s in range(page_size)]
+            held.append(got)
+        elif held:
+            got = held.pop(n % len(held))
+            a.free(got)
+            free += got[::page_size].div(page_size, rounding_mode="floor").tolist()
+        assert a.available_size() == len(free) * page_size
+        assert a.allocated(torch.arange(pages)).tolist() == [p not in free for p in range(pages)]

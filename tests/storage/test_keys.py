@@ -61,3 +61,37 @@ def test_extend_keys_continues_a_chain():
     full = page_keys(tokens, 4, namespace="m", salt="s")
     assert extend_keys(full[1], tokens[8:], 4, namespace="m", salt="s") == full[2:]
     assert extend_keys(None, tokens, 4, namespace="m", salt="s") == full
+
+
+# Keys written by earlier kvtier versions must still find their objects: these digests were
+# computed before any speed-up of the key chain and must never change.
+PINNED = [
+    ((list(range(6)), 2, "meta-llama/Llama-3", "t", "sha256"),
+     ["meta-llama%2FLlama-3/5e5b5ff978d3ad4206bd18ea4d461e3f09294d793e78ae06015a9aec4b7bf38c",
+      "meta-llama%2FLlama-3/68524ecf5172994eebee4a8b32dabb9277114cd7224a6510ef480be276f8245b",
+      "meta-llama%2FLlama-3/62b32988d000a252d116c7e4601caeebced03aff129cebf50372d7320de21b9f"]),
+    (([7, 1 << 40, -3], 1, "sim", None, "sha256"),
+     ["sim/244fb81e521549dd9eae6cc04bc393d6eb3303fee38f3fa5817ef163e469929d",
+      "sim/486f109d642464ad561003d373c075d7039d2dfc5feae7c09ae4934de4ac07e8",
+      "sim/18ffec80074f812189237d594235cdd119f08182181a3c44a7aef79bfb773eb9"]),
+    (([5, 6, 7], 1, "m", b"\x00\xff", "sha256"),
+     ["m/bea0168d288941435b3e27e426e271e67e48cd29e4d72dd3ef826d9f8bb9a17a",
+      "m/1609a0c8154468af9ea3e5f19aabcf8753e7b9ab2a41fe147ef4c4afbfe3401e",
+      "m/f964ba2f62439fea7888a2cb716e69abb9695b56178d93f5053f9b4d36862373"]),
+    ((list(range(8)), 4, "m", None, "xxh3"),
+     ["m/3b1a88795f297be795bedb122d498235", "m/da8f84be0c29ff1b889a78bffaf83ad5"]),
+]
+
+
+@pytest.mark.parametrize("args, want", PINNED)
+def test_known_key_values_never_change(args, want):
+    from array import array
+
+    from kvtier.storage.keys import extend_keys
+
+    tokens, page_size, namespace, salt, hash = args
+    for form in (tokens, array("q", tokens), np.array(tokens, dtype=np.int64), torch.tensor(tokens)):
+        assert page_keys(form, page_size, namespace=namespace, salt=salt, hash=hash) == want
+    for i in range(1, len(want)):  # continuing the chain from any key gives the same tail
+        tail = form[i * page_size:]
+        assert extend_keys(want[i - 1], tail, page_size, namespace, salt, hash) == want[i:]
