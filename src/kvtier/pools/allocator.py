@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .indices import page_slots, page_starts
+from .indices import page_starts
 
 
 class PageAllocator:
@@ -19,12 +20,20 @@ class PageAllocator:
         self.size = size
         self.page_size = page_size
         self._devices = tuple({torch.device("cpu"), index_device})
-        self._free = torch.arange(size // page_size, dtype=torch.int64)
-        self._in_use = torch.zeros(size // page_size, dtype=torch.bool)
+        pages = size // page_size
+        # NOTE: the free list is a FIFO in a fixed ring of ``pages`` int64s: ``_count``
+        # free page ids start at ``_head`` and wrap. It never holds more than every page,
+        # so an alloc or a free copies only the pages it moves (a concatenated tensor
+        # copied the whole list on every free).
+        self._ring = np.arange(pages, dtype=np.int64)
+        self._head = 0
+        self._count = pages
+        self._in_use = np.zeros(pages, dtype=bool)
+        self._offsets = np.arange(page_size, dtype=np.int64)
 
     def available_size(self) -> int:
         """Free token slots."""
-        return self._free.numel() * self.page_size
+        return self._count * self.page_size
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` token slots in whole pages, as ``(n,)`` int64; ``None`` when too few are free."""
@@ -33,26 +42,49 @@ class PageAllocator:
         if n % self.page_size:
             raise ValueError(f"alloc({n}): not a multiple of page_size {self.page_size}")
         need = n // self.page_size
-        if need > self._free.numel():
+        if need > self._count:
             return None
-        pages, self._free = self._free[:need], self._free[need:]
+        pages = self._take(need)
         self._in_use[pages] = True
-        return page_slots(pages, self.page_size)
+        if self.page_size == 1:
+            return torch.from_numpy(pages)
+        return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
 
     def allocated(self, page_ids: torch.Tensor) -> torch.Tensor:
         """``(n,)`` bool: which of the (valid) ``page_ids`` are handed out."""
-        return self._in_use[page_ids]
+        return torch.from_numpy(self._in_use[np.asarray(page_ids, dtype=np.int64)])
 
     def free(self, indices: torch.Tensor) -> None:
         """Return whole pages; ``ValueError`` for slots that are not allocated (double free)."""
         pages = page_starts(indices, page_size=self.page_size, size=self.size, what="free indices",
-                            allowed_devices=self._devices, unique=True)
-        if pages.numel() == 0:
+                            allowed_devices=self._devices, unique=True).numpy()
+        if pages.size == 0:
             return
         not_used = pages[~self._in_use[pages]]
-        if not_used.numel():
+        if not_used.size:
             raise ValueError(
                 f"free: pages starting at slots {(not_used[:8] * self.page_size).tolist()} are not allocated"
             )
         self._in_use[pages] = False
-        self._free = torch.cat([self._free, pages])
+        self._put(pages)
+
+    def _take(self, k: int) -> np.ndarray:
+        """The ``k`` oldest free page ids (a copy), removed from the ring."""
+        ring, start = self._ring, self._head
+        end = start + k
+        if end <= ring.size:
+            pages = ring[start:end].copy()
+        else:
+            pages = np.concatenate((ring[start:], ring[:end - ring.size]))
+        self._head = end % ring.size if ring.size else 0
+        self._count -= k
+        return pages
+
+    def _put(self, pages: np.ndarray) -> None:
+        """Append ``pages`` behind the free ones (the caller checked they were in use)."""
+        ring, k = self._ring, pages.size
+        tail = (self._head + self._count) % ring.size
+        first = min(k, ring.size - tail)
+        ring[tail:tail + first] = pages[:first]
+        ring[:k - first] = pages[first:]
+        self._count += k
