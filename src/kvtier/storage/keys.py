@@ -68,17 +68,31 @@ def extend_keys(parent: str | None, token_ids, page_size: int, namespace: str = 
         raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
     if hash not in HASHES:
         raise ValueError(f"unknown hash {hash!r}; supported: {', '.join(HASHES)}")
-    fn = HASHES[hash]
     tokens = _token_array(token_ids)
-    tag = namespace_tag(namespace)
+    prefix = namespace_tag(namespace) + "/"
     if parent is None:
         salt_bytes = salt.encode() if isinstance(salt, str) else (salt or b"")
         ns = namespace.encode()
-        digest = fn(b"\0".join([_DOMAIN, hash.encode(), len(ns).to_bytes(4, "little") + ns, salt_bytes]))
+        digest = HASHES[hash](b"\0".join([_DOMAIN, hash.encode(), len(ns).to_bytes(4, "little") + ns, salt_bytes]))
     else:
         digest = bytes.fromhex(parent.rsplit("/", 1)[1])
+    # NOTE: one bytes object for all pages, sliced per page, and the hash constructor
+    # called directly: per-page numpy slices and a wrapper call cost more than the hash
+    # itself at the simulator's one-token pages.
+    new = _constructor(hash)
+    data = tokens.tobytes()
+    step = page_size * tokens.itemsize
     keys = []
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        digest = fn(digest + tokens[start:start + page_size].tobytes())
-        keys.append(f"{tag}/{digest.hex()}")
+    for start in range(0, len(tokens) // page_size * step, step):
+        digest = new(digest + data[start:start + step]).digest()
+        keys.append(prefix + digest.hex())
     return keys
+
+
+def _constructor(hash: str) -> Callable[[bytes], object]:
+    """A constructor whose result's ``digest()`` equals ``HASHES[hash](data)``."""
+    if hash == "sha256":
+        return hashlib.sha256
+    import xxhash
+
+    return xxhash.xxh3_128
