@@ -17,19 +17,25 @@ import itertools
 from typing import Callable, Iterable
 
 TIERS = ("device", "host")
+_heappush = heapq.heappush
 
 
 class LruIndex:
     def __init__(self) -> None:
         self._heaps: dict[str, list] = {t: [] for t in TIERS}
+        self._heap_list = list(self._heaps.values())
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return max(len(h) for h in self._heaps.values())
 
     def push(self, node) -> None:
-        for heap in self._heaps.values():
-            heapq.heappush(heap, (node.last_access, node.serial, next(self._seq), node))
+        # NOTE: one entry shared by both heaps: entries are immutable, and a single
+        # counter value keeps each heap's order exactly as with one value per heap
+        # (values only need to grow with every push).
+        entry = (node.last_access, node.serial, next(self._seq), node)
+        for heap in self._heap_list:
+            _heappush(heap, entry)
 
     def pop(self, tier: str, evictable: Callable[[object], bool]):
         """The least recently used node that ``evictable`` accepts, taken out of the
@@ -52,6 +58,7 @@ class LruIndex:
         for tier in TIERS:
             self._heaps[tier] = list(entries)
             heapq.heapify(self._heaps[tier])
+        self._heap_list = list(self._heaps.values())
 
     def contains(self, tier: str, node) -> bool:
         """Whether ``node`` has an entry in ``tier`` (integrity checks only: a scan)."""
