@@ -125,9 +125,11 @@ class HierarchicalCache:
 
     def _hit(self, path) -> None:
         """One request's reuse of ``path`` (lock held): hit counts, selective backups."""
+        if self.write_policy != "write_through_selective":
+            return  # hits only decide selective backups
         for node in path:
             node.hits += 1
-            if self.write_policy == "write_through_selective" and node.hits >= SELECTIVE_HITS:
+            if node.hits >= SELECTIVE_HITS:
                 self._state.begin_backup(node)
 
     def _parent_key(self, path) -> str | None:

@@ -40,14 +40,24 @@ class Node:
     - ``storing``: host -> storage write queued or running.
     """
 
-    __slots__ = ("key", "children", "parent", "device", "host", "stored", "store_keys", "lock_ref",
-                 "last_access", "hits", "loading", "backup", "storing", "serial")
+    __slots__ = ("key", "children", "parent", "edge", "collisions", "device", "dev_base", "dev_at", "host", "stored",
+                 "store_keys", "lock_ref", "last_access", "hits", "loading", "backup", "storing", "serial")
 
     def __init__(self, key: array, parent: "Node | None") -> None:
         self.key = key
-        self.children: dict[bytes, Node] = {}
+        # NOTE: children are keyed by the first token id of their key (an int: a cheap
+        # hash and lookup per step of a walk). Two children whose first pages start with
+        # the same id but differ later share no int: the later one is keyed by its whole
+        # first page as bytes instead, and ``collisions`` counts such children.
+        self.children: dict[int | bytes, Node] = {}
+        self.collisions = 0
         self.parent = parent
+        self.edge: int | bytes = key[0] if key else 0  # this node's key in ``parent.children``
         self.device: torch.Tensor | None = None
+        # ``device`` is ``dev_base[dev_at:dev_at + len(key)]``: the pieces of a split stay
+        # views of one tensor, so a path's device slots are gathered a run at a time
+        self.dev_base: torch.Tensor | None = None
+        self.dev_at = 0
         self.host: torch.Tensor | None = None
         self.stored = False
         self.store_keys: list[str] | None = None  # per page, chained storage keys (lazy)
@@ -103,46 +113,76 @@ class RadixTree:
             node = node.parent
         return next(salt for salt, root in self.roots.items() if root is node)
 
-    def _page_key(self, tokens: array, start: int = 0) -> bytes:
-        return tokens[start:start + self.page_size].tobytes()
-
-    def walk(self, tokens: array, salt: bytes) -> tuple[list[Node], int, int]:
-        """Read-only match: ``(nodes, matched tokens, tokens matched in the last node)``;
-        the last count is less than its key when the match ends inside it."""
-        ps, node, pos, path = self.page_size, self.roots.get(salt), 0, []
-        usable = len(tokens) - len(tokens) % ps
-        inner = 0
-        while node is not None and pos < usable:
-            child = node.children.get(self._page_key(tokens, pos))
+    def walk(self, tokens: array, salt: bytes, stamp: int | None = None) -> tuple[list[Node], int, int]:
+        """Match without changing the tree: ``(nodes, matched tokens, tokens matched in
+        the last node)``; the last count is less than its key when the match ends inside
+        it. With ``stamp``, every node walked gets it as its LRU time."""
+        node, path, pos, inner = self.roots.get(salt), [], 0, 0
+        if node is None:
+            return path, pos, inner
+        usable = len(tokens) - len(tokens) % self.page_size
+        append = path.append
+        # NOTE: the inner loop is the hot path of every match: one int lookup and one
+        # memcmp of a whole key per node (array slices of one typecode compare with
+        # memcmp). The rare cases (a first-id collision, a match ending inside a node)
+        # take the outer loop.
+        while True:
+            while pos < usable:
+                child = node.children.get(tokens[pos])
+                if child is None:
+                    break
+                key = child.key
+                end = pos + len(key)
+                if end > usable or tokens[pos:end] != key:
+                    break
+                append(child)
+                pos, inner, node = end, len(key), child
+                if stamp is not None:
+                    child.last_access = stamp
+            child = self._child(node, tokens, pos) if pos < usable else None
             if child is None:
-                break
+                return path, pos, inner
             inner = self._common_pages(child.key, tokens, pos, usable)
-            path.append(child)
+            append(child)
             pos += inner
+            if stamp is not None:
+                child.last_access = stamp
             if inner < len(child.key):
-                break
-            node = child
-        return path, pos, inner
+                return path, pos, inner
+            node = child  # a child keyed by its first page (a collision) matched whole
+
+    def _child(self, node: Node, tokens: array, pos: int) -> Node | None:
+        """The child of ``node`` whose first page is ``tokens[pos:pos + page_size]``."""
+        ps = self.page_size
+        child = node.children.get(tokens[pos])
+        if child is not None and child.key[:ps] == tokens[pos:pos + ps]:
+            return child
+        if node.collisions:
+            return node.children.get(tokens[pos:pos + ps].tobytes())
+        return None
 
     def match(self, tokens: array, salt: bytes, walked=None) -> tuple[list[Node], int, list[Node]]:
         """The path covering the longest page-aligned cached prefix of ``tokens``,
         splitting the node where the match ends inside it; marks the path as just
         used. Returns ``(path, matched tokens, new nodes made by the split)``.
         ``walked``: what :meth:`walk` just returned for the same arguments."""
-        path, matched, inner = walked or self.walk(tokens, salt)
+        stamp = now()
+        if walked is None:
+            path, matched, inner = self.walk(tokens, salt, stamp)
+        else:
+            path, matched, inner = walked
+            for node in path:
+                node.last_access = stamp
         made = []
         if path and inner < len(path[-1].key):
-            path[-1] = self.split(path[-1], inner)
+            path[-1] = self.split(path[-1], inner)  # the upper part inherits the stamp
             made.append(path[-1])
-        stamp = now()
-        for node in path:
-            node.last_access = stamp
         return path, matched, made
 
     def _common_pages(self, key: array, tokens: array, pos: int, usable: int) -> int:
         """Tokens of ``key`` matching ``tokens[pos:]``, in whole pages."""
         n = min(len(key), usable - pos)
-        if tokens[pos:pos + n] == key[:n]:  # memcmp: the common case is a full match
+        if tokens[pos:pos + n] == key[:n]:
             return n
         ours = np.frombuffer(tokens, dtype=np.int64, count=n, offset=pos * 8)
         first = int(np.argmax(ours != np.frombuffer(key, dtype=np.int64, count=n)))
@@ -155,6 +195,7 @@ class RadixTree:
         assert 0 < n < len(node.key) and n % self.page_size == 0, (n, len(node.key))
         top = Node(node.key[:n], node.parent)
         top.device = None if node.device is None else node.device[:n]
+        top.dev_base, top.dev_at = node.dev_base, node.dev_at
         top.host = None if node.host is None else node.host[:n]
         top.stored = node.stored
         if node.store_keys is not None:
@@ -166,27 +207,37 @@ class RadixTree:
             if mark is not None:
                 setattr(top, attr, mark)
                 mark.nodes.append(top)
-        node.parent.children[self._page_key(node.key)] = top
+        top.edge = node.edge
+        node.parent.children[node.edge] = top  # same first page: ``top`` takes ``node``'s place
         node.key = node.key[n:]
         node.device = None if node.device is None else node.device[n:]
+        node.dev_at += n
         node.host = None if node.host is None else node.host[n:]
         node.parent = top
-        top.children[self._page_key(node.key)] = node
+        node.edge = node.key[0]
+        top.children[node.edge] = node
         return top
 
     def add_child(self, parent: Node, key: array) -> Node:
+        """A new child of ``parent`` holding ``key``, whose first page no child has."""
         child = Node(key, parent)
-        parent.children[self._page_key(key)] = child
+        if child.edge in parent.children:  # another first page starting with the same id
+            child.edge = key[:self.page_size].tobytes()
+            assert child.edge not in parent.children, "a child with this first page exists"
+            parent.collisions += 1
+        parent.children[child.edge] = child
         return child
 
     def remove(self, node: Node) -> None:
         assert not node.children and not node.is_root and node.lock_ref == 0, node
-        del node.parent.children[self._page_key(node.key)]
+        del node.parent.children[node.edge]
+        if isinstance(node.edge, bytes):
+            node.parent.collisions -= 1
 
     def attached(self, node: Node) -> bool:
         """Whether ``node`` is still in the tree (not removed by an eviction)."""
         while node.parent is not None:
-            if node.parent.children.get(self._page_key(node.key)) is not node:
+            if node.parent.children.get(node.edge) is not node:
                 return False
             node = node.parent
         return node in self.roots.values()

@@ -57,10 +57,10 @@ class CacheState:
         for node in made:
             self._added(node)
         device_len = host_len = 0
-        for i, node in enumerate(path):
+        for i, node in enumerate(path):  # device copies are prefix-closed: device, then host
             if node.device is not None:
                 device_len += len(node.key)
-            elif node.host_ready:
+            elif node.host is not None and node.backup is None:
                 host_len += len(node.key)
             else:
                 del path[i:]
@@ -68,8 +68,21 @@ class CacheState:
         return path, device_len, host_len
 
     def device_slots(self, nodes) -> torch.Tensor:
-        parts = [n.device for n in nodes if n.device is not None]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
+        """The device slots of ``nodes`` (a path), concatenated into a new tensor."""
+        runs, base, start, end = [], None, 0, 0
+        for n in nodes:  # NOTE: pieces of one split node are adjacent views: one slice per run
+            if n.device is None:
+                continue
+            if n.dev_base is base and n.dev_at == end:
+                end += len(n.key)
+                continue
+            if base is not None:
+                runs.append(base[start:end])
+            base, start, end = n.dev_base, n.dev_at, n.dev_at + len(n.key)
+        if base is None:
+            return torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
+        runs.append(base[start:end])
+        return torch.cat(runs) if len(runs) > 1 else runs[0].clone()
 
     # -- locks ------------------------------------------------------------------------------------
     def lock_node(self, node: Node) -> None:
@@ -88,13 +101,14 @@ class CacheState:
             self.lru.rebuild(self.tree.nodes())
 
     def _set_device(self, node: Node, slots: torch.Tensor) -> None:
-        node.device = slots
+        node.device = node.dev_base = slots
+        node.dev_at = 0
         self._owned[self._pages(slots)] = True
 
     def _drop_device(self, node: Node) -> None:
         self._owned[self._pages(node.device)] = False
         self.allocator.free(node.device)
-        node.device = None
+        node.device = node.dev_base = None
         if not node.parent.is_root:
             self.lru.push(node.parent)  # it may now be a device leaf
 
@@ -416,6 +430,8 @@ class CacheState:
             if node.device is not None:
                 assert node.parent.is_root or node.parent.device is not None, f"{node}: device not prefix-closed"
                 dev_pages += self._pages(node.device).tolist()
+                view = node.dev_base[node.dev_at:node.dev_at + len(node.key)]
+                assert torch.equal(view, node.device), f"{node}: device slots are not its base's run"
             if node.host is not None:
                 host_slots += node.host.tolist()
             for tier, ok in (("device", self._device_evictable), ("host", self._host_evictable)):

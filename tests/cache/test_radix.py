@@ -1,0 +1,107 @@
+"""The radix tree alone against a reference model: a prefix-closed set of page tuples.
+
+Token ids come from a tiny alphabet so that children whose first pages start with the
+same id (keyed by their whole first page, see ``kvtier.cache.radix.Node``) are common.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.cache.radix import RadixTree
+
+
+def _pages(tokens, ps):
+    return [tuple(tokens[i:i + ps]) for i in range(0, len(tokens) - len(tokens) % ps, ps)]
+
+
+def _reference_match(cached: set, tokens, ps) -> int:
+    pages, n = _pages(tokens, ps), 0
+    while n < len(pages) and tuple(pages[:n + 1]) in cached:
+        n += 1
+    return n * ps
+
+
+def _insert(tree: RadixTree, tokens: array, ps: int) -> None:
+    usable = len(tokens) - len(tokens) % ps
+    path, matched, _ = tree.match(tokens[:usable], b"")
+    if matched < usable:
+        tree.add_child(path[-1] if path else tree.root(b""), tokens[matched:usable])
+
+
+def _check_structure(tree: RadixTree, ps: int) -> None:
+    for node in [*tree.roots.values(), *tree.nodes()]:
+        first_pages = set()
+        collisions = 0
+        for edge, child in node.children.items():
+            assert child.parent is node and child.edge == edge
+            assert len(child.key) and len(child.key) % ps == 0
+            if isinstance(edge, bytes):
+                collisions += 1
+                assert edge == child.key[:ps].tobytes()
+            else:
+                assert edge == child.key[0]
+            first = tuple(child.key[:ps])
+            assert first not in first_pages, "two children share a first page"
+            first_pages.add(first)
+        assert collisions == node.collisions
+
+
+def _remove_leaves(tree: RadixTree, cached: set, ps: int, picks: list[int]) -> None:
+    for pick in picks:
+        leaves = [n for n in tree.nodes() if not n.children]
+        if not leaves:
+            return
+        leaf = leaves[pick % len(leaves)]
+        before = [p for node in leaf.path()[:-1] for p in _pages(node.key, ps)]
+        own = _pages(leaf.key, ps)
+        tree.remove(leaf)
+        for j in range(1, len(own) + 1):
+            cached.discard(tuple(before + own[:j]))
+
+
+sequences = st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=14), min_size=1, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ps=st.integers(1, 3), inserts=sequences, queries=sequences,
+       removals=st.lists(st.integers(0, 100), max_size=4))
+def test_walk_matches_the_reference(ps, inserts, queries, removals):
+    tree, cached = RadixTree(ps), set()
+    for seq in inserts:
+        _insert(tree, array("q", seq), ps)
+        pages = _pages(seq, ps)
+        cached.update(tuple(pages[:j]) for j in range(1, len(pages) + 1))
+        _check_structure(tree, ps)
+    _remove_leaves(tree, cached, ps, removals)
+    _check_structure(tree, ps)
+    for seq in queries + inserts:
+        tokens = array("q", seq)
+        path, matched, inner = tree.walk(tokens, b"")
+        assert matched == _reference_match(cached, seq, ps), (seq, matched)
+        assert sum(len(n.key) for n in path[:-1]) + (inner if path else 0) == matched
+        assert [p for n in path for p in _pages(n.key, ps)][:matched // ps] == _pages(seq, ps)[:matched // ps]
+        for a, b in zip(path, path[1:]):
+            assert b.parent is a
+
+
+def test_children_with_one_first_id_are_told_apart_by_their_first_page():
+    tree = RadixTree(2)
+    for seq in ([5, 1, 7, 7], [5, 2, 8, 8], [5, 3]):
+        _insert(tree, array("q", seq), 2)
+    root = tree.root(b"")
+    assert root.collisions == 2 and sorted(len(c.key) for c in root.children.values()) == [2, 4, 4]
+    assert tree.walk(array("q", [5, 2, 8, 8, 9]), b"")[1] == 4
+    assert tree.walk(array("q", [5, 3, 1, 1]), b"")[1] == 2
+    assert tree.walk(array("q", [5, 4]), b"")[1] == 0
+    # the int-keyed child leaves: the others are still found by their first pages
+    tree.remove(root.children[5])
+    assert tree.walk(array("q", [5, 2, 8, 8]), b"")[1] == 4
+    assert tree.walk(array("q", [5, 1, 7, 7]), b"")[1] == 0
+    _insert(tree, array("q", [5, 1, 6, 6]), 2)  # takes the free int key
+    assert tree.walk(array("q", [5, 1, 6, 6]), b"")[1] == 4
+    assert tree.walk(array("q", [5, 2, 8, 8]), b"")[1] == 4
+    _check_structure(tree, 2)
