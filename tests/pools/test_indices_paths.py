@@ -1,0 +1,117 @@
+"""page_starts checks small inputs in plain Python and large ones in numpy: both must
+accept exactly what a slot-by-slot reference accepts and word every error the same."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.pools import indices
+from kvtier.pools.indices import page_slots, page_starts
+
+
+def reference(slots: list[int], page_size: int, size: int, unique: bool) -> list[int] | None:
+    """Page numbers, or ``None`` when any slot breaks a rule: one slot at a time."""
+    if len(slots) % page_size:
+        return None
+    pages = []
+    for i in range(0, len(slots), page_size):
+        first = slots[i]
+        if first % page_size:
+            return None
+        for j in range(page_size):
+            if slots[i + j] != first + j or not 0 <= slots[i + j] < size:
+                return None
+        pages.append(first // page_size)
+    if unique and len(set(pages)) != len(pages):
+        return None
+    return pages
+
+
+def outcome(slots, dtype, page_size, size, unique, small_slots, monkeypatch):
+    monkeypatch.setattr(indices, "_SMALL_SLOTS", small_slots)
+    try:
+        got = page_starts(torch.tensor(slots, dtype=dtype), page_size=page_size, size=size, what="idx", unique=unique)
+    except ValueError as e:
+        return "error", str(e)
+    assert got.dtype == torch.int64 and got.device.type == "cpu"
+    return "ok", got.tolist()
+
+
+@st.composite
+def slot_lists(draw):
+    """Whole pages, sometimes broken: a slot changed, swapped, out of range, repeated."""
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    num_pages = draw(st.integers(1, 12))
+    pages = draw(st.lists(st.integers(-1, num_pages), max_size=10))
+    slots = [p * page_size + j for p in pages for j in range(page_size)]
+    if slots and draw(st.booleans()):
+        k = draw(st.integers(0, len(slots) - 1))
+        slots[k] = draw(st.sampled_from([slots[k] + 1, slots[k] - 1, -slots[k] - 1, num_pages * page_size]))
+    if len(slots) > 1 and draw(st.booleans()):
+        k = draw(st.integers(0, len(slots) - 2))
+        slots[k], slots[k + 1] = slots[k + 1], slots[k]
+    if draw(st.booleans()):
+        slots = slots[:draw(st.integers(0, len(slots)))]
+    return slots, page_size, num_pages * page_size
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=slot_lists(), unique=st.booleans(), dtype=st.sampled_from([torch.int64, torch.int32]))
+def test_small_and_numpy_paths_agree_with_the_reference(case, unique, dtype):
+    slots, page_size, size = case
+    with pytest.MonkeyPatch.context() as mp:
+        small = outcome(slots, dtype, page_size, size, unique, 10**9, mp)
+        large = outcome(slots, dtype, page_size, size, unique, 0, mp)
+    assert small == large
+    want = reference(slots, page_size, size, unique)
+    assert small == ("ok", want) if want is not None else small[0] == "error"
+
+
+@pytest.mark.parametrize("small_slots", [0, 10**9])
+def test_errors_name_the_first_bad_page(small_slots, monkeypatch):
+    monkeypatch.setattr(indices, "_SMALL_SLOTS", small_slots)
+    cases = [([0, 1, 2, 3, 6, 7, 8, 9], "idx: page 1 starts at slot 6, not a multiple of page_size 4"),
+             ([0, 1, 2, 3, 4, 5, 7, 7], "idx: page 1 slots [4, 5, 7, 7] are not consecutive from 4"),
+             ([12, 13, 14, 15, 16, 17, 18, 19], "idx has slots in [12, 19], outside the pool's [0, 16)"),
+             ([-4, -3, -2, -1], "idx has slots in [-4, -1], outside the pool's [0, 16)"),
+             ([4, 5, 6, 7, 4, 5, 6, 7], "idx names the same page more than once")]
+    for slots, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            page_starts(torch.tensor(slots), page_size=4, size=16, what="idx", unique=True)
+
+
+def test_a_partial_last_page_is_outside_a_pool_of_partial_size():
+    """``size`` need not be a multiple of ``page_size``: a page must fit whole."""
+    for small_slots in (0, 10**9):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(indices, "_SMALL_SLOTS", small_slots)
+            assert page_starts(torch.arange(8, 12), page_size=4, size=14, what="x").tolist() == [2]
+            with pytest.raises(ValueError, match="outside"):
+                page_starts(torch.arange(12, 16), page_size=4, size=14, what="x")
+
+
+def test_large_inputs_and_views():
+    page_size, pages = 64, 4096
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(0))
+    idx = page_slots(order, page_size)
+    assert torch.equal(idx, (order[:, None] * page_size + torch.arange(page_size)).reshape(-1))
+    assert torch.equal(page_starts(idx, page_size=page_size, size=pages * page_size, what="x", unique=True), order)
+    strided = torch.stack([idx, torch.zeros_like(idx)], 1)[:, 0]  # a non-contiguous view
+    assert torch.equal(page_starts(strided, page_size=page_size, size=pages * page_size, what="x"), order)
+    assert torch.equal(page_starts(idx.to(torch.int32), page_size=page_size, size=pages * page_size, what="x"), order)
+    broken = idx.clone()
+    broken[1000 * page_size + 7] += 1
+    with pytest.raises(ValueError, match="page 1000 slots"):
+        page_starts(broken, page_size=page_size, size=pages * page_size, what="x")
+    assert page_starts(torch.empty(0, dtype=torch.int32), page_size=4, size=16, what="x").dtype == torch.int64
+
+
+def test_page_slots_takes_int32_and_empty():
+    assert page_slots(torch.tensor([2, 0], dtype=torch.int32), 3).tolist() == [6, 7, 8, 0, 1, 2]
+    out = page_slots(torch.empty(0, dtype=torch.int64), 4)
+    assert out.dtype == torch.int64 and out.numel() == 0
+    assert np.array_equal(page_slots(torch.tensor([5]), 1).numpy(), [5])
