@@ -7,7 +7,7 @@ import threading
 import time
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,12 @@ class ObjectStorage(Storage):
     """
 
     OPTIONS = {**Storage.OPTIONS, "io_threads": Opt(int, 1)}
+    #: Payload bytes one worker moves per step: one ``_get``/``_put`` call, then its checks
+    #: and copies. Round-trip backends keep it large. NOTE: a local medium (files) sets it
+    #: near the CPU cache, so a step's staging is still cached when its checksum and its
+    #: copy into the pool read it: each byte then crosses memory about as often as in a
+    #: plain read into the pool (one page is the least a step takes).
+    CHUNK_BYTES = BATCH_BYTES
 
     def __init__(self, *, io_threads: int = 2, **options) -> None:
         super().__init__(**options)
@@ -58,12 +64,14 @@ class ObjectStorage(Storage):
         """Store ``(key, field, blob)`` objects (blob: uint8, header + payload); success per item."""
 
     @abstractmethod
-    def _get(self, items: list[tuple[str, str]], dest: list[np.ndarray]) -> list:
-        """Stored objects per ``(key, field)``: ``None`` if absent (or a fault the backend
-        counted). ``dest[i]`` is a buffer of the expected object size; a backend reads
-        into it and returns the bytes read. It never reads more than that: an object of
-        another size comes back as :class:`~kvtier.storage.codec.Partial` (at most its
-        header, and its true size), or whole if it is smaller."""
+    def _get(self, items: list[tuple[str, str]], dest: list[np.ndarray]) -> Iterable:
+        """Stored objects per ``(key, field)``, in order: ``None`` if absent (or a fault the
+        backend counted). ``dest[i]`` is a buffer of the expected object size; a backend
+        reads into it and gives the bytes read. It never reads more than that: an object
+        of another size comes as :class:`~kvtier.storage.codec.Partial` (at most its
+        header, and its true size), or whole if it is smaller. A list, or a generator
+        that reads each object when asked for it: a local backend does that, so that
+        each object's checksum runs while the object is still in the CPU cache."""
 
     @abstractmethod
     def _has(self, items: list[tuple[str, str]]) -> list[bool]:
@@ -151,14 +159,9 @@ class ObjectStorage(Storage):
         def get_chunk(chunk: range) -> None:
             items = [(keys[i], p.field) for i in chunk for p in parts]
             sizes = [header_size(f"{k}#{f}") + p.nbytes for (k, f), p in zip(items, parts * len(chunk))]
-            try:
-                blobs = self._get(items, self._carve(self._arena(sum(sizes)), sizes))
-            except Exception as e:
-                self._fault("get", e)
-                blobs = [None] * len(items)
+            blobs = self._fetch(items, self._carve(self._arena(sum(sizes)), sizes))
             for n, i in enumerate(chunk):
-                payloads = self._decode(items[n * len(parts):(n + 1) * len(parts)],
-                                        blobs[n * len(parts):(n + 1) * len(parts)], parts)
+                payloads = self._decode(items[n * len(parts):(n + 1) * len(parts)], blobs, parts)
                 if payloads is None:
                     continue
                 for part, payload in zip(parts, payloads):  # every part checked before any is copied
@@ -187,20 +190,41 @@ class ObjectStorage(Storage):
 
     # -- internals ---------------------------------------------------------------------------
     def _run(self, fn, n: int, page_bytes: int) -> None:
-        """``fn(range)`` over chunks of the ``n`` pages: at most ``BATCH_BYTES`` each, and
-        spread over ``io_threads`` threads (file reads, socket I/O and numpy copies all
-        release the GIL, so two threads overlap one's I/O with the other's copies)."""
+        """``fn(range)`` over chunks of the ``n`` pages: at most ``CHUNK_BYTES`` each (at
+        least one page), taken in turn by up to ``io_threads`` workers, the calling thread
+        being one of them. File reads, socket I/O, checksums and numpy copies release the
+        GIL, so one worker's I/O overlaps another's checks and copies."""
         per_thread = -(-n // self.io_threads)
-        step = max(1, min(per_thread, BATCH_BYTES // max(page_bytes, 1)))
+        step = max(1, min(per_thread, self.CHUNK_BYTES // max(page_bytes, 1)))
         chunks = [range(a, min(n, a + step)) for a in range(0, n, step)]
-        if len(chunks) <= 1 or self.io_threads == 1:
+        helpers = min(self.io_threads, len(chunks)) - 1
+        if helpers <= 0:
             for chunk in chunks:
                 fn(chunk)
             return
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.scheme}")
-        for future in [self._pool.submit(fn, chunk) for chunk in chunks]:
+                self._pool = ThreadPoolExecutor(self.io_threads - 1, thread_name_prefix=f"kvtier-{self.scheme}")
+            pool = self._pool
+        todo, todo_lock = iter(chunks), threading.Lock()
+
+        def work() -> None:
+            # NOTE: workers take the next chunk when done with one, so a worker slowed by
+            # a busy core takes fewer chunks instead of holding up the call.
+            while True:
+                with todo_lock:
+                    chunk = next(todo, None)
+                if chunk is None:
+                    return
+                fn(chunk)
+
+        futures = [pool.submit(work) for _ in range(helpers)]
+        try:
+            work()
+        finally:  # never return (or raise) while a helper may still write into the pool
+            for future in futures:
+                future.exception()
+        for future in futures:
             future.result()
 
     def close(self) -> None:
@@ -210,24 +234,49 @@ class ObjectStorage(Storage):
             pool.shutdown(wait=True)
         super().close()
 
-    def _decode(self, items, blobs, parts) -> list[memoryview] | None:
-        """Checked payloads of one page's parts, or None. A corrupt object is counted
-        and deleted; an unexpected one (intact, another size) is counted and kept."""
-        payloads = []
-        for (key, field), blob, part in zip(items, blobs, parts):
-            if blob is None:
-                return None
-            try:
-                payloads.append(decode(f"{key}#{field}", blob, part.nbytes))
-            except UnexpectedObject as e:
-                self._fault("get", e)
-                return None
-            except CorruptObject as e:
-                self._stats.add(corrupt=1, errors=1)
-                self._warnings.warn(("corrupt",), "kvtier storage %s: %s; deleting it", self.scheme, e)
-                try:
-                    self._remove([(key, field)])
-                except Exception as err:
-                    self._fault("remove", err)
-                return None
+    def _fetch(self, items, dest) -> Iterator:
+        """``_get``'s objects one by one, exactly ``len(items)`` of them; a fault of the
+        backend (counted) makes the objects not yet given ``None``."""
+        given = 0
+        try:
+            for blob in self._get(items, dest):
+                if given == len(items):
+                    break
+                given += 1
+                yield blob
+        except Exception as e:
+            self._fault("get", e)
+        for _ in range(len(items) - given):
+            yield None
+
+    def _decode(self, items, blobs: Iterator, parts) -> list[memoryview] | None:
+        """Checked payloads of one page's parts, taken from ``blobs`` (exactly one per part,
+        checked as it comes), or None. After a part fails, the page's other parts are
+        taken but not checked. A corrupt object is counted and deleted; an unexpected one
+        (intact, another size) is counted and kept."""
+        payloads: list | None = []
+        for (key, field), part in zip(items, parts):
+            blob = next(blobs)
+            if payloads is None:
+                continue
+            payload = None if blob is None else self._check(key, field, blob, part)
+            if payload is None:
+                payloads = None
+            else:
+                payloads.append(payload)
         return payloads
+
+    def _check(self, key: str, field: str, blob, part) -> memoryview | None:
+        """The payload of one object, or None (counted; a corrupt object is deleted)."""
+        try:
+            return decode(f"{key}#{field}", blob, part.nbytes)
+        except UnexpectedObject as e:
+            self._fault("get", e)
+        except CorruptObject as e:
+            self._stats.add(corrupt=1, errors=1)
+            self._warnings.warn(("corrupt",), "kvtier storage %s: %s; deleting it", self.scheme, e)
+            try:
+                self._remove([(key, field)])
+            except Exception as err:
+                self._fault("remove", err)
+        return None
