@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from ..layout import Layout, get_layout, require_split_heads
@@ -13,7 +14,7 @@ from .allocator import PageAllocator
 from .common import carve, check_sizes, check_spec, parse_device
 from .device import DeviceKVPool
 from .indices import page_starts
-from .meta import page_spans, split_head_spans
+from .meta import SpanTable, SpanTables
 from .views import PageViews
 
 
@@ -117,6 +118,7 @@ class HostKVPool:
         for name, buf in self.buffers.items():
             canon = self._layout.canonical(buf)  # (page, slot, layer, head, dim)
             self.page_views[name] = PageViews.build(canon, tuple(canon.unbind(2)))
+        self._spans = SpanTables(layout, spec, buffers)
         self._allocator = PageAllocator(self.size, page_size)
 
     # -- properties ------------------------------------------------------------
@@ -247,8 +249,8 @@ class HostKVPool:
             offset += n
 
     # -- zero-copy metadata ---------------------------------------------------------
-    def _meta_pages(self, indices: torch.Tensor) -> torch.Tensor:
-        return page_starts(indices, page_size=self.page_size, size=self.size, what="indices")
+    def _meta_pages(self, indices: torch.Tensor) -> np.ndarray:
+        return page_starts(indices, page_size=self.page_size, size=self.size, what="indices").numpy()
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """``(ptr_list, size_list)``: one span per contiguous piece of each page.
@@ -257,12 +259,15 @@ class HostKVPool:
         span; other layouts: for each page, each component, the whole page span.
         Bytes inside a span are in the layout's native order (:attr:`page_format`).
         """
-        return page_spans(self._layout, self.spec, self.buffers, self._meta_pages(indices))
+        return self._spans.pages.lists(self._meta_pages(indices))
 
-    def get_split_heads_page_buffer_meta(self, indices: torch.Tensor, split_factor: int) -> tuple[list[int], list[int]]:
-        """For each page, each of ``split_factor`` head groups, each component: that
-        group's span. Needs a layout keeping head groups contiguous (``page_head``);
-        raises :class:`kvtier.UnsupportedLayoutError` otherwise."""
+    def get_page_buffer_meta_array(self, indices: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`get_page_buffer_meta` as numpy: ``(ptrs, sizes)``, two new ``(spans,)``
+        int64 arrays holding the same spans in the same order, without building one
+        Python int per span (``layer_first`` lists ``pages * layers * components``)."""
+        return self._spans.pages.arrays(self._meta_pages(indices))
+
+    def _split_heads_table(self, split_factor: int) -> SpanTable:
         require_split_heads(self._layout)
         if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor <= 0:
             raise ValueError(f"split_factor must be a positive int, got {split_factor!r}")
@@ -270,4 +275,18 @@ class HostKVPool:
             if c.head_num % split_factor:
                 raise ValueError(f"component {c.name!r} has {c.head_num} heads, not divisible by "
                                  f"split_factor {split_factor}")
-        return split_head_spans(self.spec, self.buffers, self._meta_pages(indices), split_factor)
+        return self._spans.split_heads(split_factor)
+
+    def get_split_heads_page_buffer_meta(self, indices: torch.Tensor, split_factor: int) -> tuple[list[int], list[int]]:
+        """For each page, each of ``split_factor`` head groups, each component: that
+        group's span. Needs a layout keeping head groups contiguous (``page_head``);
+        raises :class:`kvtier.UnsupportedLayoutError` otherwise."""
+        table = self._split_heads_table(split_factor)
+        return table.lists(self._meta_pages(indices))
+
+    def get_split_heads_page_buffer_meta_array(self, indices: torch.Tensor,
+                                               split_factor: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`get_split_heads_page_buffer_meta` as numpy: ``(ptrs, sizes)``, two new
+        ``(pages * split_factor * components,)`` int64 arrays, same spans, same order."""
+        table = self._split_heads_table(split_factor)
+        return table.arrays(self._meta_pages(indices))
