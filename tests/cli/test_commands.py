@@ -78,8 +78,13 @@ def test_bench_cache_json(capsys):
     rows = json.loads(out)["rows"]
     assert code == 0 and [r["page_size"] for r in rows] == [4, 16]
     for r in rows:
-        assert r["tree_pages"] >= 500 and r["match_hit_us"] > 0 and r["insert_us"] > 0
-        assert r["match_hit_x_floor"] == pytest.approx(r["match_hit_us"] / r["list_copy_us"])
+        assert r["tree_pages"] >= 500 and r["insert_p50_us"] > 0 and len(r["gc_runs"]) == 3
+        assert r["insert_p50_us"] <= r["insert_p99_us"] <= r["insert_max_us"]
+        assert r["match_hit_array_x_floor"] == pytest.approx(r["match_hit_array_us"] / r["list_copy_us"])
+        assert all(r[f"match_hit_{kind}_us"] > 0 for kind in ("list", "array", "numpy", "tensor"))
+        assert r["fragmented_nodes"] == 256 // r["page_size"]
+        # the tree holds at least each cached page's token ids and device slots (8 bytes each)
+        assert r["tree_bytes_per_page"] >= 16 * r["page_size"]
 
 
 def test_bench_overlap_json_reports_each_phase(capsys):

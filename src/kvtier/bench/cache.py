@@ -1,40 +1,52 @@
-"""``kvtier bench cache``: ``match_prefix`` and ``insert`` speed for 8K-token prompts over a
-tree of 10^5 pages.
+"""``kvtier bench cache``: the cache's metadata work for 8K-token prompts over a tree of
+10^5 (or more) pages.
 
 The tree holds prompts that share a system prefix (a quarter of the prompt) and then
-diverge, as chat traffic does. Timed: matching a cached prompt (full hit), matching a
-new prompt (hit ends after the shared prefix), inserting a new prompt. Each figure is
-also given as a ratio to copying the prompt's token list (``list(tokens)``) measured
-in the same run: the floor of any call that takes the prompt.
+diverge, as chat traffic does. Timed, per page size:
+
+- ``match_prefix`` of a cached prompt (full hit), given as a list, an ``array('q')``,
+  a numpy array and a tensor; of a new prompt (the hit ends after the shared prefix);
+- a full hit whose path crosses one node per page (``prompt_tokens / page_size``
+  nodes: a fragmented tree where every page of the prompt has a diverging sibling);
+- ``insert`` of new prompts one by one, with Python's garbage collector on, as a
+  server runs: p50, p99 and the worst call, and the collections that ran meanwhile.
+
+Each time is also given as a ratio to a floor measured in the same run: copying the
+prompt's token list (``list(tokens)``), the least any call that takes the prompt does.
+The tree's memory per cached page counts its nodes, keys, slot tensors, LRU entries
+and device-page ownership map (not the KV pools).
 """
 
 from __future__ import annotations
 
-import random
+import gc
+import sys
 import time
+from array import array
 
+import numpy as np
 import torch
 
 from ..cache import HierarchicalCache
 from ..pools import DeviceKVPool, HostKVPool
 from ..spec import KVSpec
 
+#: Host bytes per cached token at the peak (id in the tree, slot in the node, pool, prompts
+#: held to build the tree): measured at about 22, with room.
+_BYTES_PER_TOKEN = 40
+_INSERTS = 200
+
 
 def _per_call_us(fn, calls: int) -> float:
+    """Fastest mean over 5 rounds of ``calls`` calls, after one untimed call."""
     fn()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - t) / calls)
     return best * 1e6
-
-
-#: Host bytes per cached token (its id in the tree, the 2-byte pool slot, the allocator and
-#: ownership entries of its page, the prompts held to build the tree), measured at
-#: about 13 and doubled.
-_BYTES_PER_TOKEN = 32
 
 
 def check_config(page_sizes, prompt_tokens: int, tree_pages: int) -> None:
@@ -53,51 +65,130 @@ def check_config(page_sizes, prompt_tokens: int, tree_pages: int) -> None:
 
 def memory_bytes(page_sizes, prompt_tokens: int, tree_pages: int) -> int:
     """Host bytes :func:`run` takes at its peak (the page sizes run one after another)."""
-    return max(tree_pages * p + 24 * prompt_tokens for p in page_sizes) * _BYTES_PER_TOKEN
+    return max(tree_pages * p + (2 * _INSERTS + 8) * prompt_tokens for p in page_sizes) * _BYTES_PER_TOKEN
+
+
+class _Prompts:
+    """Seeded 8K-token prompts that start with one shared system prefix."""
+
+    def __init__(self, prompt_tokens: int, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.n = prompt_tokens
+        self.system = self.rng.integers(0, 1 << 30, prompt_tokens // 4, dtype=np.int64)
+
+    def array(self) -> array:
+        tail = self.rng.integers(0, 1 << 30, self.n - self.system.size, dtype=np.int64)
+        return array("q", np.concatenate((self.system, tail)).tobytes())
+
+    def random(self, n: int) -> array:
+        return array("q", self.rng.integers(0, 1 << 30, n, dtype=np.int64).tobytes())
+
+
+def _fragment(cache: HierarchicalCache, prompts: _Prompts, page_size: int) -> array:
+    """Cache a new prompt so that its path crosses one node per page: after it, prompts
+    that share its first ``i`` pages and then differ are inserted, for every ``i``."""
+    target = prompts.random(prompts.n)
+    cache.insert(target, cache.alloc_device(prompts.n))
+    for i in range(1, prompts.n // page_size):
+        branch = target[:i * page_size] + prompts.random(page_size)
+        slots = cache.alloc_device(len(branch))
+        already = cache.insert(branch, slots)
+        cache.free_device(slots[:already])  # the shared pages were cached already
+    return target
+
+
+def _insert_times(cache: HierarchicalCache, prompts: list[list[int]], slots: list[torch.Tensor]) -> dict:
+    """``insert`` each prompt with the collector on; per-call µs and collections seen."""
+    runs = {0: 0, 1: 0, 2: 0}
+
+    def seen(phase, info):
+        if phase == "start":
+            runs[info["generation"]] += 1
+
+    times = []
+    gc.callbacks.append(seen)
+    try:
+        for p, s in zip(prompts, slots):
+            t = time.perf_counter()
+            cache.insert(p, s)
+            times.append((time.perf_counter() - t) * 1e6)
+    finally:
+        gc.callbacks.remove(seen)
+    times.sort()
+    return {"insert_p50_us": times[len(times) // 2], "insert_p99_us": times[min(len(times) - 1, len(times) * 99 // 100)],
+            "insert_max_us": times[-1], "gc_runs": [runs[0], runs[1], runs[2]]}
+
+
+def tree_bytes(cache: HierarchicalCache) -> int:
+    """Host bytes of the tree's own structures: nodes, child maps, keys, slot tensors
+    (each underlying storage once), LRU entries and the device-page ownership map."""
+    state = cache._state
+    total, storages = 0, set()
+    for node in state.tree.nodes():
+        total += sys.getsizeof(node) + sys.getsizeof(node.children) + sys.getsizeof(node.key)
+        for t in (node.dev_base, node.host):
+            if t is not None:
+                total += sys.getsizeof(t)
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in storages:
+                    storages.add(storage.data_ptr())
+                    total += storage.nbytes()
+        if node.store_keys is not None:
+            total += sys.getsizeof(node.store_keys) + sum(map(sys.getsizeof, node.store_keys))
+    entries = {id(e): e for heap in state.lru._heaps.values() for e in heap}
+    total += sum(sys.getsizeof(h) for h in state.lru._heaps.values()) + sum(map(sys.getsizeof, entries.values()))
+    return total + state._owned.nbytes
 
 
 def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: int) -> dict:
     check_config((page_size,), prompt_tokens, tree_pages)
-    rng = random.Random(seed)
+    prompts = _Prompts(prompt_tokens, seed)
     spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)  # metadata is what is timed: 2 bytes a token
-    prompts_needed = tree_pages * page_size // (prompt_tokens * 3 // 4) + 2
-    timed_inserts = 20
-    size = tree_pages * page_size + (timed_inserts + 2) * prompt_tokens
+    spare = (2 * _INSERTS + 8) * prompt_tokens  # the fragmented path and the timed inserts
+    size = tree_pages * page_size + spare
     device = DeviceKVPool(spec, size, page_size)
-    host = HostKVPool(spec, page_size * 4, page_size)
-    cache = HierarchicalCache(device, host, write_policy="write_back")
-    system = [rng.randrange(1 << 30) for _ in range(prompt_tokens // 4)]
-
-    def new_prompt() -> list[int]:
-        return system + [rng.randrange(1 << 30) for _ in range(prompt_tokens - len(system))]
-
-    cached = None
+    cache = HierarchicalCache(device, HostKVPool(spec, page_size * 4, page_size), write_policy="write_back")
     t0 = time.perf_counter()
-    for _ in range(prompts_needed):
-        cached = new_prompt()
-        cache.insert(cached, cache.alloc_device(prompt_tokens))
-        if device.available_size() < (timed_inserts + 1) * prompt_tokens:  # room for the timed inserts
-            break
+    cached = prompts.array()
+    while device.available_size() - prompt_tokens >= spare:
+        cached = prompts.array()
+        slots = cache.alloc_device(prompt_tokens)
+        cache.free_device(slots[:cache.insert(cached, slots)])  # the shared prefix was cached already
     build_s = time.perf_counter() - t0
     pages = (size - device.available_size()) // page_size
-    floor = _per_call_us(lambda: list(cached), 200)
-    hit = _per_call_us(lambda: cache.match_prefix(cached), 200)
-    fresh = new_prompt()
+    memory = tree_bytes(cache)
+    fragmented = _fragment(cache, prompts, page_size)
+    nodes_crossed = len(cache.match_prefix(fragmented).path)
+
+    as_list = cached.tolist()
+    floor = _per_call_us(lambda: list(as_list), 200)
+    inputs = {"list": as_list, "array": cached, "numpy": np.frombuffer(cached, dtype=np.int64).copy(),
+              "tensor": torch.frombuffer(bytearray(cached), dtype=torch.int64)}
+    hit = {kind: _per_call_us(lambda x=x: cache.match_prefix(x), 200) for kind, x in inputs.items()}
+    fresh = prompts.array().tolist()
     miss = _per_call_us(lambda: cache.match_prefix(fresh), 200)
-    inserts = [new_prompt() for _ in range(timed_inserts)]
-    slots = [cache.alloc_device(prompt_tokens) for _ in inserts]
-    t = time.perf_counter()
-    for p, s in zip(inserts, slots):
-        cache.insert(p, s)
-    insert_us = (time.perf_counter() - t) / len(inserts) * 1e6
-    match = cache.match_prefix(cached)
-    assert match.device_len == prompt_tokens, "the benchmark prompt must hit in full"
+    frag_list = fragmented.tolist()
+    frag = {"array": _per_call_us(lambda: cache.match_prefix(fragmented), 50),
+            "list": _per_call_us(lambda: cache.match_prefix(frag_list), 50)}
+    for kind, x in (*inputs.items(), ("fragmented", fragmented)):
+        if cache.match_prefix(x).device_len != prompt_tokens:
+            raise AssertionError(f"the {kind} prompt must hit in full")
+
+    new = [prompts.array().tolist() for _ in range(_INSERTS)]
+    slots = [cache.alloc_device(prompt_tokens) for _ in new]
+    inserts = _insert_times(cache, new, slots)
     cache.close()
     return {"page_size": page_size, "prompt_tokens": prompt_tokens, "tree_pages": pages,
-            "build_s": round(build_s, 2), "list_copy_us": floor, "match_hit_us": hit, "match_new_us": miss,
-            "insert_us": insert_us, "match_hit_x_floor": hit / floor, "insert_x_floor": insert_us / floor}
+            "build_s": round(build_s, 2), "list_copy_us": floor,
+            **{f"match_hit_{kind}_us": us for kind, us in hit.items()}, "match_new_us": miss,
+            "fragmented_nodes": nodes_crossed, "match_fragmented_array_us": frag["array"],
+            "match_fragmented_list_us": frag["list"], **inserts,
+            "tree_bytes_per_page": memory / pages, "tree_bytes_per_page_x_ids": memory / pages / (8 * page_size),
+            "match_hit_list_x_floor": hit["list"] / floor, "match_hit_array_x_floor": hit["array"] / floor,
+            "insert_p99_x_floor": inserts["insert_p99_us"] / floor}
 
 
 def run(page_sizes=(16, 64), prompt_tokens: int = 8192, tree_pages: int = 100_000, seed: int = 0) -> dict:
     check_config(page_sizes, prompt_tokens, tree_pages)
-    return {"rows": [bench_page_size(ps, prompt_tokens, tree_pages, seed) for ps in page_sizes]}
+    return {"config": {"python": sys.version.split()[0], "gc_threshold": list(gc.get_threshold())},
+            "rows": [bench_page_size(ps, prompt_tokens, tree_pages, seed) for ps in page_sizes]}
