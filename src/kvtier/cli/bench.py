@@ -143,13 +143,21 @@ def cache_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json_text(result))
         return 0
-    rows = [[r["page_size"], r["tree_pages"], f"{r['match_hit_us']:.1f}", f"{r['match_new_us']:.1f}",
-             f"{r['insert_us']:.1f}", f"{r['list_copy_us']:.1f}", f"{r['match_hit_x_floor']:.1f}x"]
-            for r in result["rows"]]
-    print_table(f"cache metadata, {args.prompt_tokens}-token prompts "
-                "(x floor = / copying the prompt's token list, same run)",
-                ["page_size", "tree pages", "match hit us", "match new us", "insert us", "list copy us",
-                 "match x floor"], rows)
+    print(f"{args.prompt_tokens}-token prompts sharing a {args.prompt_tokens // 4}-token prefix; floor = copying the "
+          "prompt's token list (list(tokens)), same run; inserts with the garbage collector on")
+    rows = [[r["page_size"], r["tree_pages"], f"{r['match_hit_list_us']:.1f}", f"{r['match_hit_array_us']:.1f}",
+             f"{r['match_hit_numpy_us']:.1f}", f"{r['match_hit_tensor_us']:.1f}", f"{r['match_new_us']:.1f}",
+             f"{r['list_copy_us']:.1f}", f"{r['match_hit_array_x_floor']:.1f}x"] for r in result["rows"]]
+    print_table("match_prefix, µs (full hit by input type; new prompt as a list)",
+                ["page", "tree pages", "list", "array('q')", "numpy", "tensor", "new prompt", "floor",
+                 "array x floor"], rows)
+    rows = [[r["page_size"], r["fragmented_nodes"], f"{r['match_fragmented_array_us']:.1f}",
+             f"{r['match_fragmented_list_us']:.1f}", f"{r['insert_p50_us']:.0f}", f"{r['insert_p99_us']:.0f}",
+             f"{r['insert_max_us']:.0f}", "/".join(map(str, r["gc_runs"])), f"{r['tree_bytes_per_page']:.0f}",
+             f"{r['tree_bytes_per_page_x_ids']:.2f}x"] for r in result["rows"]]
+    print_table("fragmented path, insert, memory",
+                ["page", "path nodes", "match array µs", "match list µs", "insert p50 µs", "p99", "max",
+                 "gc gen0/1/2", "tree bytes/page", "x token ids"], rows)
     return 0
 
 
