@@ -76,13 +76,18 @@ class PagePlan:
 
     def _piece_views(self, pool, page: int, part: Part, buf: np.ndarray):
         """Pairs ``(view into buf, view into the pool page)``, both numpy
-        ``(head, slot, layer, dim)`` with elements as same-width ints."""
-        item = np.dtype(f"<i{self.spec.element_size}")
+        ``(head, slot, layer, dim)``, the ``dim`` axis as ints up to 8 bytes wide."""
         offset = 0
         for name, h0, h1 in part.pieces:
             pool_view = pool.page_views[name].np_all_layers[page][:, :, h0:h1].transpose(2, 0, 1, 3)
-            n = pool_view.size * item.itemsize
-            yield buf[offset:offset + n].view(item).reshape(pool_view.shape), pool_view
+            # NOTE: every layout but page_head scatters a part in runs of one head's `dim`;
+            # numpy's strided copy costs per element, so each run moves as the widest ints
+            # that tile it (8 bytes for any even head_dim of a 2-byte dtype: about 2x faster).
+            if pool_view.strides[-1] == pool_view.itemsize:
+                pool_view = pool_view.view(f"<i{math.gcd(8, pool_view.shape[-1] * pool_view.itemsize)}")
+            width = pool_view.itemsize
+            n = pool_view.size * width
+            yield buf[offset:offset + n].view(pool_view.dtype).reshape(pool_view.shape), pool_view
             offset += n
 
     def pack(self, pool, page: int, part: Part, buf: np.ndarray) -> None:
