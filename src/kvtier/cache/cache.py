@@ -292,11 +292,12 @@ class HierarchicalCache:
                 raise ValueError("commit: this Acquired comes from another cache")
             if acquired.lease.released:
                 raise ValueError("commit: this Acquired was already released (or committed)")
-            walked = state.check_insert(tokens[:full], pages, salt)
-            already, new = state.insert(tokens[:full], all_slots, salt, walked)
+            del tokens[full:]  # our own copy: whole pages only, without copying again
+            walked = state.check_insert(tokens, pages, salt)
+            already, new = state.insert(tokens, all_slots, salt, walked)
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
-            path, _, _ = state.match(tokens[:full], salt)
+            path, _, _ = state.match(tokens, salt)
             lease = Lease(path[-1] if path else state.tree.root(salt))
             state.lock_node(lease.node)
             self._release(acquired)
@@ -366,9 +367,10 @@ class HierarchicalCache:
                              f"{len(tokens)} tokens), got {n}")
         slots = device_indices[:usable]
         pages = self._check_slots(slots)
+        del tokens[usable:]  # our own copy: whole pages only, without copying again
         with self._lock:
-            walked = self._state.check_insert(tokens[:usable], pages, salt)
-            already, new = self._state.insert(tokens[:usable], slots, salt, walked)
+            walked = self._state.check_insert(tokens, pages, salt)
+            already, new = self._state.insert(tokens, slots, salt, walked)
         self._stats.add(inserted_tokens=new)
         return already
 

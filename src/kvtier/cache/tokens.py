@@ -18,7 +18,7 @@ _INT64 = np.iinfo(np.int64)
 
 
 def token_array(token_ids) -> array:
-    """``token_ids`` as ``array('q')``.
+    """``token_ids`` as a new ``array('q')`` that the caller owns (the one copy of the ids).
 
     Accepted: a 1-D sequence of Python ints (list, tuple, ``array``, any iterable),
     a 1-D integer tensor or numpy array, or a ``(1, n)`` one (the shape of Hugging
@@ -67,7 +67,7 @@ def _from_numpy(arr: np.ndarray, what: str) -> array:
     if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64.max:
         raise ValueError("token_ids hold an id outside the int64 range")
     out = array("q")
-    out.frombytes(np.ascontiguousarray(arr, dtype="=i8").tobytes())
+    out.frombytes(np.ascontiguousarray(arr, dtype="=i8"))  # NOTE: a buffer, not tobytes(): one copy
     return out
 
 
