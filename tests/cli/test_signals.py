@@ -1,5 +1,6 @@
 """Ctrl-C and a closed output pipe, in a real process: one line and 130, or silence and 141."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,26 @@ def test_ctrl_c_exits_130_with_one_line():
         assert proc.stdout.readline() == "ready\n"
         time.sleep(1.0)  # into the replay
         proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and out == ""
+    assert err.splitlines() == ["kvtier simulate: interrupted"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("delay", [0.5, 4.0])
+def test_ctrl_c_with_worker_processes_exits_130_with_one_line(delay):
+    # a terminal sends Ctrl-C to the whole process group: the fork server and the workers too,
+    # while they import torch (0.5 s) or replay (4 s); none of them may print a traceback
+    sweep = ",".join(str(4096 * (i + 1)) for i in range(40))
+    proc = kvtier("simulate", "synthetic", "--synthetic-sessions", "2000", "--block-tokens", "64", "--device-tokens",
+                  "4096", "--sweep", f"host-tokens={sweep}", "--json", "--jobs", "2", stdout=subprocess.PIPE,
+                  text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()

@@ -12,9 +12,10 @@ import torch
 
 from kvtier.cli import main
 
-WORK = ["kvtier.cli.simulate.simulate", "kvtier.cli.simulate.synthetic", "kvtier.demo.run",
+WORK = ["kvtier.sim.parallel.simulate", "kvtier.sim.parallel.belady_hits", "kvtier.sim.parallel.run_tasks",
+        "kvtier.cli.simulate.synthetic", "kvtier.demo.run",
         "kvtier.integrations.tiny_models.build", "kvtier.bench.transfer.run", "kvtier.bench.storage.run",
-        "kvtier.bench.cache.run", "kvtier.bench.overlap.run",
+        "kvtier.bench.cache.run", "kvtier.bench.overlap.run", "kvtier.bench.replay.run",
         "kvtier.cli.inspect.layout_reports", "kvtier.cli.selfcheck.run"]
 LINE = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n'
 
@@ -65,6 +66,12 @@ def trace(tmp_path, text, mode="w") -> Path:
     (["simulate", "synthetic", "--host-tokens", "100"], "--host-tokens 100 is less than one 512-token block"),
     (["simulate", "synthetic", "--device-tokens", "1e15"], "512-token blocks needs about 28.42 TiB of memory, more "),
     (["simulate", "synthetic", "--synthetic-sessions", "10000000000"], "--synthetic-sessions 10000000000 needs about"),
+    (["simulate", "synthetic", "--jobs", "-1"], "--jobs: must be a non-negative integer (0: one per CPU), got '-1'"),
+    (["simulate", "synthetic", "--jobs", "two"], "--jobs: must be a non-negative integer (0: one per CPU), got 'two'"),
+    (["simulate", "synthetic", "--repeat-trace", "0"], "--repeat-trace: must be a positive integer, got '0'"),
+    (["bench", "replay", "--times", "0"], "--times: must be a positive integer, got '0'"),
+    (["bench", "replay", "--repeat", "0"], "--repeat: must be a positive integer, got '0'"),
+    (["bench", "replay", "--policy", "lru"], "--policy: invalid choice: 'lru'"),
     (["bench", "transfer", "--page-size", "0"], "--page-size: '0': each comma-separated item must be a positive"),
     (["bench", "transfer", "--page-size", "16,x"], "--page-size: '16,x': each comma-separated item must be an "),
     (["bench", "transfer", "--repeat", "0"], "--repeat: must be a positive integer, got '0'"),
@@ -115,6 +122,31 @@ def test_outputs_are_checked_first(capsys, no_work, tmp_path, command, flag):
     assert f"{flag} {missing}: directory" in refused(capsys, *command, flag, missing)
     assert f"{flag} {tmp_path}: is a directory" in refused(capsys, *command, flag, tmp_path)
     assert not missing.parent.exists()
+
+
+def test_jobs_count_the_memory_of_configurations_replayed_at_once(capsys, no_work, monkeypatch):
+    monkeypatch.setattr("kvtier.cli.preflight.host_memory_bytes", lambda: 10 << 30)  # 8 GiB allowed
+    argv = ["simulate", "synthetic", "--device-tokens", "1e11", "--sweep", "host-tokens=1e11,1e11"]
+    assert "2 configurations replayed at once (--jobs 2) needs about 11.64 GiB" in refused(capsys, *argv, "--jobs", "2")
+
+    class Replaying(Exception):
+        pass
+
+    def replay(*args):
+        raise Replaying
+
+    monkeypatch.setattr("kvtier.cli.simulate.synthetic", lambda **kw: [])  # one at a time, each point fits
+    monkeypatch.setattr("kvtier.cli.simulate._run_with_progress", replay)
+    with pytest.raises(Replaying):
+        main(argv + ["--jobs", "1"])
+
+
+def test_bench_replay_needs_a_trace(capsys, no_work, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where ../shared/traces/ does not exist
+    line = refused(capsys, "bench", "replay")
+    assert "no trace given and ../shared/traces/synthetic_trace.jsonl does not exist here; pass a" in line
+    assert "no such file" in refused(capsys, "bench", "replay", tmp_path / "missing.jsonl")
+    assert "is a directory, not a file" in refused(capsys, "bench", "replay", tmp_path)
 
 
 def test_traces_are_checked_line_by_line(capsys, no_work, tmp_path):

@@ -1,5 +1,5 @@
 """The ``kvtier`` command line: ``demo``, ``simulate``, ``inspect``, ``selfcheck``,
-``bench transfer|storage|cache|overlap``.
+``bench transfer|storage|cache|overlap|replay``.
 
 Exit status: 0 done; 1 the command ran and failed (``selfcheck`` found a mismatch, the demo
 changed tokens, an I/O error); 2 a user error, refused before any work starts with one line

@@ -6,8 +6,9 @@ import argparse
 import math
 from dataclasses import replace
 
-from ..sim.simulator import CostModel, SimConfig, belady_hits, simulate
-from ..sim.traces import read_mooncake, synthetic
+from ..sim.parallel import Oracle, Replay, cpu_count, run_task, run_tasks
+from ..sim.simulator import CostModel, SimConfig
+from ..sim.traces import read_mooncake, repeat, synthetic
 from .preflight import check_host_memory, check_input_file, check_output_path, require_module
 from .spec import add_spec_arguments, has_spec, spec_from_args
 from .table import json_text, print_table
@@ -34,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--sweep", default=None, help="e.g. host-tokens=1e6,4e6,16e6")
     p.add_argument("--oracle", action="store_true", help="add Belady (clairvoyant) hits at the same capacities")
+    p.add_argument("--jobs", type=_jobs, default=1,
+                   help="worker processes for the sweep's replays and Belady computations (default 1: this process; "
+                        "0: one per CPU); the output is the same for every value")
+    p.add_argument("--repeat-trace", type=positive_int, default=1, metavar="N",
+                   help="replay N copies of the trace one after another, block ids remapped so that copies share "
+                        "no KV (default 1; 3 turns the public 3,993-request trace into kvtier bench replay's 12k)")
     p.add_argument("--prefill-tokens-per-s", type=positive_float, default=CostModel.prefill_tokens_per_s)
     p.add_argument("--host-gbps", type=positive_float, default=CostModel.host_gbps)
     p.add_argument("--storage-gbps", type=positive_float, default=CostModel.storage_gbps)
@@ -50,22 +57,31 @@ def command(args: argparse.Namespace) -> int:
     check_output_path(args.plot, "--plot")
     if args.plot:
         require_module("matplotlib", "--plot", "demo")
+    tasks, oracles = _tasks(configs, args.oracle)
+    jobs = min(args.jobs or cpu_count(), len(tasks))
+    needs = []
     for config in configs:
         blocks = (config.device_tokens + config.host_tokens) // config.block_tokens
-        check_host_memory(int(blocks) * _BYTES_PER_BLOCK, f"device {_fmt(config.device_tokens)} + host "
+        needs.append(int(blocks) * _BYTES_PER_BLOCK)
+        check_host_memory(needs[-1], f"device {_fmt(config.device_tokens)} + host "
                           f"{_fmt(config.host_tokens)} tokens in {config.block_tokens}-token blocks",
                           "lower the capacities or raise --block-tokens")
+    if jobs > 1:  # NOTE: up to ``jobs`` configurations replay at once: the largest ones must fit together
+        together = sorted(needs, reverse=True)[:jobs]
+        check_host_memory(sum(together), f"{len(together)} configurations replayed at once (--jobs {args.jobs})",
+                          "use fewer --jobs, lower the capacities or raise --block-tokens")
     requests = _requests(args)
+    if args.repeat_trace > 1:
+        requests = repeat(requests, args.repeat_trace)
+    if jobs <= 1:
+        done = [_run_with_progress(requests, task, args.json) for task in tasks]
+    else:
+        done = _run_parallel(requests, tasks, jobs, args.json)
     results = []
-    for config in configs:
-        result = _simulate_with_progress(requests, config, quiet=args.json)
-        if args.oracle:
-            result.oracle["device+host"] = belady_hits(requests, config.device_tokens + config.host_tokens,
-                                                       config.block_tokens)
-            if config.storage_tokens:
-                result.oracle["all tiers"] = belady_hits(
-                    requests, config.device_tokens + config.host_tokens + config.storage_tokens, config.block_tokens)
-        results.append((config, result))
+    for c, result in zip(configs, done):
+        for name, capacity_tokens in _oracle_capacities(c).items() if args.oracle else ():
+            result.oracle[name] = done[oracles[capacity_tokens]]
+        results.append((c, result))
     if args.json:
         print(json_text([{"device_tokens": _count(c.device_tokens), "host_tokens": _count(c.host_tokens),
                           "storage_tokens": _count(c.storage_tokens), **r.as_dict()} for c, r in results]))
@@ -74,6 +90,16 @@ def command(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(results, args.sweep or "host-tokens", args.plot)
     return 0
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer (0: one per CPU), got {text!r}")
+    return value
 
 
 def _configs(args: argparse.Namespace) -> list[SimConfig]:
@@ -118,16 +144,55 @@ def _requests(args: argparse.Namespace) -> list:
     return requests
 
 
-def _simulate_with_progress(requests, config, quiet: bool):
+def _tasks(configs: list[SimConfig], oracle: bool) -> tuple[list, dict[float, int]]:
+    """One replay per configuration, then (with ``oracle``) one Belady computation per
+    distinct capacity (an unlimited storage gives every point the same "all tiers"
+    bound); returns the tasks and each capacity's index among them."""
+    tasks, oracles = [Replay(c) for c in configs], {}
+    if oracle:
+        for c in configs:
+            for capacity_tokens in _oracle_capacities(c).values():
+                oracles.setdefault(capacity_tokens, len(tasks) + len(oracles))
+        tasks += [Oracle(t, configs[0].block_tokens) for t in oracles]
+    return tasks, oracles
+
+
+def _oracle_capacities(config: SimConfig) -> dict[str, float]:
+    """Belady's capacities for ``config``: device+host, and all tiers where storage exists."""
+    out = {"device+host": config.device_tokens + config.host_tokens}
+    if config.storage_tokens:
+        out["all tiers"] = config.device_tokens + config.host_tokens + config.storage_tokens
+    return out
+
+
+def _run_parallel(requests, tasks, jobs: int, quiet: bool) -> list:
+    """``tasks`` in ``jobs`` worker processes, with a bar of finished tasks."""
+    progress = _progress(quiet)
+    if progress is None:
+        return run_tasks(requests, tasks, jobs)
+    with progress as bar:
+        task = bar.add_task(f"replaying ({jobs} jobs)", total=len(tasks))
+        return run_tasks(requests, tasks, jobs, done=lambda: bar.advance(task))
+
+
+def _run_with_progress(requests, task, quiet: bool):
+    """One task in this process; a replay shows a bar of its requests."""
+    progress = _progress(quiet) if isinstance(task, Replay) else None
+    if progress is None:
+        return run_task(requests, task)
+    with progress as bar:
+        handle = bar.add_task("replaying", total=len(requests))
+        return run_task(requests, task, progress=lambda: bar.advance(handle))
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return None
     try:
         from rich.progress import Progress
     except ImportError:  # pragma: no cover
-        return simulate(requests, config)
-    if quiet:
-        return simulate(requests, config)
-    with Progress(transient=True) as bar:
-        task = bar.add_task("replaying", total=len(requests))
-        return simulate(requests, config, progress=lambda: bar.advance(task))
+        return None
+    return Progress(transient=True)
 
 
 def _count(tokens: float) -> int | None:

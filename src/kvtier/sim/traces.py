@@ -101,3 +101,25 @@ def synthetic(*, sessions: int = 50, turns: int = 6, system_prompts: int = 4, sy
             when += rng.expovariate(1 / 20.0) * 1000  # think time, 20 s mean
     events.sort(key=lambda r: r.timestamp)
     return events
+
+
+def repeat(requests: list[Request], times: int) -> list[Request]:
+    """``times`` copies of ``requests``, one after another, sharing no KV: copy ``k``
+    has every block id shifted by ``k * (max id - min id + 1)`` and every timestamp by
+    ``k * (last - first timestamp + 1 ms)``. Copy 0 is ``requests`` unchanged.
+
+    Tripling Mooncake's public synthetic trace this way stands in for a 12k-request
+    trace (``kvtier bench replay``): the working set and the hit structure per copy
+    stay those of the real trace, and the replay is three times as long."""
+    if isinstance(times, bool) or not isinstance(times, int) or times <= 0:
+        raise ValueError(f"times must be a positive int, got {times!r}")
+    ids = [b for r in requests for b in r.blocks]
+    id_span = max(ids) - min(ids) + 1 if ids else 0
+    stamps = [r.timestamp for r in requests]
+    time_span = max(stamps) - min(stamps) + 1.0 if stamps else 0.0
+    out = list(requests)
+    for k in range(1, times):
+        shift = k * id_span
+        out.extend(Request(r.timestamp + k * time_span, r.input_length, r.output_length,
+                           tuple(b + shift for b in r.blocks)) for r in requests)
+    return out
