@@ -67,7 +67,8 @@ def _from_numpy(arr: np.ndarray, what: str) -> array:
     if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64.max:
         raise ValueError("token_ids hold an id outside the int64 range")
     out = array("q")
-    out.frombytes(np.ascontiguousarray(arr, dtype="=i8"))  # NOTE: a buffer, not tobytes(): one copy
+    # NOTE: through a byte view of the buffer, not tobytes(): one copy
+    out.frombytes(memoryview(np.ascontiguousarray(arr, dtype="=i8")).cast("B"))
     return out
 
 
