@@ -147,3 +147,22 @@ def test_metadata_runs_no_torch_kernel(pages):
         pool.get_split_heads_page_buffer_meta(idx, 2)
         pool.get_split_heads_page_buffer_meta_array(idx, 4)
     assert {e.name for e in prof.events()} <= _NO_COMPUTE
+
+
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+def test_wrapped_buffers_in_separate_allocations(layout):
+    """Each component's own base address: the array form follows it as the list form does."""
+    spec, page_size = SPECS["three"], 2
+    sizes = {"page": PAGES, "slot": page_size, "layer": spec.layer_num}
+    buffers = {c.name: torch.zeros(tuple({**sizes, "head": c.head_num, "dim": c.head_dim}[a]
+                                         for a in LAYOUT_ORDERS[layout]), dtype=spec.dtype)
+               for c in spec.components}
+    pool = HostKVPool.from_buffers(spec, buffers, page_size, layout=layout)
+    idx = slots([4, 0, 6], page_size)
+    lists = pool.get_page_buffer_meta(idx)
+    assert_same(pool.get_page_buffer_meta_array(idx), lists)
+    assert list(zip(*lists)) == reference_spans(pool, [4, 0, 6])
+    if pool.supports_split_heads:
+        lists = pool.get_split_heads_page_buffer_meta(idx, 1)
+        assert_same(pool.get_split_heads_page_buffer_meta_array(idx, 1), lists)
+        assert list(zip(*lists)) == reference_spans(pool, [4, 0, 6], 1)
