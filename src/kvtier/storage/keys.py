@@ -23,10 +23,11 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _xxh3_128(data: bytes) -> bytes:
-    import xxhash
-
-    return xxhash.xxh3_128_digest(data)
+try:
+    from xxhash import xxh3_128_digest as _xxh3_128  # called in C: no Python frame per page
+except ImportError:  # pragma: no cover - a dependency, but this module imports without it
+    def _xxh3_128(data: bytes) -> bytes:
+        raise ValueError("hash 'xxh3' needs the Python package xxhash: pip install xxhash")
 
 
 HASHES: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxh3": _xxh3_128}
@@ -76,23 +77,13 @@ def extend_keys(parent: str | None, token_ids, page_size: int, namespace: str = 
         digest = HASHES[hash](b"\0".join([_DOMAIN, hash.encode(), len(ns).to_bytes(4, "little") + ns, salt_bytes]))
     else:
         digest = bytes.fromhex(parent.rsplit("/", 1)[1])
-    # NOTE: one bytes object for all pages, sliced per page, and the hash constructor
-    # called directly: per-page numpy slices and a wrapper call cost more than the hash
-    # itself at the simulator's one-token pages.
-    new = _constructor(hash)
+    # NOTE: one bytes object for all pages, sliced per page: a numpy slice and its
+    # tobytes() per page cost more than the hash itself at the simulator's one-token pages.
+    fn = HASHES[hash]
     data = tokens.tobytes()
     step = page_size * tokens.itemsize
     keys = []
     for start in range(0, len(tokens) // page_size * step, step):
-        digest = new(digest + data[start:start + step]).digest()
+        digest = fn(digest + data[start:start + step])
         keys.append(prefix + digest.hex())
     return keys
-
-
-def _constructor(hash: str) -> Callable[[bytes], object]:
-    """A constructor whose result's ``digest()`` equals ``HASHES[hash](data)``."""
-    if hash == "sha256":
-        return hashlib.sha256
-    import xxhash
-
-    return xxhash.xxh3_128
