@@ -124,3 +124,18 @@ def test_replays_are_deterministic(policy):
     runs = [simulate(reqs, config).as_dict() for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
     assert runs[0]["device_hit"] and runs[0]["host_hit"] + runs[0]["storage_hit"]
+
+
+def test_sim_storage_evicts_least_recently_used_keys():
+    from kvtier.sim.store import SimStorage
+
+    st = SimStorage(3)
+    st.batch_set(["a", "b", "c"], None, None)
+    assert st.batch_get(["a", "x"], None, None) == [True, False]  # a is now the most recent
+    st.batch_set(["d"], None, None)
+    assert st.batch_exists(["a"]) == 1 and st.batch_exists(["b"]) == 0 and len(st) == 3
+    st.batch_set(["c", "e", "f"], None, None)  # c refreshed: a goes, then d
+    assert [st.batch_exists([k]) for k in "acde"] == [0, 1, 0, 1]
+    unlimited = SimStorage()
+    unlimited.batch_set([str(i) for i in range(1000)], None, None)
+    assert unlimited.batch_exists([str(i) for i in range(1000)] + ["x"]) == 1000

@@ -9,6 +9,7 @@ cache page (page_size 1 over block ids); capacities are converted from tokens.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -92,8 +93,8 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
     result = SimResult()
     seen: set[int] = set()
     for req in requests:
-        full = list(req.blocks[:req.input_length // bt])
-        dev, host, st = _serve(cache, full)
+        full = req.blocks[:req.input_length // bt]
+        dev, host, st = _serve(cache, array("q", full))  # the cache's own token form: converted once, not per call
         result.requests += 1
         result.prompt_tokens += req.input_length
         result.device_hit += dev * bt
@@ -108,7 +109,7 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
     return result
 
 
-def _serve(cache: HierarchicalCache, blocks: list[int]) -> tuple[int, int, int]:
+def _serve(cache: HierarchicalCache, blocks: array) -> tuple[int, int, int]:
     """One request as an engine runs it; returns blocks reused from device, host, storage."""
     got = held = cache.acquire(blocks)
     try:

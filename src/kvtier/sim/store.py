@@ -23,25 +23,32 @@ class SimStorage(Storage):
         with self._lock:
             return next((i for i, k in enumerate(keys) if k not in self._keys), len(keys))
 
+    # NOTE: without a capacity nothing is ever evicted, so the LRU order is not kept up
+    # (a replay with unlimited storage writes and reads every stored page).
     def batch_get(self, keys, host_pool, host_indices) -> list[bool]:
         with self._lock:
-            out = []
-            for k in keys:
-                hit = k in self._keys
-                if hit:
-                    self._keys.move_to_end(k)
-                out.append(hit)
-        self._stats.add(hits=sum(out), misses=len(out) - sum(out))
+            held = self._keys
+            out = [k in held for k in keys]
+            if self.capacity_pages is not None:
+                for k, hit in zip(keys, out):
+                    if hit:
+                        held.move_to_end(k)
+        hits = sum(out)
+        self._stats.add(hits=hits, misses=len(out) - hits)
         return out
 
     def batch_set(self, keys, host_pool, host_indices) -> list[bool]:
         with self._lock:
-            for k in keys:
-                self._keys[k] = None
-                self._keys.move_to_end(k)
+            held = self._keys
+            if self.capacity_pages is None:
+                held.update(dict.fromkeys(keys))
+            else:
+                for k in keys:
+                    held[k] = None
+                    held.move_to_end(k)
             evicted = 0
-            while self.capacity_pages is not None and len(self._keys) > self.capacity_pages:
-                self._keys.popitem(last=False)
+            while self.capacity_pages is not None and len(held) > self.capacity_pages:
+                held.popitem(last=False)
                 evicted += 1
         self._stats.add(pages_written=len(keys), evictions=evicted)
         return [True] * len(keys)
