@@ -105,3 +105,14 @@ def test_children_with_one_first_id_are_told_apart_by_their_first_page():
     assert tree.walk(array("q", [5, 1, 6, 6]), b"")[1] == 4
     assert tree.walk(array("q", [5, 2, 8, 8]), b"")[1] == 4
     _check_structure(tree, 2)
+
+
+def test_a_match_ending_inside_a_node_stamps_only_the_part_it_used():
+    tree = RadixTree(2)
+    _insert(tree, array("q", [1, 2, 3, 4, 5, 6, 7, 8]), 2)
+    (whole,) = tree.root(b"").children.values()
+    before = whole.last_access
+    path, matched, made = tree.match(array("q", [1, 2, 3, 4, 9, 9]), b"")
+    assert matched == 4 and made == path and list(path[0].key) == [1, 2, 3, 4]
+    assert path[0].last_access > before
+    assert list(whole.key) == [5, 6, 7, 8] and whole.last_access == before  # the unmatched tail was not used

@@ -116,7 +116,7 @@ class RadixTree:
     def walk(self, tokens: array, salt: bytes, stamp: int | None = None) -> tuple[list[Node], int, int]:
         """Match without changing the tree: ``(nodes, matched tokens, tokens matched in
         the last node)``; the last count is less than its key when the match ends inside
-        it. With ``stamp``, every node walked gets it as its LRU time."""
+        it. With ``stamp``, every node matched whole gets it as its LRU time."""
         node, path, pos, inner = self.roots.get(salt), [], 0, 0
         if node is None:
             return path, pos, inner
@@ -145,10 +145,10 @@ class RadixTree:
             inner = self._common_pages(child.key, tokens, pos, usable)
             append(child)
             pos += inner
+            if inner < len(child.key):
+                return path, pos, inner  # not stamped: its unmatched tail was not used
             if stamp is not None:
                 child.last_access = stamp
-            if inner < len(child.key):
-                return path, pos, inner
             node = child  # a child keyed by its first page (a collision) matched whole
 
     def _child(self, node: Node, tokens: array, pos: int) -> Node | None:
@@ -175,7 +175,8 @@ class RadixTree:
                 node.last_access = stamp
         made = []
         if path and inner < len(path[-1].key):
-            path[-1] = self.split(path[-1], inner)  # the upper part inherits the stamp
+            path[-1] = self.split(path[-1], inner)
+            path[-1].last_access = stamp  # only the matched upper part was used
             made.append(path[-1])
         return path, matched, made
 

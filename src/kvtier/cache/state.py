@@ -132,7 +132,10 @@ class CacheState:
                 self.lru.push(node.parent)
 
     def _pages(self, slots: torch.Tensor) -> np.ndarray:
-        return slots[::self.page_size].cpu().numpy() // self.page_size
+        """The page numbers of ``slots`` (whole pages), on the CPU."""
+        ps = self.page_size
+        flat = (slots if slots.device.type == "cpu" else slots.cpu()).numpy()  # numpy: less per-call cost
+        return flat[::ps] // ps if ps > 1 else flat
 
     def owned(self, slots: torch.Tensor) -> np.ndarray:
         """``(pages,)`` bool: which whole pages of ``slots`` a node holds."""
@@ -181,7 +184,7 @@ class CacheState:
     def _device_evictable(node: Node) -> bool:
         if node.device is None or node.lock_ref or node.loading is not None or node.backup is not None:
             return False
-        return all(c.device is None for c in node.children.values())  # children leave the device first
+        return not node.children or all(c.device is None for c in node.children.values())  # children leave first
 
     @staticmethod
     def _host_evictable(node: Node) -> bool:
