@@ -18,7 +18,8 @@ from typing import Sequence
 
 import torch
 
-from .copy import copy_numpy, copy_torch, int_view
+from . import cpu
+from .copy import copy_torch, int_view
 from .gather import gather_pages
 from .runs import Runs, coalesce
 
@@ -46,13 +47,12 @@ def _view_pairs(dst, src, layer: int | None, use_numpy: bool = False) -> list:
 
 def _copy_direct(views, runs: Runs, layer, nbytes, threads) -> None:
     use_numpy = all(d.np_layers is not None and s.np_layers is not None for d, s in views)
-    runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
-    pairs = [(d[a:a + n], s[b:b + n]) for dv, sv in views for d, s in _view_pairs(dv, sv, layer, use_numpy)
-             for a, b, n in runs3]
+    pairs = [pair for dv, sv in views for pair in _view_pairs(dv, sv, layer, use_numpy)]
     if use_numpy:
-        copy_numpy(pairs, nbytes, threads)
-    else:
-        copy_torch(pairs)
+        cpu.copy(pairs, runs, nbytes, threads)
+        return
+    runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
+    copy_torch([(d[a:a + n], s[b:b + n]) for d, s in pairs for a, b, n in runs3])
 
 
 def _copy_gather(views, dst_pages, src_pages, layer) -> None:
@@ -114,6 +114,8 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch
         return
     d0, s0 = views[0]
     d_dev, s_dev = d0.layers[0].device, s0.layers[0].device
+    if "meta" in (d_dev.type, s_dev.type):
+        return  # shapes without memory (the simulator's pools): validated by the caller, nothing to move
     runs = coalesce(dst_pages, src_pages)
     small = _mean_pair_bytes(views, runs, layer, nbytes) < KERNEL_MIN_RUN_BYTES
     if io_backend == "auto":

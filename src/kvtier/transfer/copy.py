@@ -1,15 +1,15 @@
-"""Copy engines: execute a list of ``(dst, src)`` strided-view pairs.
+"""Shared pieces of the copy engines: integer views, the thread split, the torch path.
 
-On the CPU the pairs are numpy views of the pools' memory: ``np.copyto`` costs
-about 1 µs a call (a torch ``copy_`` about 4 µs) and releases the GIL, so a few
-Python threads split the pairs and copy in parallel. Elsewhere (CUDA) the
-pairs are torch views copied with ``Tensor.copy_``.
+On the CPU the engine (``kvtier.transfer.cpu``) copies numpy views of the pools'
+memory: ``np.copyto`` costs about 1 µs a call (a torch ``copy_`` about 4 µs) and
+releases the GIL, so a few Python threads split the work (:func:`split_threads`).
+Elsewhere (CUDA) the pairs are torch views copied with ``Tensor.copy_``.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ _NP_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PARALLEL_MIN_BYTES = 4 << 20
 
 Pair = tuple[Any, Any]
+T = TypeVar("T")
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -35,32 +36,30 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     return int_view(t).numpy()
 
 
-def _copy_serial(pairs: Sequence[Pair]) -> None:
-    for dst, src in pairs:
-        np.copyto(dst, src)
+def split_threads(items: Sequence[T], nbytes: int, threads: int, run: Callable[[Sequence[T]], None]) -> None:
+    """``run(items)``, or with ``threads > 1`` and at least ``PARALLEL_MIN_BYTES`` to move,
+    ``run`` on ``threads`` round-robin parts at once (the calling thread takes one).
 
-
-def copy_numpy(pairs: Sequence[Pair], nbytes: int, threads: int) -> None:
-    """Copy numpy view pairs; with ``threads > 1`` and enough bytes, split across threads.
-
-    Pairs are dealt round-robin so that equal-sized pairs balance evenly.
+    Dealt round-robin so that equal-sized items balance evenly. ``run`` must release
+    the GIL for the split to pay (``np.copyto`` does on large copies). The first error
+    of any part is re-raised here, after every part has finished.
     """
-    if threads <= 1 or nbytes < PARALLEL_MIN_BYTES or len(pairs) < 2:
-        _copy_serial(pairs)
+    if threads <= 1 or nbytes < PARALLEL_MIN_BYTES or len(items) < 2:
+        run(items)
         return
-    threads = min(threads, len(pairs))
+    threads = min(threads, len(items))
     errors: list[BaseException] = []
 
-    def work(part: Sequence[Pair]) -> None:
+    def work(part: Sequence[T]) -> None:
         try:
-            _copy_serial(part)
+            run(part)
         except BaseException as e:  # re-raised on the calling thread
             errors.append(e)
 
-    workers = [threading.Thread(target=work, args=(pairs[i::threads],)) for i in range(1, threads)]
+    workers = [threading.Thread(target=work, args=(items[i::threads],)) for i in range(1, threads)]
     for w in workers:
         w.start()
-    work(pairs[0::threads])
+    work(items[0::threads])
     for w in workers:
         w.join()
     if errors:

@@ -1,0 +1,158 @@
+"""The CPU copy engine: staged transposes, run splitting across threads, meta pools.
+
+Every test compares bytes against the device pool it copied from (or the sentinel
+content it must leave alone), never only shapes.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
+from kvtier import DeviceKVPool, HostKVPool, KVSpec
+from kvtier.transfer import copy as copy_mod
+from kvtier.transfer import cpu
+
+FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
+
+
+def _counting(monkeypatch):
+    """Count staged pages (calls of ``staging_view``)."""
+    calls = []
+    real = cpu.staging_view
+
+    def spy(buffer, like):
+        calls.append(like.shape)
+        return real(buffer, like)
+
+    monkeypatch.setattr(cpu, "staging_view", spy)
+    return calls
+
+
+def _round_trip(spec, layout, page_size, host_pages, src_pages, dst_pages, io_backend="direct", threads=None):
+    """Backup ``src_pages`` into ``host_pages``, load them back layer by layer into ``dst_pages``
+    of another pool; check the loaded bytes and that no other page of either pool changed."""
+    n_dev = max(src_pages + dst_pages) + 2
+    src = random_device_pool(spec, n_dev * page_size, page_size, seed=1)
+    dst = random_device_pool(spec, n_dev * page_size, page_size, seed=2)
+    host = HostKVPool(spec, (max(host_pages) + 2) * page_size, page_size, layout=layout, copy_threads=threads)
+    gen = torch.Generator().manual_seed(3)
+    for buf in host.buffers.values():
+        fill_random(buf, gen)
+    host_before = {n: bits(b).clone() for n, b in host.buffers.items()}
+    dst_before = {n: [bits(dst.buffer(n, l)).clone() for l in range(spec.layer_num)] for n in spec.names}
+
+    host.backup_from_device_all_layer(src, slots(host_pages, page_size), slots(src_pages, page_size), io_backend)
+    page_axis = LAYOUT_ORDERS[layout].index("page")
+    for n, buf in host.buffers.items():
+        for p in range(host.num_pages):
+            if p not in host_pages:
+                assert torch.equal(bits(buf).select(page_axis, p), host_before[n].select(page_axis, p)), (n, p)
+    for layer in range(spec.layer_num):
+        host.load_to_device_per_layer(dst, slots(host_pages, page_size), slots(dst_pages, page_size), layer,
+                                      io_backend)
+    for n in spec.names:
+        for layer in range(spec.layer_num):
+            got, want = bits(dst.buffer(n, layer)), dst_before[n][layer].clone()
+            want[slots(dst_pages, page_size)] = bits(src.buffer(n, layer))[slots(src_pages, page_size)]
+            assert torch.equal(got, want), (n, layer)
+    return host
+
+
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+@pytest.mark.parametrize("spec_name", list(SPECS))
+def test_staged_backup_is_exact(monkeypatch, spec_name, layout, io_backend):
+    """A low staging threshold stages every transposing backup of the small test specs."""
+    monkeypatch.setattr(cpu, "STAGE_BLOCK_BYTES", 256)  # above each spec's common block, below its device page
+    calls = _counting(monkeypatch)
+    _round_trip(SPECS[spec_name], layout, 16, host_pages=[3, 0, 1, 5], src_pages=[6, 2, 3, 0],
+                dst_pages=[1, 7, 4, 0], io_backend=io_backend)
+    if io_backend == "direct" and layout in ("page_first", "page_head"):
+        assert calls, "the transposing layouts must have gone through staging"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+def test_reference_sized_pages_stage_by_default(monkeypatch, layout, dtype):
+    """Pages as large as the reference spec's per layer (8 heads x 128 dims x 64 tokens of
+    bf16 = 128 KiB) are staged at the default threshold where the layout transposes."""
+    calls = _counting(monkeypatch)
+    spec = KVSpec.mha(2, 8, 128, v_head_dim=64, dtype=dtype)
+    _round_trip(spec, layout, 64, host_pages=[2, 0, 3], src_pages=[1, 4, 0], dst_pages=[3, 2, 4])
+    assert bool(calls) == (layout in ("page_first", "page_head"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_thread_split_of_long_and_odd_runs(monkeypatch, layout, threads):
+    """Runs consecutive on both sides are cut into pieces so that every thread gets some;
+    7 pages (odd) over 2, 3 and 5 threads, staged and direct, stay exact."""
+    started = []
+
+    class CountingThread(threading.Thread):
+        def start(self):
+            started.append(self)
+            super().start()
+
+    monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(copy_mod.threading, "Thread", CountingThread)
+    monkeypatch.setattr(cpu, "STAGE_BLOCK_BYTES", 256)
+    consecutive = list(range(1, 8))
+    _round_trip(SPECS["asym"], layout, 16, host_pages=consecutive, src_pages=[p + 2 for p in consecutive],
+                dst_pages=consecutive, threads=threads)
+    assert len(started) == (threads - 1) * (1 + SPECS["asym"].layer_num)  # one split per call
+
+
+def test_plan_cuts_a_single_run_into_pieces():
+    dst, src = np.zeros((10, 3), np.int16), np.arange(30, dtype=np.int16).reshape(10, 3)
+    runs = cpu.Runs([0], [0], [10])
+    tasks = cpu.plan([(dst, src)], runs, min_tasks=3)
+    assert [t.dst.shape[0] for t in tasks] == [4, 4, 2] and not any(t.staged for t in tasks)
+    cpu.run_tasks(tasks)
+    assert np.array_equal(dst, src)
+
+
+def test_contiguous_bytes_and_staging_view():
+    a = np.zeros((4, 8, 16), np.int16)  # 256 contiguous bytes per (i, j) row
+    t = a.transpose(1, 0, 2)
+    c = np.zeros(t.shape, np.int16)
+    assert cpu.contiguous_bytes(a) == cpu.contiguous_bytes(t) == a.nbytes  # one block, in its own order
+    assert cpu.contiguous_bytes(c, t) == 32 and cpu.contiguous_bytes(t, c) == 32  # shared: one 16-element row
+    assert cpu.contiguous_bytes(a, a) == a.nbytes
+    assert cpu.contiguous_bytes(a[:, :, :4]) == 8
+    buf = np.empty(t.nbytes + 7, np.uint8)
+    stage = cpu.staging_view(buf, t)
+    assert stage.shape == t.shape and stage.dtype == t.dtype
+    assert sorted(stage.strides, reverse=True) == list(np.empty((4, 8, 16), np.int16).strides)
+    src = np.arange(t.size, dtype=np.int16).reshape(4, 8, 16).transpose(1, 0, 2)
+    np.copyto(stage, src)
+    assert np.array_equal(stage, src)
+
+
+def test_staging_buffers_are_reused():
+    buffers = cpu._Buffers()
+    a = buffers.take(1000)
+    buffers.give(a)
+    assert buffers.take(500) is a
+    assert buffers.take(500) is not a
+
+
+def test_meta_pools_validate_and_move_nothing():
+    """The simulator's pools (``meta``: shapes, no memory): bad indices still raise before
+    anything else; good ones return without touching memory."""
+    spec = KVSpec.mha(2, 2, 8)
+    dev = DeviceKVPool(spec, 32, 4, device="meta")
+    host = HostKVPool(spec, 32, 4, device="meta")
+    idx = slots([1, 0, 5], 4)
+    for backend in ("direct", "kernel", "auto"):
+        host.backup_from_device_all_layer(dev, idx, idx, backend)
+        host.load_to_device_per_layer(dev, idx, idx, 1, backend)
+    with pytest.raises(ValueError, match="not a multiple of page_size"):
+        host.backup_from_device_all_layer(dev, idx[1:], idx[1:])
+    with pytest.raises(ValueError, match="outside"):
+        host.load_to_device_per_layer(dev, slots([8], 4), slots([0], 4), 0)
+    with pytest.raises(ValueError, match="layer_id"):
+        host.load_to_device_per_layer(dev, idx, idx, 2)
