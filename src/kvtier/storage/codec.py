@@ -70,7 +70,9 @@ def write_header(name: str, blob: np.ndarray) -> None:
 def _check_header(name: str, head: memoryview, total: int, payload_len: int) -> tuple[int, int]:
     """``(header length, checksum)`` of an object of ``total`` bytes whose first bytes are
     ``head``, if its header is intact, names ``name`` and promises ``payload_len`` bytes."""
-    expected = header_size(name) + payload_len
+    raw_name = name.encode()
+    own_size = -(-(_FIXED.size + len(raw_name)) // _ALIGN) * _ALIGN  # header_size(name)
+    expected = own_size + payload_len
     if len(head) < _FIXED.size:
         if total > len(head):  # not read: nothing to judge it by
             raise UnexpectedObject(f"{name}: {total} bytes, expected {expected}; not read")
@@ -78,7 +80,7 @@ def _check_header(name: str, head: memoryview, total: int, payload_len: int) -> 
     magic, version, size, length, checksum, name_len = _FIXED.unpack_from(head)
     if magic != MAGIC or version != VERSION:
         raise CorruptObject(f"{name}: bad magic/version {bytes(magic)!r}/{version}")
-    if size != header_size(name) or bytes(head[_FIXED.size:_FIXED.size + name_len]) != name.encode():
+    if size != own_size or head[_FIXED.size:_FIXED.size + name_len] != raw_name:
         raise CorruptObject(f"{name}: header names another object")
     if total != size + length:
         raise CorruptObject(f"{name}: {total - size} payload bytes, its header says {length}")

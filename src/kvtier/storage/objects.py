@@ -74,32 +74,47 @@ class PagePlan:
         self.write_parts = [p for p in self.read_parts if rank == 0 or not p.field.endswith("/rep")]
         self.prefix = fp  # "<fingerprint>/p<page size>": the geometry part of every field
 
-    def _piece_views(self, pool, page: int, part: Part, buf: np.ndarray):
-        """Pairs ``(view into buf, view into the pool page)``, both numpy
-        ``(head, slot, layer, dim)``, the ``dim`` axis as ints up to 8 bytes wide."""
-        offset = 0
+    def part_views(self, pool, part: Part) -> tuple[tuple[np.ndarray, int, int], ...]:
+        """Per piece of ``part``: ``(view, offset, nbytes)``, ``view`` numpy
+        ``(page, head, slot, layer, dim)`` over all of ``pool``'s pages, ``offset`` and
+        ``nbytes`` where the piece sits in the part's bytes. Build them once per call:
+        making views costs more than copying a small part."""
+        out, offset = [], 0
         for name, h0, h1 in part.pieces:
-            pool_view = pool.page_views[name].np_all_layers[page][:, :, h0:h1].transpose(2, 0, 1, 3)
+            view = pool.page_views[name].np_all_layers[:, :, :, h0:h1].transpose(0, 3, 1, 2, 4)
             # NOTE: every layout but page_head scatters a part in runs of one head's `dim`;
             # numpy's strided copy costs per element, so each run moves as the widest ints
             # that tile it (8 bytes for any even head_dim of a 2-byte dtype: about 2x faster).
-            if pool_view.strides[-1] == pool_view.itemsize:
-                pool_view = pool_view.view(f"<i{math.gcd(8, pool_view.shape[-1] * pool_view.itemsize)}")
-            width = pool_view.itemsize
-            n = pool_view.size * width
-            yield buf[offset:offset + n].view(pool_view.dtype).reshape(pool_view.shape), pool_view
-            offset += n
+            if view.strides[-1] == view.itemsize:
+                view = view.view(f"<i{math.gcd(8, view.shape[-1] * view.itemsize)}")
+            nbytes = view[0].size * view.itemsize
+            out.append((view, offset, nbytes))
+            offset += nbytes
+        assert offset == part.nbytes, f"part {part.field}: pieces of {offset} bytes, expected {part.nbytes}"
+        return tuple(out)
 
     def pack(self, pool, page: int, part: Part, buf: np.ndarray) -> None:
         """Write page ``page``'s bytes of ``part`` into ``buf`` (``part.nbytes`` uint8)."""
-        for flat, pool_view in self._piece_views(pool, page, part, buf):
-            np.copyto(flat, pool_view)
+        pack_part(self.part_views(pool, part), page, buf)
 
     def unpack(self, pool, page: int, part: Part, buf) -> None:
         """Write ``part``'s bytes from ``buf`` (any buffer, may be read-only) into page ``page``."""
-        arr = np.frombuffer(buf, dtype=np.uint8)
-        for flat, pool_view in self._piece_views(pool, page, part, arr):
-            np.copyto(pool_view, flat)
+        unpack_part(self.part_views(pool, part), page, buf)
+
+
+def pack_part(views, page: int, buf: np.ndarray) -> None:
+    """``PagePlan.pack`` with the part's ``PagePlan.part_views``."""
+    for view, offset, nbytes in views:
+        src = view[page]
+        np.copyto(buf[offset:offset + nbytes].view(src.dtype).reshape(src.shape), src)
+
+
+def unpack_part(views, page: int, buf) -> None:
+    """``PagePlan.unpack`` with the part's ``PagePlan.part_views``."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    for view, offset, nbytes in views:
+        dest = view[page]
+        np.copyto(dest, arr[offset:offset + nbytes].view(dest.dtype).reshape(dest.shape))
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,6 +15,7 @@ import torch
 from ..pools import HostKVPool
 from .base import Storage, _check_keys
 from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject, decode, header_size, write_header
+from .objects import pack_part, unpack_part
 from .options import Opt, check_options
 
 #: Payload bytes packed per backend round trip: bounds memory for large batches.
@@ -125,6 +126,7 @@ class ObjectStorage(Storage):
 
     def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
         keys, pages, plan, parts = self._checked(keys, host_pool, host_indices, writing=True)
+        views = {part.field: plan.part_views(host_pool, part) for part in parts}
         stored = [True] * len(keys)
         t0 = time.perf_counter()
 
@@ -133,7 +135,7 @@ class ObjectStorage(Storage):
             sizes = [header_size(name) + part.nbytes for _, part, name in names]
             items = []
             for (i, part, name), blob in zip(names, self._carve(self._arena(sum(sizes)), sizes)):
-                plan.pack(host_pool, pages[i], part, blob[header_size(name):])
+                pack_part(views[part.field], pages[i], blob[header_size(name):])
                 write_header(name, blob)
                 items.append((keys[i], part.field, blob))
             try:
@@ -153,6 +155,7 @@ class ObjectStorage(Storage):
 
     def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
         keys, pages, plan, parts = self._checked(keys, host_pool, host_indices, writing=False)
+        views = {part.field: plan.part_views(host_pool, part) for part in parts}
         loaded = [False] * len(keys)
         t0 = time.perf_counter()
 
@@ -165,7 +168,7 @@ class ObjectStorage(Storage):
                 if payloads is None:
                     continue
                 for part, payload in zip(parts, payloads):  # every part checked before any is copied
-                    plan.unpack(host_pool, pages[i], part, payload)
+                    unpack_part(views[part.field], pages[i], payload)
                 loaded[i] = True
                 self._stats.add(bytes_read=sum(p.nbytes for p in parts))
 
