@@ -158,12 +158,14 @@ def memory_bytes(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_hea
 
 def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
         page_size: int = 64, pages: int = 32, layout: str = "page_head", backends=BACKENDS,
-        directory: str | None = None, repeat: int = 3) -> dict:
+        directory: str | None = None, repeat: int = 3, io_threads: int = 2) -> dict:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         raise ValueError(f"backends {list(backends)!r}: choose from {', '.join(BACKENDS)}")
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat <= 0:
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads <= 0:
+        raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
     spec = KVSpec.mha(layers, heads, head_dim, v_head_dim)
     size = pages * page_size
     dev = DeviceKVPool(spec, size, page_size)
@@ -182,11 +184,11 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
             with contextlib.ExitStack() as stack:
                 try:
                     if name == "file":
-                        store = storage.open(f"file://{workdir / 'kvtier'}")
+                        store = storage.open(f"file://{workdir / 'kvtier'}", io_threads=io_threads)
                         raw = _RawFile(workdir / "raw", sizes)
                     elif name == "redis":
                         server = stack.enter_context(RedisServer())
-                        store = storage.open(server.url)
+                        store = storage.open(server.url, io_threads=io_threads)
                         raw = _RawRedis(server.url, sizes)
                         stack.callback(raw.close)
                     else:
@@ -204,7 +206,8 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
             shutil.rmtree(workdir, ignore_errors=True)
     return {
         "config": {"spec": spec.fingerprint(), "page_size": page_size, "pages": pages, "layout": layout,
-                   "objects_per_page": len(plan.write_parts), "repeat": repeat, "dir": str(workdir),
+                   "objects_per_page": len(plan.write_parts), "repeat": repeat, "io_threads": io_threads,
+                   "dir": str(workdir),
                    "filesystem_note": "files go through the page cache; no fsync"},
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,

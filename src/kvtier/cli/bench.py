@@ -154,6 +154,8 @@ def add_storage_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma separated, from {', '.join(BACKENDS)} (default all)")
     p.add_argument("--dir", default=None, help="existing directory for the file backend (default: a temporary one)")
     p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--io-threads", type=positive_int, default=2,
+                   help="kvtier's io_threads for file and Redis (default 2, the storage default); raw uses one")
     p.add_argument("--json", action="store_true", help=_JSON_HELP)
 
 
@@ -166,13 +168,15 @@ def storage_command(args: argparse.Namespace) -> int:
                  page_size=args.page_size, pages=args.pages)
     check_host_memory(storage.memory_bytes(**sizes, backends=args.backends),
                       f"{args.pages} pages of {args.page_size} tokens", _SMALLER)
-    result = storage.run(**sizes, layout=args.layout, backends=args.backends, directory=args.dir, repeat=args.repeat)
+    result = storage.run(**sizes, layout=args.layout, backends=args.backends, directory=args.dir, repeat=args.repeat,
+                         io_threads=args.io_threads)
     if args.json:
         print(json_text(result))
         return 0
     cfg = result["config"]
     print(f"{cfg['spec']}, page_size {cfg['page_size']}, {cfg['pages']} pages ({cfg['objects_per_page']} objects "
-          f"each), layout {cfg['layout']}; raw = the backend's own client moving the same objects")
+          f"each), layout {cfg['layout']}, io_threads {cfg['io_threads']}; raw = the backend's own client moving "
+          f"the same objects")
     rows = [[r["backend"], r["op"], r["objects"], f"{r['gbytes']:.3f}", f"{r['kvtier_gbps']:.2f}",
              f"{r['raw_gbps']:.2f}", f"{r['ratio']:.2f}x"] for r in result["rows"]]
     print_table("storage (ratio = kvtier GB/s / raw client GB/s, same run)",

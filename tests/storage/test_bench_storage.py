@@ -1,0 +1,28 @@
+"""``kvtier bench storage`` for the file backend: its JSON, the io_threads option."""
+
+import json
+import math
+
+import pytest
+
+from kvtier.bench import storage as bench
+from kvtier.cli import main
+
+SMALL = dict(layers=2, heads=2, head_dim=8, page_size=4, pages=4)
+
+
+def test_json_reports_both_figures_and_their_ratio(capsys):
+    args = ["bench", "storage", "--backends", "file", "--layers", "2", "--heads", "2", "--head-dim", "8",
+            "--page-size", "4", "--pages", "4", "--repeat", "1", "--io-threads", "1", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["io_threads"] == 1 and out["skipped"] == {}
+    assert [(r["backend"], r["op"], r["objects"]) for r in out["rows"]] == [("file", "put", 8), ("file", "get", 8)]
+    for r in out["rows"]:
+        assert math.isclose(r["ratio"], r["kvtier_gbps"] / r["raw_gbps"], rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("io_threads", [0, True, 1.5])
+def test_bad_io_threads_raise(io_threads):
+    with pytest.raises(ValueError, match="io_threads must be a positive int"):
+        bench.run(**SMALL, backends=("file",), io_threads=io_threads)
