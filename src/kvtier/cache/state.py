@@ -53,18 +53,27 @@ class CacheState:
     # -- matching ---------------------------------------------------------------------------
     def match(self, tokens: array, salt: bytes) -> tuple[list[Node], int, int]:
         """``(path, device_len, host_len)`` of the longest resident prefix; touches it."""
-        path, _, made = self.tree.match(tokens, salt)
+        path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
-        device_len = host_len = 0
-        for i, node in enumerate(path):  # device copies are prefix-closed: device, then host
-            if node.device is not None:
-                device_len += len(node.key)
-            elif node.host is not None and node.backup is None:
-                host_len += len(node.key)
+        # NOTE: device copies are prefix-closed, so the device nodes are path[:k]: found by
+        # bisection, not a scan (a fragmented path crosses hundreds of nodes)
+        lo, hi = 0, len(path)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if path[mid].device is None:
+                hi = mid
             else:
+                lo = mid + 1
+        device_len, host_len = matched, 0
+        for i in range(lo, len(path)):
+            device_len -= len(path[i].key)
+        for i in range(lo, len(path)):
+            node = path[i]
+            if node.host is None or node.backup is not None:  # neither copy is ready: the match ends
                 del path[i:]
                 break
+            host_len += len(node.key)
         return path, device_len, host_len
 
     def device_slots(self, nodes) -> torch.Tensor:
