@@ -76,12 +76,12 @@ class CacheState:
             host_len += len(node.key)
         return path, device_len, host_len
 
-    def device_slots(self, nodes) -> torch.Tensor:
-        """The device slots of ``nodes`` (a path), concatenated into a new tensor."""
+    def device_slots(self, path) -> torch.Tensor:
+        """The device slots of ``path`` (its device nodes come first), in a new tensor."""
         runs, base, start, end = [], None, 0, 0
-        for n in nodes:  # NOTE: pieces of one split node are adjacent views: one slice per run
+        for n in path:  # NOTE: pieces of one split node are adjacent views: one slice per run
             if n.device is None:
-                continue
+                break
             if n.dev_base is base and n.dev_at == end:
                 end += len(n.key)
                 continue
