@@ -17,6 +17,15 @@ def filled_host(spec: KVSpec, pages: int, page_size: int = 4, layout: str = "pag
     return host, idx
 
 
+def blank_host(spec: KVSpec, slots: int, page_size: int = 4, layout: str = "page_first"):
+    """A host pool of ``slots`` slots, every byte 0x5A (not the arbitrary bytes of fresh
+    memory, which may hold a page another test loaded); returns (pool, all its slots)."""
+    host = HostKVPool(spec, slots, page_size, layout=layout)
+    for buf in host.buffers.values():
+        buf.view(torch.uint8).fill_(0x5A)
+    return host, host.alloc(slots)
+
+
 def flat_pages(host: HostKVPool, idx: torch.Tensor) -> list[torch.Tensor]:
     return [bits(host.get_data_page(int(s))) for s in idx[:: host.page_size]]
 

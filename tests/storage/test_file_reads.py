@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import kvtier.storage
-from kvtier import HostKVPool, KVSpec
+from kvtier import KVSpec
 from kvtier.layout import LAYOUTS
 from helpers import SPECS
-from storage_helpers import filled_host, flat_pages
+from storage_helpers import blank_host, filled_host, flat_pages
 
 SPEC = SPECS["asym"]  # 4 objects per page (head groups of the 4 K and 4 V heads)
 
@@ -45,8 +45,7 @@ def test_reused_staging_never_lends_one_page_bytes_to_another(tmp_path, io_threa
     assert store.batch_set(keys_for(6, namespace="b"), second, idx) == [True] * 6
     victim = object_files(store, keys_for(6, namespace="b")[3])[1]
     victim.write_bytes(victim.read_bytes()[:-5])
-    reader = HostKVPool(SPEC, 24, 4)
-    ridx = reader.alloc(24)
+    reader, ridx = blank_host(SPEC, 24)
     assert store.batch_get(keys_for(6, namespace="a"), reader, ridx) == [True] * 6
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(first, idx)))
     got = store.batch_get(keys_for(6, namespace="b"), reader, ridx)
@@ -72,10 +71,8 @@ def test_a_corrupt_object_mid_batch_is_a_miss_that_leaves_its_page_untouched(tmp
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    reader = HostKVPool(SPEC, 28, 4, layout=layout)
-    ridx = reader.alloc(28)
-    before = flat_pages(reader, ridx)
-    before = [p.clone() for p in before]
+    reader, ridx = blank_host(SPEC, 28, layout=layout)
+    before = [p.clone() for p in flat_pages(reader, ridx)]
     assert store.batch_get(keys, reader, ridx) == [True] * 4 + [False] + [True] * 2
     pages, want = flat_pages(reader, ridx), flat_pages(host, idx)
     for i in range(7):
@@ -100,8 +97,7 @@ def test_a_fault_mid_batch_makes_the_remaining_objects_misses(tmp_path, monkeypa
         return read(*args)
 
     monkeypatch.setattr(store, "_read", failing_read)
-    reader = HostKVPool(SPEC, 16, 4)
-    ridx = reader.alloc(16)
+    reader, ridx = blank_host(SPEC, 16)
     before = [p.clone() for p in flat_pages(reader, ridx)]
     assert store.batch_get(keys, reader, ridx) == [True, False, False, False]
     pages, want = flat_pages(reader, ridx), flat_pages(host, idx)
@@ -118,8 +114,7 @@ def test_concurrent_gets_each_get_their_own_pages(tmp_path):
     keys = keys_for(16)
     assert store.batch_set(keys, host, idx) == [True] * 16
     want = flat_pages(host, idx)
-    reader = HostKVPool(SPEC, 64, 4)
-    ridx = reader.alloc(64)
+    reader, ridx = blank_host(SPEC, 64)
     errors = []
 
     def reads(t):
@@ -152,8 +147,7 @@ def test_every_run_width_round_trips_across_layouts(tmp_path, spec, layout):
     host, idx = filled_host(spec, 3, layout="page_head", seed=7)
     store = kvtier.storage.open(f"file://{tmp_path}")
     assert store.batch_set(keys_for(3), host, idx) == [True] * 3
-    reader = HostKVPool(spec, 12, 4, layout=layout)
-    ridx = reader.alloc(12)
+    reader, ridx = blank_host(spec, 12, layout=layout)
     assert store.batch_get(keys_for(3), reader, ridx) == [True] * 3
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
     writer, widx = filled_host(spec, 3, layout=layout, seed=8)
