@@ -29,20 +29,26 @@ import numpy as np
 from . import copy as _copy
 from .runs import Runs
 
-#: A page is staged when the block both sides share is shorter than this while the
-#: source's own blocks are at least this long.
-STAGE_BLOCK_BYTES = 16 << 10
+#: A page is staged when the block both sides share is shorter than ``STAGE_BELOW_BYTES``
+#: while the source's own blocks are at least ``STAGE_SOURCE_BYTES`` long. (Measured on the
+#: reference spec: staging wins for page_head's 256-byte blocks, loses for page_first's 2 KiB.)
+STAGE_BELOW_BYTES = 1 << 10
+STAGE_SOURCE_BYTES = 16 << 10
 
 #: Pages larger than this are not staged: the staging buffer must stay in cache.
 STAGE_MAX_BYTES = 16 << 20
 
 
 class Task(NamedTuple):
-    """``dst <- src`` for one run of pages; ``staged`` goes through a staging buffer
-    (then both are single pages, without the page axis)."""
+    """``dst[a:a + n] <- src[b:b + n]`` (pages of page-major views); ``staged`` pages go one
+    by one through a staging buffer. Views are cut by the thread that runs the task, so that
+    building them overlaps other threads' copies (which release the GIL)."""
 
     dst: np.ndarray
     src: np.ndarray
+    a: int
+    b: int
+    n: int
     staged: bool
 
 
@@ -60,9 +66,20 @@ def contiguous_bytes(dst: np.ndarray, src: np.ndarray | None = None) -> int:
     return run
 
 
+def widen(a: np.ndarray) -> np.ndarray:
+    """The same memory with the innermost axis as one opaque (void) element when that axis is
+    contiguous (``dim`` is, in every layout): numpy then takes one step per head row instead
+    of per number, 1.4x faster on short blocks (measured: a 4 MiB page_head transpose in
+    cache). Bytes are copied as they are, so every dtype stays bit-exact."""
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] == a.itemsize:
+        return a.view(np.dtype((np.void, a.itemsize * a.shape[-1])))[..., 0]
+    return a
+
+
 def use_staging(dst_page: np.ndarray, src_page: np.ndarray) -> bool:
     """Whether copying one page (inner view, no page axis) goes faster through staging."""
-    return (contiguous_bytes(dst_page, src_page) < STAGE_BLOCK_BYTES <= contiguous_bytes(src_page)
+    return (contiguous_bytes(dst_page, src_page) < STAGE_BELOW_BYTES
+            and contiguous_bytes(src_page) >= STAGE_SOURCE_BYTES
             and src_page.nbytes <= STAGE_MAX_BYTES)
 
 
@@ -100,18 +117,16 @@ _BUFFERS = _Buffers()
 
 def plan(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, min_tasks: int = 1) -> list[Task]:
     """Tasks for copying every run of ``runs`` for every page-major ``(dst, src)`` view pair.
-    Direct runs are cut so that there are at least ``min_tasks`` pieces to share out."""
+    When there are fewer runs than ``min_tasks``, runs are cut so that every thread gets some."""
     triples = list(zip(runs.dst_start, runs.src_start, runs.length))
-    pieces = max(1, -(-min_tasks // max(1, len(triples) * len(pairs))))
+    if len(triples) * len(pairs) < min_tasks:
+        pieces = -(-min_tasks // (len(triples) * len(pairs)))
+        triples = [(a + i, b + i, min(step, n - i)) for a, b, n in triples
+                   for step in (-(-n // pieces),) for i in range(0, n, step)]
     tasks = []
     for dst, src in pairs:
-        if use_staging(dst[0], src[0]):
-            tasks += [Task(dst[a + i], src[b + i], True) for a, b, n in triples for i in range(n)]
-            continue
-        for a, b, n in triples:
-            step = max(1, -(-n // pieces))
-            tasks += [Task(dst[a + i:a + min(n, i + step)], src[b + i:b + min(n, i + step)], False)
-                      for i in range(0, n, step)]
+        staged = use_staging(dst[0], src[0])
+        tasks += [Task(dst, src, a, b, n, staged) for a, b, n in triples]
     return tasks
 
 
@@ -119,17 +134,22 @@ def run_tasks(tasks: Sequence[Task]) -> None:
     """Execute tasks in order on the calling thread."""
     buf = None
     try:
-        for dst, src, staged in tasks:
+        for dst, src, a, b, n, staged in tasks:
             if not staged:
-                np.copyto(dst, src)
+                if n == 1:  # NOTE: an int index cuts a view about twice as fast as a slice
+                    np.copyto(dst[a], src[b])
+                else:
+                    np.copyto(dst[a:a + n], src[b:b + n])
                 continue
-            if buf is None or buf.nbytes < src.nbytes:
+            if buf is None or buf.nbytes < src[0].nbytes:  # components differ in page size
                 if buf is not None:
                     _BUFFERS.give(buf)
-                buf = _BUFFERS.take(src.nbytes)
-            stage = staging_view(buf, src)
-            np.copyto(stage, src)
-            np.copyto(dst, stage)
+                buf = _BUFFERS.take(src[0].nbytes)
+            for i in range(n):
+                page = src[b + i]
+                stage = staging_view(buf, page)
+                np.copyto(stage, page)
+                np.copyto(dst[a + i], stage)
     finally:
         if buf is not None:
             _BUFFERS.give(buf)
@@ -139,4 +159,5 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, nbytes: int
     """Copy ``runs`` of pages for every page-major ``(dst, src)`` numpy view pair, splitting
     the pages across ``threads`` threads when there are enough bytes to move."""
     parallel = threads if nbytes >= _copy.PARALLEL_MIN_BYTES else 1
+    pairs = [(widen(d), widen(s)) for d, s in pairs]
     _copy.split_threads(plan(pairs, runs, min_tasks=parallel), nbytes, parallel, run_tasks)
