@@ -116,3 +116,13 @@ def test_a_match_ending_inside_a_node_stamps_only_the_part_it_used():
     assert matched == 4 and made == path and list(path[0].key) == [1, 2, 3, 4]
     assert path[0].last_access > before
     assert list(whole.key) == [5, 6, 7, 8] and whole.last_access == before  # the unmatched tail was not used
+
+
+def test_a_match_given_its_walk_stamps_only_the_part_it_used_too():
+    tree = RadixTree(2)
+    _insert(tree, array("q", [1, 2, 3, 4, 5, 6]), 2)
+    (whole,) = tree.root(b"").children.values()
+    before = whole.last_access
+    tokens = array("q", [1, 2, 9, 9])
+    path, matched, made = tree.match(tokens, b"", tree.walk(tokens, b""))
+    assert matched == 2 and path[0].last_access > before and whole.last_access == before

@@ -168,16 +168,18 @@ class RadixTree:
         ``walked``: what :meth:`walk` just returned for the same arguments."""
         stamp = now()
         if walked is None:
-            path, matched, inner = self.walk(tokens, salt, stamp)
+            path, matched, inner = self.walk(tokens, salt, stamp)  # stamps the nodes matched whole
         else:
             path, matched, inner = walked
-            for node in path:
-                node.last_access = stamp
         made = []
         if path and inner < len(path[-1].key):
-            path[-1] = self.split(path[-1], inner)
-            path[-1].last_access = stamp  # only the matched upper part was used
+            path[-1] = self.split(path[-1], inner)  # the tail keeps its LRU time: it was not used
             made.append(path[-1])
+        if walked is not None:
+            for node in path:
+                node.last_access = stamp
+        elif made:
+            made[0].last_access = stamp
         return path, matched, made
 
     def _common_pages(self, key: array, tokens: array, pos: int, usable: int) -> int:
