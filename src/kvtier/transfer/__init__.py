@@ -1,7 +1,8 @@
 """Page transfers between pools: the two io backends and the choice between copy engines.
 
 ``direct``: one strided copy per run of pages that are consecutive on both sides
-(numpy views on the CPU, threads splitting the runs; torch ``copy_`` elsewhere).
+(on the CPU, ``kvtier.transfer.cpu``: numpy views, threads splitting the pages, and
+transposing pages staged through cache; torch ``copy_`` elsewhere).
 ``kernel``: on CUDA, one launch of the strided Triton kernel per component
 (``kvtier.transfer.triton_kernel``); elsewhere batched gather/scatter index ops
 (``kvtier.transfer.gather``), whose cost does not grow with the number of runs. On
@@ -10,6 +11,8 @@ direct engine, which moves each byte once and is faster there (measured: one
 16-token page of one layer of the reference spec, 32 KiB, costs the same both ways).
 ``auto``: ``direct`` when the average run is at least ``KERNEL_MIN_RUN_BYTES``,
 else ``kernel`` — the same rule, applied on every device.
+Pools on torch's ``meta`` device (the simulator's: shapes, no memory) copy nothing:
+their indices are validated by the caller, then the call returns.
 """
 
 from __future__ import annotations
