@@ -173,3 +173,30 @@ def test_meta_pools_validate_and_move_nothing():
         host.load_to_device_per_layer(dev, slots([8], 4), slots([0], 4), 0)
     with pytest.raises(ValueError, match="layer_id"):
         host.load_to_device_per_layer(dev, idx, idx, 2)
+
+
+def test_widen_merges_only_what_both_sides_share(monkeypatch):
+    monkeypatch.setattr(cpu, "GIL_FREE_MIN_ELEMENTS", 1)
+    # canonical (page, slot, layer, head, dim) views of three memory orders
+    dev = np.zeros((3, 4, 16, 2, 8), np.int16).transpose(1, 2, 0, 3, 4)  # (layer, size, head, dim)
+    page_first = np.zeros((4, 16, 3, 2, 8), np.int16)  # shares (head, dim) token rows with dev
+    page_head = np.zeros((4, 2, 16, 3, 8), np.int16).transpose(0, 2, 3, 1, 4)  # shares only dim
+    d, s = cpu.widen(page_first, dev)
+    assert d.shape == s.shape == (4, 16, 3) and d.dtype.itemsize == 2 * 8 * 2
+    d, s = cpu.widen(page_head, dev)
+    assert d.shape == s.shape == (4, 16, 3, 2) and d.dtype.itemsize == 16
+    flat = np.zeros((4, 16, 2, 8), np.int16)
+    d, s = cpu.widen(flat, flat.copy())
+    assert d.shape == (4, 16) and d.dtype.itemsize == 2 * 8 * 2  # stops at (page, one more)
+    src = np.arange(flat.size, dtype=np.int16).reshape(flat.shape)
+    d, s = cpu.widen(flat, src)
+    np.copyto(d, s)
+    assert np.array_equal(flat, src)
+
+
+def test_widen_keeps_enough_elements_for_numpy_to_release_the_gil():
+    big = np.zeros((2, 64, 8, 128), np.int16)  # one per-layer device page: (slot, head, dim)
+    d, _ = cpu.widen(big, big.copy())
+    assert d.shape == (2, 64, 8)  # 512 elements of a head row; 64 token rows would hold the GIL
+    small = np.zeros((2, 16, 2, 8), np.int16)
+    assert cpu.widen(small, small.copy())[0].shape == small.shape

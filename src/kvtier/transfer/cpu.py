@@ -16,11 +16,14 @@ that has the source's memory order (long sequential reads), then from there into
 the destination in its own order (sequential writes; the short reads hit cache).
 Memory is then read and written in long runs only; the transpose happens in cache.
 
+In both, the trailing axes contiguous on both sides (at least ``dim``) are seen as one
+opaque element (:func:`widen`), so numpy steps once per head row, not per number.
 Pages are split across threads (``copy.split_threads``): ``np.copyto`` releases the GIL.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import NamedTuple, Sequence
 
@@ -34,6 +37,10 @@ from .runs import Runs
 #: reference spec: staging wins for page_head's 256-byte blocks, loses for page_first's 2 KiB.)
 STAGE_BELOW_BYTES = 1 << 10
 STAGE_SOURCE_BYTES = 16 << 10
+
+#: NOTE: numpy keeps the GIL through a copy of at most 500 elements, whatever their size,
+#: so merging a page into fewer elements than this would serialize the copy threads.
+GIL_FREE_MIN_ELEMENTS = 501
 
 #: Pages larger than this are not staged: the staging buffer must stay in cache.
 STAGE_MAX_BYTES = 16 << 20
@@ -72,9 +79,14 @@ def widen(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``(head, dim)`` token row). numpy then takes one step per such block instead of per
     number: 1.4x faster on short blocks (measured: a 4 MiB page_head transpose in cache).
     Bytes are copied as they are, so every dtype stays bit-exact. The page axis and one
-    more are always kept, so that indexing a page still gives an array view."""
-    while dst.ndim > 2 and all(a.strides[-1] == a.itemsize for a in (dst, src)):
-        dst, src = (a.view(np.dtype((np.void, a.itemsize * a.shape[-1])))[..., 0] for a in (dst, src))
+    more are always kept, so that indexing a page still gives an array view, and a page
+    keeps at least ``GIL_FREE_MIN_ELEMENTS`` elements."""
+    while (dst.ndim > 2 and all(a.strides[-1] == a.itemsize for a in (dst, src))
+           and math.prod(dst.shape[1:-1]) >= GIL_FREE_MIN_ELEMENTS):
+        try:
+            dst, src = (a.view(np.dtype((np.void, a.itemsize * a.shape[-1])))[..., 0] for a in (dst, src))
+        except ValueError:  # numpy before 1.23 re-types only contiguous arrays: copy number by number
+            break
     return dst, src
 
 
