@@ -120,7 +120,27 @@ def test_thread_split_of_long_and_odd_runs(monkeypatch, layout, threads):
     consecutive = list(range(1, 8))
     _round_trip(SPECS["asym"], layout, 16, host_pages=consecutive, src_pages=[p + 2 for p in consecutive],
                 dst_pages=consecutive, threads=threads)
-    assert len(started) == (threads - 1) * (1 + SPECS["asym"].layer_num)  # one split per call
+    assert len(started) == threads - 1  # the pool's kept workers, started once, serve every call
+
+
+def test_copy_workers_are_reused_and_pass_errors_back():
+    workers = copy_mod.CopyWorkers(3)
+    seen = []
+    for _ in range(3):
+        copy_mod.split_threads(list(range(10)), 1 << 30, 3, lambda part: seen.append(sorted(part)), workers)
+    assert sorted(map(tuple, seen[:3])) == [(0, 3, 6, 9), (1, 4, 7), (2, 5, 8)]
+    assert len(seen) == 9
+    names = [t.name for t in threading.enumerate()].count("kvtier-copy")
+    assert names >= 2
+
+    def fail_on_two(part):
+        if 2 in part:
+            raise RuntimeError("part with 2")
+
+    with pytest.raises(RuntimeError, match="part with 2"):
+        copy_mod.split_threads(list(range(10)), 1 << 30, 3, fail_on_two, workers)
+    copy_mod.split_threads(list(range(10)), 1 << 30, 3, lambda part: seen.append(part), workers)  # still serving
+    assert len(seen) == 12
 
 
 def test_plan_cuts_a_single_run_into_pieces():

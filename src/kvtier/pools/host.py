@@ -9,7 +9,7 @@ import torch
 
 from ..layout import Layout, get_layout, require_split_heads
 from ..spec import KVSpec
-from ..transfer import check_io_backend, copy_pages
+from ..transfer import CopyWorkers, check_io_backend, copy_pages
 from .allocator import PageAllocator
 from .common import carve, check_sizes, check_spec, parse_device
 from .device import DeviceKVPool
@@ -112,6 +112,7 @@ class HostKVPool:
         self.num_pages = buffers[spec.names[0]].shape[layout.order.index("page")]
         self.size = self.num_pages * page_size
         self.copy_threads = copy_threads or max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+        self.copy_workers = CopyWorkers(self.copy_threads)  # kept threads: none started until a big copy
         self.raw: torch.Tensor | None = raw
         self.buffers: dict[str, torch.Tensor] = buffers
         self.page_views: dict[str, PageViews] = {}
@@ -167,7 +168,7 @@ class HostKVPool:
                                                      dst_is_host=True)
         views = [(self.page_views[n], device_pool.page_views[n]) for n in self.spec.names]
         copy_pages(views, host_pages, dev_pages, layer=None, nbytes=len(host_pages) * self.page_bytes,
-                   io_backend=io_backend, threads=self.copy_threads)
+                   io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
 
     def load_to_device_per_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
                                  device_indices: torch.Tensor, layer_id: int, io_backend: str = "direct") -> None:
@@ -179,7 +180,7 @@ class HostKVPool:
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
         copy_pages(views, dev_pages, host_pages, layer=layer_id,
                    nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
-                   io_backend=io_backend, threads=self.copy_threads)
+                   io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
         check_io_backend(io_backend)

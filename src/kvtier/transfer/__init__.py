@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from . import cpu
-from .copy import copy_torch, int_view
+from .copy import CopyWorkers, copy_torch, int_view
 from .gather import gather_pages
 from .runs import Runs, coalesce
 
@@ -48,11 +48,11 @@ def _view_pairs(dst, src, layer: int | None, use_numpy: bool = False) -> list:
     return list(zip(d_layers, s_layers))
 
 
-def _copy_direct(views, runs: Runs, layer, nbytes, threads) -> None:
+def _copy_direct(views, runs: Runs, layer, nbytes, threads, workers) -> None:
     use_numpy = all(d.np_layers is not None and s.np_layers is not None for d, s in views)
     pairs = [pair for dv, sv in views for pair in _view_pairs(dv, sv, layer, use_numpy)]
     if use_numpy:
-        cpu.copy(pairs, runs, nbytes, threads)
+        cpu.copy(pairs, runs, nbytes, threads, workers)
         return
     runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
     copy_torch([(d[a:a + n], s[b:b + n]) for d, s in pairs for a, b, n in runs3])
@@ -108,10 +108,11 @@ def _mean_pair_bytes(views, runs: Runs, layer, nbytes) -> float:
 
 
 def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch.Tensor, *, layer: int | None,
-               nbytes: int, io_backend: str, threads: int) -> None:
+               nbytes: int, io_backend: str, threads: int, workers: CopyWorkers | None = None) -> None:
     """Copy pages ``src_pages[i] -> dst_pages[i]`` for every ``(dst, src)`` pair of
     ``PageViews`` in ``views`` (one per component). ``layer=None`` copies every layer,
-    else only ``layer``. ``nbytes`` is the total to move (sizes threads and runs)."""
+    else only ``layer``. ``nbytes`` is the total to move (sizes threads and runs).
+    ``workers``: kept threads for the CPU engine's split (else threads per call)."""
     check_io_backend(io_backend)
     if dst_pages.numel() == 0:
         return
@@ -130,7 +131,7 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch
         if d_dev == s_dev and (d_dev.type != "cpu" or small):
             _copy_gather(views, dst_pages, src_pages, layer)
             return
-    _copy_direct(views, runs, layer, nbytes, threads)
+    _copy_direct(views, runs, layer, nbytes, threads, workers)
 
 
-__all__ = ["IO_BACKENDS", "KERNEL_MIN_RUN_BYTES", "Runs", "check_io_backend", "coalesce", "copy_pages"]
+__all__ = ["IO_BACKENDS", "CopyWorkers", "KERNEL_MIN_RUN_BYTES", "Runs", "check_io_backend", "coalesce", "copy_pages"]

@@ -8,7 +8,9 @@ Elsewhere (CUDA) the pairs are torch views copied with ``Tensor.copy_``.
 
 from __future__ import annotations
 
+import queue
 import threading
+import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
@@ -36,18 +38,84 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     return int_view(t).numpy()
 
 
-def split_threads(items: Sequence[T], nbytes: int, threads: int, run: Callable[[Sequence[T]], None]) -> None:
+class CopyWorkers:
+    """``threads - 1`` daemon threads, started on first use and kept, that run parts of a
+    copy beside the calling thread (which runs one part itself).
+
+    Starting a thread per call costs ~100-150 µs here, as much as copying 2 MiB, paid
+    by every per-layer load. Several callers may share one set (each waits only for its
+    own parts). The threads end when this object is garbage collected.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            for _ in range(self.threads - 1):
+                threading.Thread(target=_serve, args=(self._jobs,), name="kvtier-copy", daemon=True).start()
+            weakref.finalize(self, _stop, self._jobs, self.threads - 1)
+            self._started = True
+
+    def run(self, parts: Sequence[Sequence[T]], run: Callable[[Sequence[T]], None]) -> None:
+        """``run(part)`` for every part at once: ``parts[0]`` here, the others on the workers.
+        The first error of any part is re-raised here, after every part has finished."""
+        self._start()
+        errors: list[BaseException] = []
+        done = [threading.Event() for _ in parts[1:]]
+        for part, event in zip(parts[1:], done):
+            self._jobs.put((run, part, event, errors))
+        try:
+            run(parts[0])
+        except BaseException as e:
+            errors.append(e)
+        for event in done:
+            event.wait()
+        if errors:
+            raise errors[0]
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        run, part, event, errors = job
+        try:
+            run(part)
+        except BaseException as e:  # re-raised on the calling thread
+            errors.append(e)
+        finally:
+            event.set()
+
+
+def _stop(jobs: queue.SimpleQueue, count: int) -> None:
+    for _ in range(count):
+        jobs.put(None)
+
+
+def split_threads(items: Sequence[T], nbytes: int, threads: int, run: Callable[[Sequence[T]], None],
+                  workers: CopyWorkers | None = None) -> None:
     """``run(items)``, or with ``threads > 1`` and at least ``PARALLEL_MIN_BYTES`` to move,
-    ``run`` on ``threads`` round-robin parts at once (the calling thread takes one).
+    ``run`` on ``threads`` round-robin parts at once (the calling thread takes one), on
+    ``workers`` when given, else on threads started for this call.
 
     Dealt round-robin so that equal-sized items balance evenly. ``run`` must release
-    the GIL for the split to pay (``np.copyto`` does on large copies). The first error
-    of any part is re-raised here, after every part has finished.
+    the GIL for the split to pay (``np.copyto`` does on copies of over 500 elements). The
+    first error of any part is re-raised here, after every part has finished.
     """
+    if workers is not None:
+        threads = min(threads, workers.threads)
     if threads <= 1 or nbytes < PARALLEL_MIN_BYTES or len(items) < 2:
         run(items)
         return
     threads = min(threads, len(items))
+    parts = [items[i::threads] for i in range(threads)]
+    if workers is not None:
+        workers.run(parts, run)
+        return
     errors: list[BaseException] = []
 
     def work(part: Sequence[T]) -> None:
@@ -56,11 +124,11 @@ def split_threads(items: Sequence[T], nbytes: int, threads: int, run: Callable[[
         except BaseException as e:  # re-raised on the calling thread
             errors.append(e)
 
-    workers = [threading.Thread(target=work, args=(items[i::threads],)) for i in range(1, threads)]
-    for w in workers:
+    started = [threading.Thread(target=work, args=(part,)) for part in parts[1:]]
+    for w in started:
         w.start()
-    work(items[0::threads])
-    for w in workers:
+    work(parts[0])
+    for w in started:
         w.join()
     if errors:
         raise errors[0]

@@ -18,7 +18,7 @@ Memory is then read and written in long runs only; the transpose happens in cach
 
 In both, the trailing axes contiguous on both sides (at least ``dim``) are seen as one
 opaque element (:func:`widen`), so numpy steps once per head row, not per number.
-Pages are split across threads (``copy.split_threads``): ``np.copyto`` releases the GIL.
+Pages are split across threads (``copy.split_threads``, ``copy.CopyWorkers``): ``np.copyto`` releases the GIL.
 """
 
 from __future__ import annotations
@@ -169,9 +169,11 @@ def run_tasks(tasks: Sequence[Task]) -> None:
             _BUFFERS.give(buf)
 
 
-def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, nbytes: int, threads: int) -> None:
+def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, nbytes: int, threads: int,
+         workers: _copy.CopyWorkers | None = None) -> None:
     """Copy ``runs`` of pages for every page-major ``(dst, src)`` numpy view pair, splitting
-    the pages across ``threads`` threads when there are enough bytes to move."""
+    the pages across ``threads`` threads (``workers``' when given) when there are enough
+    bytes to move."""
     parallel = threads if nbytes >= _copy.PARALLEL_MIN_BYTES else 1
     pairs = [widen(d, s) for d, s in pairs]
-    _copy.split_threads(plan(pairs, runs, min_tasks=parallel), nbytes, parallel, run_tasks)
+    _copy.split_threads(plan(pairs, runs, min_tasks=parallel), nbytes, parallel, run_tasks, workers)
