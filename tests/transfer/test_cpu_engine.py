@@ -9,11 +9,13 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
 from kvtier import DeviceKVPool, HostKVPool, KVSpec
 from kvtier.transfer import copy as copy_mod
-from kvtier.transfer import cpu
+from kvtier.transfer import coalesce, cpu
 
 FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
 
@@ -220,3 +222,30 @@ def test_widen_keeps_enough_elements_for_numpy_to_release_the_gil():
     assert d.shape == (2, 64, 8)  # 512 elements of a head row; 64 token rows would hold the GIL
     small = np.zeros((2, 16, 2, 8), np.int16)
     assert cpu.widen(small, small.copy())[0].shape == small.shape
+
+
+def test_copy_workers_restart_in_a_forked_child(monkeypatch):
+    """A child made by fork inherits the queue but not the threads: it must start its own
+    (else its first parallel copy would wait forever). Simulated by a new process id."""
+    workers = copy_mod.CopyWorkers(2)
+    seen = []
+    copy_mod.split_threads([1, 2], 1 << 30, 2, seen.append, workers)
+    parent_jobs = workers._jobs
+    monkeypatch.setattr(copy_mod.os, "getpid", lambda: -1)
+    copy_mod.split_threads([3, 4], 1 << 30, 2, seen.append, workers)
+    assert workers._jobs is not parent_jobs
+    assert sorted(x for part in seen for x in part) == [1, 2, 3, 4]
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=12))
+def test_coalesce_matches_a_loop(pairs):
+    dst = torch.tensor([d for d, _ in pairs], dtype=torch.int64)
+    src = torch.tensor([s for _, s in pairs], dtype=torch.int64)
+    want = []
+    for d, s in pairs:
+        if want and want[-1][0] + want[-1][2] == d and want[-1][1] + want[-1][2] == s:
+            want[-1][2] += 1
+        else:
+            want.append([d, s, 1])
+    runs = cpu.Runs(*(list(x) for x in zip(*want))) if want else cpu.Runs([], [], [])
+    assert coalesce(dst, src) == runs

@@ -8,6 +8,7 @@ Elsewhere (CUDA) the pairs are torch views copied with ``Tensor.copy_``.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -51,16 +52,20 @@ class CopyWorkers:
         self.threads = threads
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._started = False
+        self._pid: int | None = None  # the process whose threads serve ``_jobs``
 
     def _start(self) -> None:
+        # NOTE: a forked child inherits the queue but not the threads: start its own
+        if self._pid == os.getpid():
+            return
         with self._lock:
-            if self._started:
+            if self._pid == os.getpid():
                 return
+            self._jobs = queue.SimpleQueue()
             for _ in range(self.threads - 1):
                 threading.Thread(target=_serve, args=(self._jobs,), name="kvtier-copy", daemon=True).start()
             weakref.finalize(self, _stop, self._jobs, self.threads - 1)
-            self._started = True
+            self._pid = os.getpid()
 
     def run(self, parts: Sequence[Sequence[T]], run: Callable[[Sequence[T]], None]) -> None:
         """``run(part)`` for every part at once: ``parts[0]`` here, the others on the workers.
