@@ -148,10 +148,20 @@ def test_copy_workers_are_reused_and_pass_errors_back():
 def test_plan_cuts_a_single_run_into_pieces():
     dst, src = np.zeros((10, 3), np.int16), np.arange(30, dtype=np.int16).reshape(10, 3)
     runs = cpu.Runs([0], [0], [10])
-    tasks = cpu.plan([(dst, src)], runs, min_tasks=3)
-    assert [(t.a, t.b, t.n) for t in tasks] == [(0, 0, 4), (4, 4, 4), (8, 8, 2)] and not any(t.staged for t in tasks)
+    tasks = cpu.plan([(dst, src)], runs, parts=3)
+    assert [t.runs for t in tasks] == [[(0, 0, 4)], [(4, 4, 4)], [(8, 8, 2)]] and not any(t.staged for t in tasks)
     cpu.run_tasks(tasks)
     assert np.array_equal(dst, src)
+
+
+def test_plan_deals_each_pairs_runs_over_the_parts():
+    a, b = np.zeros((6, 2), np.int16), np.zeros((6, 2), np.int16)
+    runs = cpu.Runs([5, 0, 3, 1], [0, 1, 2, 3], [1, 1, 1, 1])
+    tasks = cpu.plan([(a, b), (b, a)], runs, parts=2)
+    assert [(t.dst is a, t.runs) for t in tasks] == [
+        (True, [(5, 0, 1), (3, 2, 1)]), (True, [(0, 1, 1), (1, 3, 1)]),
+        (False, [(5, 0, 1), (3, 2, 1)]), (False, [(0, 1, 1), (1, 3, 1)])]
+    assert len(cpu.plan([(a, b)], cpu.Runs([0], [0], [1]), parts=4)) == 1  # one page: one part
 
 
 def test_contiguous_bytes_and_staging_view():

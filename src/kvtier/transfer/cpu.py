@@ -47,16 +47,15 @@ STAGE_MAX_BYTES = 16 << 20
 
 
 class Task(NamedTuple):
-    """``dst[a:a + n] <- src[b:b + n]`` (pages of page-major views); ``staged`` pages go one
-    by one through a staging buffer. Views are cut by the thread that runs the task, so that
-    building them overlaps other threads' copies (which release the GIL)."""
+    """For each ``(a, b, n)`` of ``runs``: ``dst[a:a + n] <- src[b:b + n]`` (pages of page-major
+    views); ``staged`` pages go one by one through a staging buffer. Views are cut by the
+    thread that runs the task, so that building them overlaps other threads' copies (which
+    release the GIL), and a task holds many runs, so that planning costs no object per page."""
 
     dst: np.ndarray
     src: np.ndarray
-    a: int
-    b: int
-    n: int
     staged: bool
+    runs: list[tuple[int, int, int]]
 
 
 def contiguous_bytes(dst: np.ndarray, src: np.ndarray | None = None) -> int:
@@ -129,41 +128,42 @@ class _Buffers:
 _BUFFERS = _Buffers()
 
 
-def plan(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, min_tasks: int = 1) -> list[Task]:
-    """Tasks for copying every run of ``runs`` for every page-major ``(dst, src)`` view pair.
-    When there are fewer runs than ``min_tasks``, runs are cut so that every thread gets some."""
+def plan(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, parts: int = 1) -> list[Task]:
+    """Tasks copying every run of ``runs`` for every page-major ``(dst, src)`` view pair, each
+    pair's runs dealt round-robin over ``parts`` tasks: ``tasks[i::parts]`` is part ``i``.
+    When there are fewer runs than ``parts``, runs are cut so that every part gets some."""
     triples = list(zip(runs.dst_start, runs.src_start, runs.length))
-    if len(triples) * len(pairs) < min_tasks:
-        pieces = -(-min_tasks // (len(triples) * len(pairs)))
+    if len(triples) < parts:
+        pieces = -(-parts // len(triples))
         triples = [(a + i, b + i, min(step, n - i)) for a, b, n in triples
                    for step in (-(-n // pieces),) for i in range(0, n, step)]
-    tasks = []
-    for dst, src in pairs:
-        staged = use_staging(dst[0], src[0])
-        tasks += [Task(dst, src, a, b, n, staged) for a, b, n in triples]
-    return tasks
+    parts = min(parts, len(triples))
+    return [Task(dst, src, staged, triples[i::parts])
+            for dst, src in pairs for staged in (use_staging(dst[0], src[0]),) for i in range(parts)]
 
 
 def run_tasks(tasks: Sequence[Task]) -> None:
     """Execute tasks in order on the calling thread."""
     buf = None
     try:
-        for dst, src, a, b, n, staged in tasks:
+        for dst, src, staged, triples in tasks:
             if not staged:
-                if n == 1:  # NOTE: an int index cuts a view about twice as fast as a slice
-                    np.copyto(dst[a], src[b])
-                else:
-                    np.copyto(dst[a:a + n], src[b:b + n])
+                for a, b, n in triples:
+                    if n == 1:  # NOTE: an int index cuts a view about twice as fast as a slice
+                        np.copyto(dst[a], src[b])
+                    else:
+                        np.copyto(dst[a:a + n], src[b:b + n])
                 continue
             if buf is None or buf.nbytes < src[0].nbytes:  # components differ in page size
                 if buf is not None:
                     _BUFFERS.give(buf)
                 buf = _BUFFERS.take(src[0].nbytes)
-            for i in range(n):
-                page = src[b + i]
-                stage = staging_view(buf, page)
-                np.copyto(stage, page)
-                np.copyto(dst[a + i], stage)
+            for a, b, n in triples:
+                for i in range(n):
+                    page = src[b + i]
+                    stage = staging_view(buf, page)
+                    np.copyto(stage, page)
+                    np.copyto(dst[a + i], stage)
     finally:
         if buf is not None:
             _BUFFERS.give(buf)
@@ -175,5 +175,8 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, nbytes: int
     the pages across ``threads`` threads (``workers``' when given) when there are enough
     bytes to move."""
     parallel = threads if nbytes >= _copy.PARALLEL_MIN_BYTES else 1
-    pairs = [widen(d, s) for d, s in pairs]
-    _copy.split_threads(plan(pairs, runs, min_tasks=parallel), nbytes, parallel, run_tasks, workers)
+    if workers is not None:
+        parallel = min(parallel, workers.threads)
+    tasks = plan([widen(d, s) for d, s in pairs], runs, parts=parallel)
+    # NOTE: split_threads deals tasks[i::parallel] to thread i: part i of every pair
+    _copy.split_threads(tasks, nbytes, parallel, run_tasks, workers)
