@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence, TypeVar
@@ -64,7 +65,7 @@ class CopyWorkers:
             self._jobs = queue.SimpleQueue()
             for _ in range(self.threads - 1):
                 threading.Thread(target=_serve, args=(self._jobs,), name="kvtier-copy", daemon=True).start()
-            weakref.finalize(self, _stop, self._jobs, self.threads - 1)
+            weakref.finalize(self, _stop, self._jobs, self.threads - 1).atexit = False
             self._pid = os.getpid()
 
     def run(self, parts: Sequence[Sequence[T]], run: Callable[[Sequence[T]], None]) -> None:
@@ -93,10 +94,20 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         except BaseException as e:  # re-raised on the calling thread
             errors.append(e)
         finally:
+            # NOTE: drop the views before the caller goes on: a thread that frees a tensor
+            # after the main thread began to exit dies inside torch's C++ code and aborts
+            # the process ("terminate called without an active exception", exit 134)
+            job = run = part = None
             event.set()
 
 
 def _stop(jobs: queue.SimpleQueue, count: int) -> None:
+    # NOTE: never while the interpreter exits (not at exit, nor when the pool is collected
+    # during teardown): woken then, the threads die mid-call into C++ code (torch) and
+    # abort the process ("terminate called without an active exception", exit 134).
+    # Left blocked on the queue, daemon threads end with the process.
+    if sys.is_finalizing():
+        return
     for _ in range(count):
         jobs.put(None)
 
