@@ -52,7 +52,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
             dst, src = blocks_t, pages_t
         nbytes = len(pages_t) * self._block_bytes
         copy_pages(pairs, dst, src, layer=None, nbytes=nbytes, io_backend="auto",
-                   threads=self.tier.pool.copy_threads)
+                   threads=self.tier.pool.copy_threads, workers=self.tier.pool.copy_workers)
         self._finished.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
 
