@@ -16,7 +16,12 @@ that has the source's memory order (long sequential reads), then from there into
 the destination in its own order (sequential writes; the short reads hit cache).
 Memory is then read and written in long runs only; the transpose happens in cache.
 
-In both, the trailing axes contiguous on both sides (at least ``dim``) are seen as one
+Where the compiled module is built (``kvtier.transfer.native``; ``KVTIER_NATIVE=0`` turns
+it off), it replaces both: one C call per task copies every block in the source's order,
+prefetching the source and streaming whole destination lines (faster for every layout
+and direction measured); numpy stays the fallback, complete.
+
+In all, the trailing axes contiguous on both sides (at least ``dim``) are seen as one
 opaque element (:func:`widen`), so numpy steps once per head row, not per number.
 Pages are split across threads (``copy.split_threads``, ``copy.CopyWorkers``): ``np.copyto`` releases the GIL.
 """
@@ -30,6 +35,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from . import copy as _copy
+from . import native
 from .runs import Runs
 
 #: A page is staged when the block both sides share is shorter than ``STAGE_BELOW_BYTES``
@@ -56,6 +62,7 @@ class Task(NamedTuple):
     src: np.ndarray
     staged: bool
     runs: list[tuple[int, int, int]]
+    native: bool = False  # copied by the compiled path (``kvtier.transfer.native``) instead
 
 
 def contiguous_bytes(dst: np.ndarray, src: np.ndarray | None = None) -> int:
@@ -138,15 +145,22 @@ def plan(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, parts: int 
         triples = [(a + i, b + i, min(step, n - i)) for a, b, n in triples
                    for step in (-(-n // pieces),) for i in range(0, n, step)]
     parts = min(parts, len(triples))
-    return [Task(dst, src, staged, triples[i::parts])
-            for dst, src in pairs for staged in (use_staging(dst[0], src[0]),) for i in range(parts)]
+    return [Task(dst, src, staged, triples[i::parts], compiled)
+            for dst, src in pairs
+            for staged in (use_staging(dst[0], src[0]),)
+            # NOTE: memcpy's blocks must not overlap; numpy copies overlapping views right
+            for compiled in (native.enabled() and not np.may_share_memory(dst, src),)
+            for i in range(parts)]
 
 
 def run_tasks(tasks: Sequence[Task]) -> None:
     """Execute tasks in order on the calling thread."""
     buf = None
     try:
-        for dst, src, staged, triples in tasks:
+        for dst, src, staged, triples, compiled in tasks:
+            if compiled:
+                native.copy_runs(dst, src, triples)
+                continue
             if not staged:
                 for a, b, n in triples:
                     if n == 1:  # NOTE: an int index cuts a view about twice as fast as a slice
