@@ -1,0 +1,194 @@
+"""The compiled copy path (``kvtier.transfer._native``) against the pure numpy path.
+
+Every layout x geometry x direction is copied both ways and compared byte for byte,
+with the expected pages too. The C function's own checks (every block inside both
+buffers, before any byte moves; argument types) are tested directly. Where the module
+is not built, its tests are skipped, or fail under KVTIER_REQUIRE_SERVICES=1 (CI).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
+from kvtier import HostKVPool, KVSpec
+from kvtier.transfer import cpu, native
+from services import unavailable
+
+# dim rows of 64 bytes (bf16 x 32): whole cache lines, so the streaming-store branch runs too
+GEOMETRIES = {**SPECS, "lines": KVSpec.mha(2, 2, 32)}
+
+
+@pytest.fixture
+def compiled():
+    """The compiled module, or skip (fail under KVTIER_REQUIRE_SERVICES=1) when it is not built."""
+    if native._native is None:
+        unavailable("kvtier.transfer._native is not built (no C compiler at install time?)")
+    return native._native
+
+
+def test_native_module_is_built(compiled):
+    """CI builds the extension: a missing one fails there instead of silently testing numpy only."""
+    assert callable(compiled.copy_pages)
+
+
+def _copies(spec, layout, threads, monkeypatch, calls):
+    """Backup then per-layer loads with the current switch; the host and destination bytes."""
+    page_size = 16
+    host_pages, src_pages, dst_pages = [3, 0, 1, 5, 6, 7], [6, 2, 3, 0, 1, 4], [1, 7, 4, 0, 2, 3]
+    src = random_device_pool(spec, 10 * page_size, page_size, seed=1)
+    dst = random_device_pool(spec, 10 * page_size, page_size, seed=2)
+    host = HostKVPool(spec, 9 * page_size, page_size, layout=layout, copy_threads=threads)
+    gen = torch.Generator().manual_seed(3)
+    for buf in host.buffers.values():
+        fill_random(buf, gen)
+    monkeypatch.setattr(native, "copy_runs", _counted(native.copy_runs, calls))
+    # NOTE: force the thread split (these pools are far below the default threshold)
+    monkeypatch.setattr(cpu._copy, "PARALLEL_MIN_BYTES", 0)
+    host.backup_from_device_all_layer(src, slots(host_pages, page_size), slots(src_pages, page_size), "direct")
+    for layer in range(spec.layer_num):
+        host.load_to_device_per_layer(dst, slots(host_pages, page_size), slots(dst_pages, page_size), layer,
+                                      "direct")
+    want = {n: [bits(dst.buffer(n, layer)).clone() for layer in range(spec.layer_num)] for n in spec.names}
+    for n in spec.names:  # what the loads must have produced, from the source pool itself
+        for layer in range(spec.layer_num):
+            got = bits(dst.buffer(n, layer))
+            expect = bits(src.buffer(n, layer))[slots(src_pages, page_size)]
+            assert torch.equal(got[slots(dst_pages, page_size)], expect), (n, layer)
+    return {n: bits(b).clone() for n, b in host.buffers.items()}, want
+
+
+def _counted(fn, calls):
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return spy
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+@pytest.mark.parametrize("spec_name", list(GEOMETRIES))
+def test_native_matches_pure_path(monkeypatch, compiled, spec_name, layout, threads):
+    """Backups and per-layer loads give the same bytes with and without the compiled path
+    (and the loads give back the source's pages); the switch really changes the path."""
+    spec = GEOMETRIES[spec_name]
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVTIER_NATIVE", flag)
+        calls = []
+        results[flag] = _copies(spec, layout, threads, monkeypatch, calls)
+        assert bool(calls) == (flag == "1"), "KVTIER_NATIVE must pick the path"
+    (host_n, dst_n), (host_p, dst_p) = results["1"], results["0"]
+    for n in spec.names:
+        assert torch.equal(host_n[n], host_p[n]), n
+        for layer in range(spec.layer_num):
+            assert torch.equal(dst_n[n][layer], dst_p[n][layer]), (n, layer)
+
+
+def test_pure_path_without_module(monkeypatch):
+    """With the module missing (as on a machine without a compiler) the numpy path copies."""
+    monkeypatch.setattr(native, "_native", None)
+    assert not native.enabled() and native.path_name() == "numpy"
+    calls = []
+    _copies(GEOMETRIES["asym"], "page_head", 2, monkeypatch, calls)
+    assert not calls
+
+
+def test_overlapping_views_stay_on_numpy(compiled):
+    """memcpy must not copy overlapping blocks: views sharing memory are left to numpy."""
+    a = np.arange(64, dtype=np.int16).reshape(8, 8)
+    before = a.copy()
+    tasks = cpu.plan([(a[1:], a[:-1])], cpu.Runs([0], [0], [7]))
+    assert tasks and not any(t.native for t in tasks)
+    cpu.run_tasks(tasks)
+    assert np.array_equal(a[1:], before[:-1]) and np.array_equal(a[0], before[0])
+
+
+def _bufs():
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    return dst, src
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_copy_pages_blocks(compiled, stream):
+    """Each page's blocks land where the strides say, in any page order; both store kinds."""
+    src = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    # pages of 2 x 2 blocks of 64 bytes: source rows 128 apart, blocks 64 apart; dest transposed
+    d_pages, s_pages = np.array([2048, 0], dtype=np.int64), np.array([0, 1024], dtype=np.int64)
+    compiled.copy_pages(dst, src, d_pages, s_pages, (2, 2), (64, 128), (128, 64), 64, stream)
+    want = np.zeros_like(dst)
+    for d, s in zip(d_pages, s_pages):
+        for i in range(2):
+            for j in range(2):
+                want[d + 64 * i + 128 * j:][:64] = src[s + 128 * i + 64 * j:][:64]
+    assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("side", ["dst", "src"])
+@pytest.mark.parametrize("offset", [-1, 200, 1 << 62, -(1 << 62)])
+def test_copy_pages_checks_every_block_first(compiled, side, offset):
+    """An offset putting any block outside either buffer raises before a byte is written
+    (the first, valid pages are not copied either)."""
+    dst, src = _bufs()
+    d_pages = np.array([0, 16, 32], dtype=np.int64)
+    s_pages = np.array([0, 16, 32], dtype=np.int64)
+    (d_pages if side == "dst" else s_pages)[2] = offset
+    with pytest.raises(ValueError, match=side):
+        compiled.copy_pages(dst, src, d_pages, s_pages, (2,), (64,), (64,), 16)
+    assert not dst.any()
+
+
+def test_copy_pages_checks_strided_extent(compiled):
+    """The last block of a page (its largest stride times its count) is checked too."""
+    dst, src = _bufs()
+    pages = np.array([0], dtype=np.int64)
+    with pytest.raises(ValueError, match="src"):
+        compiled.copy_pages(dst, src, pages, pages, (4,), (16,), (81,), 16)  # block 3 ends at 259 > 256
+    assert not dst.any()
+    compiled.copy_pages(dst, src, pages, pages, (4,), (16,), (80,), 16)  # block 3 ends at 256: fits
+    assert np.array_equal(dst[:64].reshape(4, 16), np.stack([src[80 * i:80 * i + 16] for i in range(4)]))
+    assert not dst[64:].any()
+
+
+def test_copy_pages_checks_negative_strides(compiled):
+    """A negative stride reaching before the buffer is caught like a positive one."""
+    dst, src = _bufs()
+    with pytest.raises(ValueError, match="src"):
+        compiled.copy_pages(dst, src, np.array([0], np.int64), np.array([16], np.int64), (2,), (16,), (-32,), 16)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("bad", [
+    dict(d_pages=np.array([0, 16], dtype=np.int32)),  # not int64
+    dict(d_pages=np.array([0.0], dtype=np.float64)),  # not integers
+    dict(s_pages=np.array([0, 16, 32], dtype=np.int64)),  # lengths differ
+    dict(d_pages=np.zeros((1, 1), dtype=np.int64)),  # not 1-d
+    dict(block=0),
+    dict(block=-16),
+    dict(shape=(1,) * 7, d_strides=(0,) * 7, s_strides=(0,) * 7),  # too many axes
+    dict(shape=(2,), d_strides=(16, 16)),  # strides do not match the shape
+    dict(shape=(-1,)),
+])
+def test_copy_pages_rejects_bad_arguments(compiled, bad):
+    dst, src = _bufs()
+    args = dict(d_pages=np.array([0], np.int64), s_pages=np.array([0], np.int64), shape=(2,), d_strides=(16,),
+                s_strides=(16,), block=16)
+    args.update(bad)
+    with pytest.raises(ValueError):
+        compiled.copy_pages(dst, src, args["d_pages"], args["s_pages"], args["shape"], args["d_strides"],
+                            args["s_strides"], args["block"])
+    assert not dst.any()
+
+
+def test_copy_pages_rejects_read_only_or_non_buffers(compiled):
+    dst, src = _bufs()
+    pages = np.array([0], np.int64)
+    with pytest.raises((TypeError, BufferError)):
+        compiled.copy_pages(bytes(256), src, pages, pages, (1,), (0,), (0,), 16)  # read-only destination
+    with pytest.raises(TypeError):
+        compiled.copy_pages(dst, [0] * 256, pages, pages, (1,), (0,), (0,), 16)  # not a buffer
+    with pytest.raises(TypeError):
+        compiled.copy_pages(dst, src, [0], pages, (1,), (0,), (0,), 16)  # offsets not a buffer
+    assert not dst.any()
