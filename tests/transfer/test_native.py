@@ -192,3 +192,20 @@ def test_copy_pages_rejects_read_only_or_non_buffers(compiled):
     with pytest.raises(TypeError):
         compiled.copy_pages(dst, src, [0], pages, (1,), (0,), (0,), 16)  # offsets not a buffer
     assert not dst.any()
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_bench_transfer_reports_copy_path(monkeypatch, capsys, flag):
+    """``kvtier bench transfer`` says which copy path ran, in its JSON config and header."""
+    import json
+
+    from kvtier.cli import main
+
+    monkeypatch.setenv("KVTIER_NATIVE", flag)
+    want = "native" if flag == "1" and native._native is not None else "numpy"
+    args = ["bench", "transfer", "--layers", "2", "--heads", "2", "--dims", "16", "--page-size", "4", "--pages", "4",
+            "--layouts", "page_head", "--backends", "direct", "--repeat", "1", "--meta-pages", "4"]
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["copy_path"] == want
+    assert main(args) == 0
+    assert f"CPU copy path {want}" in capsys.readouterr().out

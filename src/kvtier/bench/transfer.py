@@ -18,6 +18,7 @@ from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
 from ..pools.indices import page_slots
 from ..spec import KVSpec
+from ..transfer import native
 from .timing import best_seconds, memcpy_gbps
 
 
@@ -138,7 +139,7 @@ def run(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page
         "config": {"layers": layers, "heads": heads, "dims": [list(d) for d in dims], "page_sizes": list(page_sizes),
                    "pages": pages, "repeat": repeat, "torch_threads": torch.get_num_threads(), "dtype": "bf16",
                    "device": device, "device_name": torch.cuda.get_device_name() if device.startswith("cuda")
-                   else "cpu"},
+                   else "cpu", "copy_path": native.path_name()},
         "memcpy_gbps": limits,
         "transfer": [asdict(r) for r in rows],
         "meta": [asdict(r) for r in meta],

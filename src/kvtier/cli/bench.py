@@ -69,7 +69,7 @@ def transfer_command(args: argparse.Namespace) -> int:
     cfg = result["config"]
     print(f"{cfg['layers']} layers, {cfg['heads']} KV heads, bf16, page sizes {cfg['page_sizes']}, "
           f"{cfg['pages']} pages (of the largest size) in random order on both sides; device {cfg['device_name']}; "
-          f"torch threads {cfg['torch_threads']}")
+          f"torch threads {cfg['torch_threads']}; CPU copy path {cfg['copy_path']}")
     for key, gbps in result["memcpy_gbps"].items():
         print(f"memcpy limit for {key}: backup (device->host) {gbps['backup']:.2f} GB/s, "
               f"load (host->device) {gbps['load']:.2f} GB/s")
