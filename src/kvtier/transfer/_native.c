@@ -253,6 +253,7 @@ PyDoc_STRVAR(copy_pages_doc,
 "with streaming stores.");
 
 static PyObject *copy_pages(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *dst_obj, *src_obj, *dpage_obj, *spage_obj, *shape_obj, *dstr_obj, *sstr_obj;
     Py_ssize_t block;
     int allow_stream = 1;
@@ -337,6 +338,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier.transfer._native",
     "Optional compiled block copy for kvtier's CPU transfers (see copy_pages).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
