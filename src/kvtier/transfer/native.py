@@ -4,9 +4,10 @@
 the source some blocks ahead and writing whole destination lines with streaming stores:
 that hides the memory latency of short scattered reads (page_head's per-layer load
 reads 256-byte blocks 8 KiB apart) and saves reading the destination before writing
-it, which numpy cannot. Measured on the reference spec, it is as fast or faster than
-numpy for every layout and direction, so the CPU engine uses it for every copy. It is built by ``pip install`` where a C compiler is present
-(``setup.py``, ``optional=True``); where it is not, kvtier copies with numpy alone.
+it, which numpy cannot. Measured on the reference spec, it is as fast as numpy or faster
+for every layout and direction, so the CPU engine (``cpu.plan``) uses it for every copy
+between views that do not overlap. It is built by ``pip install`` where a C compiler is
+present (``setup.py``, ``optional=True``); where it is not, kvtier copies with numpy alone.
 
 Environment: ``KVTIER_NATIVE=0`` forces the pure numpy path (read at each copy, so
 tests and benchmarks can switch it).
@@ -23,6 +24,7 @@ try:
     from . import _native
 except ImportError:  # not compiled here (no compiler at install time): numpy does every copy
     _native = None
+
 
 def enabled() -> bool:
     """Whether copies may use the compiled path: built, and not switched off."""
@@ -50,7 +52,7 @@ def _span(a: np.ndarray) -> tuple[int, int]:
 class Blocks:
     """One page's copy as blocks: ``shape``/``strides`` over the axes left once the trailing
     axes contiguous on both sides are merged into one ``block`` of bytes, loops ordered
-    by the destination's memory (sequential writes). Built from page views (no page axis)."""
+    by the source's memory (outermost = longest stride). Built from page views (no page axis)."""
 
     def __init__(self, dst_page: np.ndarray, src_page: np.ndarray) -> None:
         if dst_page.shape != src_page.shape:
