@@ -67,3 +67,22 @@ def flat_page(pool: DeviceKVPool, first_slot: int, page_size: int) -> torch.Tens
     """The canonical flat page: per component ``(layer, slot, head, dim)``, concatenated."""
     return torch.cat([logical_page(pool, n, first_slot, page_size).transpose(0, 1).reshape(-1)
                       for n in pool.spec.names])
+
+
+def record_copy_threads(monkeypatch) -> list:
+    """Make every copy split across threads (no size threshold) and return the list
+    the copy threads are appended to as they start."""
+    import threading
+
+    from kvtier.transfer import copy as copy_mod
+
+    started = []
+
+    class CountingThread(threading.Thread):
+        def start(self):
+            started.append(self)
+            super().start()
+
+    monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(copy_mod.threading, "Thread", CountingThread)
+    return started

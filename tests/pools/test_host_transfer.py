@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtier import DeviceKVPool, HostKVPool
-from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
+from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, record_copy_threads, slots
 
 BACKENDS = ["direct", "kernel", "auto"]
 PAGE_SIZES = [1, 16]
@@ -94,19 +94,7 @@ def test_from_buffers_separate_and_strided_engine_tensors():
 
 def test_threaded_copy_splits_work_and_stays_exact(monkeypatch):
     """With the threading threshold at 0 every copy splits across threads; bytes must not change."""
-    import threading
-
-    from kvtier.transfer import copy as copy_mod
-
-    started = []
-
-    class CountingThread(threading.Thread):
-        def start(self):
-            started.append(self)
-            super().start()
-
-    monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(copy_mod.threading, "Thread", CountingThread)
+    started = record_copy_threads(monkeypatch)
     spec, page_size = SPECS["asym"], 16
     host = HostKVPool(spec, 16 * page_size, page_size, layout="page_head", copy_threads=3)
     src = random_device_pool(spec, 16 * page_size, page_size, seed=9)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
+from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, record_copy_threads, slots
 from kvtier import DeviceKVPool, HostKVPool, KVSpec
 from kvtier.transfer import copy as copy_mod
 from kvtier.transfer import coalesce, cpu
@@ -110,15 +110,7 @@ def test_staging_grows_for_a_later_larger_component(monkeypatch):
 def test_thread_split_of_long_and_odd_runs(monkeypatch, layout, threads):
     """Runs consecutive on both sides are cut into pieces so that every thread gets some;
     7 pages (odd) over 2, 3 and 5 threads, staged and direct, stay exact."""
-    started = []
-
-    class CountingThread(threading.Thread):
-        def start(self):
-            started.append(self)
-            super().start()
-
-    monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(copy_mod.threading, "Thread", CountingThread)
+    started = record_copy_threads(monkeypatch)
     monkeypatch.setattr(cpu, "STAGE_BELOW_BYTES", 256)
     monkeypatch.setattr(cpu, "STAGE_SOURCE_BYTES", 256)
     consecutive = list(range(1, 8))
