@@ -1,7 +1,8 @@
-"""Build hook for the optional compiled copy path (metadata lives in pyproject.toml).
+"""Build hook for kvtier's optional compiled parts (metadata lives in pyproject.toml).
 
-``kvtier.transfer._native`` is ``optional``: where it fails to compile (no compiler,
-unusual platform) setuptools skips it and kvtier uses its pure numpy copy path.
+``kvtier.transfer._native`` (the CPU block copy) and ``kvtier.cache._tokens`` (token
+ids from lists) are ``optional``: where one fails to compile (no compiler, unusual
+platform) setuptools skips it and kvtier uses its pure-Python path.
 """
 
 import sys
@@ -11,4 +12,6 @@ from setuptools import Extension, setup
 _ARGS = [] if sys.platform == "win32" else ["-O3", "-std=c99"]
 
 setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_native.c"],
+                             optional=True, extra_compile_args=_ARGS),
+                   Extension("kvtier.cache._tokens", ["src/kvtier/cache/_tokens.c"],
                              optional=True, extra_compile_args=_ARGS)])

@@ -8,6 +8,7 @@ so ``None``/``""``/``b""`` are one tenant and ``"t"``/``b"t"`` another.
 from __future__ import annotations
 
 import functools
+import os
 import struct
 from array import array
 
@@ -15,6 +16,17 @@ import numpy as np
 import torch
 
 _INT64 = np.iinfo(np.int64)
+_ZERO = array("q", [0])
+_ALL_INTS = object()
+
+# the compiled list reader, built by setup.py where a C compiler exists; KVTIER_NATIVE=0
+# (read at import) keeps to the pure path, as for the copy path
+_fill_int64 = None
+if os.environ.get("KVTIER_NATIVE", "1") != "0":
+    try:
+        from ._tokens import fill_int64 as _fill_int64
+    except ImportError:
+        pass
 
 
 def token_array(token_ids) -> array:
@@ -38,14 +50,18 @@ def token_array(token_ids) -> array:
             token_ids = list(token_ids)
         except TypeError:
             raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
+    if _fill_int64 is not None:
+        out = _ZERO * len(token_ids)
+        if _fill_int64(out, token_ids):
+            return out
     out = array("q")
     try:
         # NOTE: one struct.pack over the whole list checks and converts every id in C,
         # about 3x faster than array('q', list) (which grows the array item by item).
         out.frombytes(_packer(len(token_ids)).pack(*token_ids))
     except struct.error:
-        bad = next((t for t in token_ids if not isinstance(t, int)), None)
-        if bad is None:
+        bad = next((t for t in token_ids if not isinstance(t, int)), _ALL_INTS)
+        if bad is _ALL_INTS:
             raise ValueError("token_ids hold an id outside the int64 range") from None
         raise ValueError(f"token_ids must be a 1-D sequence of ints, got an element of type "
                          f"{type(bad).__name__}") from None
