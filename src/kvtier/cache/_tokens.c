@@ -18,6 +18,7 @@ PyDoc_STRVAR(fill_int64_doc,
 "False (``dst`` partly written, no exception) as soon as one is not.");
 
 static PyObject *fill_int64(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *dst_obj, *ids;
     if (!PyArg_ParseTuple(args, "OO:fill_int64", &dst_obj, &ids))
         return NULL;
@@ -69,6 +70,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier.cache._tokens",
     "Token ids from Python lists into int64 buffers (optional; kvtier.cache.tokens falls back).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__tokens(void) { return PyModule_Create(&module); }
