@@ -126,3 +126,34 @@ def test_a_match_given_its_walk_stamps_only_the_part_it_used_too():
     tokens = array("q", [1, 2, 9, 9])
     path, matched, made = tree.match(tokens, b"", tree.walk(tokens, b""))
     assert matched == 2 and path[0].last_access > before and whole.last_access == before
+
+
+def test_device_slots_of_a_split_chain_are_its_nodes_slots_in_order():
+    """A node split into one node per page, its tail evicted and loaded back into new
+    slots: the match's device slots are still each node's own, in path order."""
+    import torch
+
+    from engine import PAGE, make_cache
+
+    cache = make_cache(device_tokens=64, host_tokens=64, write_policy="write_through")
+    tokens = list(range(100, 124))  # 6 pages
+    cache.insert(tokens, cache.alloc_device(len(tokens)))
+    for i in range(1, 6):  # a sibling after every page: the chain is split at every page boundary
+        branch = tokens[:i * PAGE] + [900 + i] * PAGE
+        slots = cache.alloc_device(len(branch))
+        cache.free_device(slots[:cache.insert(branch, slots)])
+    cache.flush()
+    expected = lambda m: torch.cat([n.device for n in m.path if n.device is not None])  # noqa: E731
+    match = cache.match_prefix(tokens)
+    assert len(match.path) == 6 and torch.equal(match.device_indices, expected(match))
+    for _ in range(2):  # the siblings go first, then the chain's last pages: host-only now
+        cache.evict_device(3 * PAGE)
+    got = cache.acquire(tokens)  # loads the chain's tail back into new slots
+    try:
+        match = cache.match_prefix(tokens)
+        assert match.device_len == len(tokens) and torch.equal(match.device_indices, expected(match))
+        assert torch.equal(got.device_indices, match.device_indices)
+    finally:
+        cache.release(got)
+    cache.check_integrity()
+    cache.close()

@@ -35,6 +35,19 @@ from .radix import Node, RadixTree
 from .stats import CacheStats
 
 
+def _device_count(path) -> int:
+    """How many nodes of ``path`` have a device copy: device copies are prefix-closed,
+    so they are ``path[:k]``, found by bisection (a fragmented path crosses hundreds)."""
+    lo, hi = 0, len(path)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if path[mid].device is None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 class CacheState:
     def __init__(self, device_pool, host_pool, allocator, *, write_policy: str, stats: CacheStats,
                  namespace: str | None, hash: str, has_storage: bool) -> None:
@@ -56,15 +69,7 @@ class CacheState:
         path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
-        # NOTE: device copies are prefix-closed, so the device nodes are path[:k]: found by
-        # bisection, not a scan (a fragmented path crosses hundreds of nodes)
-        lo, hi = 0, len(path)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if path[mid].device is None:
-                hi = mid
-            else:
-                lo = mid + 1
+        lo = _device_count(path)
         device_len, host_len = matched, 0
         for i in range(lo, len(path)):
             device_len -= len(path[i].key)
@@ -78,10 +83,15 @@ class CacheState:
 
     def device_slots(self, path) -> torch.Tensor:
         """The device slots of ``path`` (its device nodes come first), in a new tensor."""
+        k = _device_count(path)
+        if k and path[0].dev_base is path[k - 1].dev_base:
+            # NOTE: the nodes of a path that share a base are one run of it, in order
+            # (only a split shares a base, and its pieces stay parent and child; a piece
+            # leaves the device only after the pieces below it): one slice, no loop
+            first, last = path[0], path[k - 1]
+            return first.dev_base[first.dev_at:last.dev_at + len(last.key)].clone()
         runs, base, start, end = [], None, 0, 0
-        for n in path:  # NOTE: pieces of one split node are adjacent views: one slice per run
-            if n.device is None:
-                break
+        for n in path[:k]:  # pieces of one split node are adjacent views: one slice per run
             if n.dev_base is base and n.dev_at == end:
                 end += len(n.key)
                 continue
@@ -432,6 +442,19 @@ class CacheState:
         return already, len(tokens) - matched
 
     # -- integrity ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_base_run(node: Node) -> None:
+        """The ancestors of ``node`` that share its device base are its parent, its
+        parent's parent, ... with adjacent offsets, and no higher ancestor shares it
+        (what :meth:`device_slots` relies on)."""
+        up, at = node.parent, node.dev_at
+        while not up.is_root and up.dev_base is node.dev_base:
+            assert up.dev_at + len(up.key) == at, f"{up}: not adjacent to the next piece of its base"
+            at, up = up.dev_at, up.parent
+        while not up.is_root:
+            assert up.dev_base is not node.dev_base, f"{node}: its base reappears above a gap"
+            up = up.parent
+
     def check_integrity(self, engine_device_slots: int | None = None) -> None:
         """Assert the structural invariants (tests call it after every step):
         slots owned once, ownership map exact, device copies prefix-closed, no slot
@@ -444,6 +467,7 @@ class CacheState:
                 dev_pages += self._pages(node.device).tolist()
                 view = node.dev_base[node.dev_at:node.dev_at + len(node.key)]
                 assert torch.equal(view, node.device), f"{node}: device slots are not its base's run"
+                self._check_base_run(node)
             if node.host is not None:
                 host_slots += node.host.tolist()
             for tier, ok in (("device", self._device_evictable), ("host", self._host_evictable)):
