@@ -118,7 +118,10 @@ def _serve(cache: HierarchicalCache, blocks: array) -> tuple[int, int, int]:
         if new is not None:
             held = cache.commit(got, blocks, new).acquired
     finally:
-        cache.release(held)
+        # NOTE: Ctrl-C can land inside commit after it consumed ``got``: releasing it again
+        # would raise ValueError in place of the KeyboardInterrupt the CLI reports
+        if not held.lease.released:
+            cache.release(held)
     return got.device_hit, got.host_hit, got.storage_hit
 
 
