@@ -5,39 +5,31 @@ configuration (:class:`Replay`), or Belady's hits at one capacity (:class:`Oracl
 :func:`run_tasks` returns their results in task order, whatever the number of
 workers, so ``--jobs N`` prints exactly what ``--jobs 1`` prints.
 
-Workers are started by ``forkserver`` (``spawn`` where it does not exist): a clean
-process that has imported torch but run nothing forks them, so no worker inherits a
-parent's torch thread pool mid-use (which ``fork`` would risk). The server and the
-workers ignore SIGINT: Ctrl-C stops the parent, which stops them and exits with one line.
+Workers are fresh Python processes (``python -c``, so none inherits this process's
+torch threads) that talk JSON lines over their stdin and stdout
+(:mod:`kvtier.sim.wire`): the trace once, then one task per line and one result per
+line; nothing is pickled. They run in a session of their own and ignore SIGINT: a
+terminal's Ctrl-C reaches only this process, which stops them and exits with one line.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
+import selectors
 import signal
-import threading
-from typing import Callable, NamedTuple, Sequence, Union
+import subprocess
+import sys
+from typing import Callable, Sequence
 
 import torch
 
-from .simulator import SimConfig, SimResult, belady_hits, simulate
+from .simulator import SimResult, belady_hits, simulate
 from .traces import Request
+from .wire import Oracle, Replay, Task, read_result, read_task, read_trace, result_line, task_line, trace_line
 
+__all__ = ["Oracle", "Replay", "Task", "cpu_count", "run_task", "run_tasks", "worker_main"]
 
-class Replay(NamedTuple):
-    config: SimConfig
-
-
-class Oracle(NamedTuple):
-    capacity_tokens: float
-    block_tokens: int
-
-
-Task = Union[Replay, Oracle]
-
-_requests: list[Request] = []  # the trace, in a worker: sent once per worker, not once per task
+_WORKER = "from kvtier.sim.parallel import worker_main; worker_main()"
 
 
 def cpu_count() -> int:
@@ -68,68 +60,57 @@ def run_tasks(requests: list[Request], tasks: Sequence[Task], jobs: int,
             if done is not None:
                 done()
         return out
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    if ctx.get_start_method() == "forkserver":
-        _start_forkserver(ctx)
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True) for _ in range(workers)]
     out: list = [None] * len(tasks)
-    pool = None
     try:
-        with _sigint_deferred():  # a worker cut off while receiving the trace would print a traceback
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(requests,))
-        for i, result in pool.imap_unordered(_work, enumerate(tasks)):
-            out[i] = result
-            if done is not None:
-                done()
-    finally:
-        if pool is not None:  # also on Ctrl-C or an error: the workers stop here
-            pool.terminate()
+        trace = trace_line(requests) + "\n"
+        todo = iter(enumerate(tasks))
+        busy: dict[int, int] = {}  # worker -> index of the task it runs
+        with selectors.DefaultSelector() as ready:
+            for w, proc in enumerate(procs):
+                proc.stdin.write(trace)
+                ready.register(proc.stdout, selectors.EVENT_READ, w)
+                _hand_out(procs, w, todo, busy)
+            while busy:
+                for key, _ in ready.select():
+                    w = key.data
+                    line = procs[w].stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"simulate worker {w} exited with code {procs[w].wait()} "
+                                           f"during task {busy[w]}")
+                    out[busy.pop(w)] = read_result(line)
+                    if done is not None:
+                        done()
+                    _hand_out(procs, w, todo, busy)
+    finally:  # also on Ctrl-C or an error: the workers stop here
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:  # a worker killed mid-write: its pipe is broken, nothing to flush
+                    pass
     return out
 
 
-@contextlib.contextmanager
-def _sigint_deferred():
-    """Hold a SIGINT that arrives inside the block and raise ``KeyboardInterrupt`` as
-    the block ends (where Python's own handler is installed; else nothing changes)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    held = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
-        raise KeyboardInterrupt
+def _hand_out(procs, w: int, todo, busy: dict[int, int]) -> None:
+    """Send worker ``w`` the next task, if any."""
+    item = next(todo, None)
+    if item is not None:
+        busy[w] = item[0]
+        procs[w].stdin.write(task_line(item[1]) + "\n")
+        procs[w].stdin.flush()
 
 
-def _start_forkserver(ctx) -> None:
-    """Start the fork server (once per process), importing this module (so torch) in it
-    once for all workers, with SIGINT ignored: a terminal's Ctrl-C, sent to the whole
-    process group, must not print tracebacks from the server's imports or a worker's;
-    the server and every worker it forks keep that disposition."""
-    from multiprocessing import forkserver
-
-    ctx.set_forkserver_preload([__name__])
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()  # signal dispositions can only be set from the main thread
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        forkserver.ensure_running()  # NOTE: only the fork and exec happen here, not the server's imports
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _init_worker(requests: list[Request]) -> None:
+def worker_main() -> None:
+    """A ``--jobs`` worker: the trace on the first line of stdin, then a task per line,
+    answered by a result per line on stdout, until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the workers are the parallelism: intra-op threads would only contend
-    global _requests
-    _requests = requests
-
-
-def _work(item: tuple[int, Task]) -> tuple[int, SimResult | int]:
-    i, task = item
-    return i, run_task(_requests, task)
+    requests = read_trace(sys.stdin.readline())
+    for line in sys.stdin:
+        sys.stdout.write(result_line(run_task(requests, read_task(line))) + "\n")
+        sys.stdout.flush()
