@@ -8,7 +8,7 @@ workers, so ``--jobs N`` prints exactly what ``--jobs 1`` prints.
 Workers are fresh Python processes (``python -c``, so none inherits this process's
 torch threads) that talk JSON lines over their stdin and stdout
 (:mod:`kvtier.sim.wire`): the trace once, then one task per line and one result per
-line; nothing is pickled. They run in a session of their own and ignore SIGINT: a
+line; nothing else crosses. They run in a session of their own and ignore SIGINT: a
 terminal's Ctrl-C reaches only this process, which stops them and exits with one line.
 """
 

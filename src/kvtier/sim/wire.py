@@ -1,6 +1,6 @@
 """Sweep tasks and their results as JSON, for ``kvtier simulate --jobs`` workers.
 
-Nothing crosses between processes as pickle: the parent writes the trace once and
+Only JSON crosses between the processes: the parent writes the trace once and
 then one task per line, each worker answers one result per line. Floats round-trip
 exactly (``json`` writes ``repr``); infinity, which JSON lacks, is the string "inf".
 """
