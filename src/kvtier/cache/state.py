@@ -69,11 +69,10 @@ class CacheState:
         path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
-        lo = _device_count(path)
-        device_len, host_len = matched, 0
-        for i in range(lo, len(path)):
-            device_len -= len(path[i].key)
-        for i in range(lo, len(path)):
+        k = _device_count(path)
+        device_len = matched - sum(len(node.key) for node in path[k:])  # not a scan of the device part
+        host_len = 0
+        for i in range(k, len(path)):
             node = path[i]
             if node.host is None or node.backup is not None:  # neither copy is ready: the match ends
                 del path[i:]
@@ -84,24 +83,22 @@ class CacheState:
     def device_slots(self, path) -> torch.Tensor:
         """The device slots of ``path`` (its device nodes come first), in a new tensor."""
         k = _device_count(path)
-        if k and path[0].dev_base is path[k - 1].dev_base:
+        if not k:
+            return torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
+        first, last = path[0], path[k - 1]
+        if first.dev_base is last.dev_base:
             # NOTE: the nodes of a path that share a base are one run of it, in order
             # (only a split shares a base, and its pieces stay parent and child; a piece
             # leaves the device only after the pieces below it): one slice, no loop
-            first, last = path[0], path[k - 1]
             return first.dev_base[first.dev_at:last.dev_at + len(last.key)].clone()
-        runs, base, start, end = [], None, 0, 0
+        runs, base, start, end = [], first.dev_base, first.dev_at, first.dev_at
         for n in path[:k]:  # pieces of one split node are adjacent views: one slice per run
-            if n.dev_base is base and n.dev_at == end:
-                end += len(n.key)
-                continue
-            if base is not None:
+            if n.dev_base is not base or n.dev_at != end:
                 runs.append(base[start:end])
-            base, start, end = n.dev_base, n.dev_at, n.dev_at + len(n.key)
-        if base is None:
-            return torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
+                base, start, end = n.dev_base, n.dev_at, n.dev_at
+            end += len(n.key)
         runs.append(base[start:end])
-        return torch.cat(runs) if len(runs) > 1 else runs[0].clone()
+        return torch.cat(runs)
 
     # -- locks ------------------------------------------------------------------------------------
     def lock_node(self, node: Node) -> None:
