@@ -122,11 +122,11 @@ class ObjectStorage(Storage):
         if longest > MAX_NAME_BYTES:
             raise ValueError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
                              f"{MAX_NAME_BYTES}; use shorter keys")
-        return keys, pages, plan, parts
+        views = {part.field: plan.part_views(host_pool, part) for part in parts}
+        return keys, pages, parts, views
 
     def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
-        keys, pages, plan, parts = self._checked(keys, host_pool, host_indices, writing=True)
-        views = {part.field: plan.part_views(host_pool, part) for part in parts}
+        keys, pages, parts, views = self._checked(keys, host_pool, host_indices, writing=True)
         stored = [True] * len(keys)
         t0 = time.perf_counter()
 
@@ -154,8 +154,7 @@ class ObjectStorage(Storage):
         return stored
 
     def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
-        keys, pages, plan, parts = self._checked(keys, host_pool, host_indices, writing=False)
-        views = {part.field: plan.part_views(host_pool, part) for part in parts}
+        keys, pages, parts, views = self._checked(keys, host_pool, host_indices, writing=False)
         loaded = [False] * len(keys)
         t0 = time.perf_counter()
 
