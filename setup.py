@@ -1,8 +1,9 @@
 """Build hook for kvtier's optional compiled parts (metadata lives in pyproject.toml).
 
-``kvtier.transfer._native`` (the CPU block copy) and ``kvtier.cache._tokens`` (token
-ids from lists) are ``optional``: where one fails to compile (no compiler, unusual
-platform) setuptools skips it and kvtier uses its pure-Python path.
+``kvtier.transfer._native`` (the CPU block copy), ``kvtier.cache._tokens`` (token ids
+from lists) and ``kvtier.pools._indices`` (slot checks, page expansion) are
+``optional``: where one fails to compile (no compiler, unusual platform) setuptools
+skips it and kvtier uses its pure-Python path.
 """
 
 import sys
@@ -14,4 +15,6 @@ _ARGS = [] if sys.platform == "win32" else ["-O3", "-std=c99"]
 setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_native.c"],
                              optional=True, extra_compile_args=_ARGS),
                    Extension("kvtier.cache._tokens", ["src/kvtier/cache/_tokens.c"],
+                             optional=True, extra_compile_args=_ARGS),
+                   Extension("kvtier.pools._indices", ["src/kvtier/pools/_indices.c"],
                              optional=True, extra_compile_args=_ARGS)])

@@ -1,5 +1,7 @@
-"""page_starts checks small inputs in plain Python and large ones in numpy: both must
-accept exactly what a slot-by-slot reference accepts and word every error the same."""
+"""page_starts checks small inputs in plain Python and large ones in numpy, or in the
+compiled loop (``kvtier.pools._indices``) where it is built: all must accept exactly
+what a slot-by-slot reference accepts and word every error the same. Without the
+compiled module its own tests are skipped, or fail under KVTIER_REQUIRE_SERVICES=1 (CI)."""
 
 import re
 
@@ -10,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.pools import indices
-from kvtier.pools.indices import page_slots, page_starts
+from kvtier.pools.indices import page_slots, page_starts, page_token_slots
+from services import unavailable
+
+
+@pytest.fixture
+def compiled():
+    if indices._native is None:
+        unavailable("kvtier.pools._indices is not built (no C compiler at install time?) or KVTIER_NATIVE=0")
+    return indices._native
 
 
 def reference(slots: list[int], page_size: int, size: int, unique: bool) -> list[int] | None:
@@ -31,8 +41,9 @@ def reference(slots: list[int], page_size: int, size: int, unique: bool) -> list
     return pages
 
 
-def outcome(slots, dtype, page_size, size, unique, small_slots, monkeypatch):
+def outcome(slots, dtype, page_size, size, unique, small_slots, monkeypatch, native=None):
     monkeypatch.setattr(indices, "_SMALL_SLOTS", small_slots)
+    monkeypatch.setattr(indices, "_native", native)
     try:
         got = page_starts(torch.tensor(slots, dtype=dtype), page_size=page_size, size=size, what="idx", unique=unique)
     except ValueError as e:
@@ -61,19 +72,26 @@ def slot_lists(draw):
 
 @settings(max_examples=400, deadline=None)
 @given(case=slot_lists(), unique=st.booleans(), dtype=st.sampled_from([torch.int64, torch.int32]))
-def test_small_and_numpy_paths_agree_with_the_reference(case, unique, dtype):
+def test_small_numpy_and_compiled_paths_agree_with_the_reference(case, unique, dtype):
     slots, page_size, size = case
+    native = indices._native
     with pytest.MonkeyPatch.context() as mp:
         small = outcome(slots, dtype, page_size, size, unique, 10**9, mp)
         large = outcome(slots, dtype, page_size, size, unique, 0, mp)
+        if native is not None:
+            assert outcome(slots, dtype, page_size, size, unique, 0, mp, native) == large
     assert small == large
     want = reference(slots, page_size, size, unique)
     assert small == ("ok", want) if want is not None else small[0] == "error"
 
 
-@pytest.mark.parametrize("small_slots", [0, 10**9])
-def test_errors_name_the_first_bad_page(small_slots, monkeypatch):
+@pytest.mark.parametrize("small_slots, compiled_loop", [(0, False), (10**9, False), (0, True)])
+def test_errors_name_the_first_bad_page(small_slots, compiled_loop, monkeypatch, request):
     monkeypatch.setattr(indices, "_SMALL_SLOTS", small_slots)
+    if not compiled_loop:
+        monkeypatch.setattr(indices, "_native", None)
+    else:
+        request.getfixturevalue("compiled")
     cases = [([0, 1, 2, 3, 6, 7, 8, 9], "idx: page 1 starts at slot 6, not a multiple of page_size 4"),
              ([0, 1, 2, 3, 4, 5, 7, 7], "idx: page 1 slots [4, 5, 7, 7] are not consecutive from 4"),
              ([12, 13, 14, 15, 16, 17, 18, 19], "idx has slots in [12, 19], outside the pool's [0, 16)"),
@@ -115,3 +133,57 @@ def test_page_slots_takes_int32_and_empty():
     out = page_slots(torch.empty(0, dtype=torch.int64), 4)
     assert out.dtype == torch.int64 and out.numel() == 0
     assert np.array_equal(page_slots(torch.tensor([5]), 1).numpy(), [5])
+
+
+def test_compiled_loops_equal_numpy_on_large_inputs(compiled, monkeypatch):
+    rng = np.random.default_rng(5)
+    for page_size in (1, 2, 16, 64):
+        monkeypatch.setattr(indices, "_native", compiled)
+        pages = rng.permutation(20_000)[:5000].astype(np.int64)
+        expanded = page_token_slots(pages, page_size)
+        size = 20_000 * page_size
+        assert page_starts(torch.from_numpy(expanded), page_size=page_size, size=size, what="x",
+                           unique=True).tolist() == pages.tolist()
+        with monkeypatch.context() as mp:
+            mp.setattr(indices, "_native", None)
+            assert np.array_equal(page_token_slots(pages, page_size), expanded)
+        for k in rng.integers(0, expanded.size, 20):  # one slot off: the same page named by both paths
+            broken = expanded.copy()
+            broken[k] += int(rng.choice([-1, 1, page_size, 10**12]))
+            outcomes = [outcome(broken.tolist(), torch.int64, page_size, size, True, 0, monkeypatch, native)
+                        for native in (compiled, None)]
+            assert outcomes[0] == outcomes[1]
+            assert outcomes[0][0] == "error" or page_size == 1  # one slot of a page moved breaks the page
+
+
+def test_compiled_loops_check_their_buffers(compiled):
+    slots, out = np.arange(8, dtype=np.int64), np.empty(2, dtype=np.int64)
+    assert compiled.check_pages(slots, 4, 8, out) == -1 and out.tolist() == [0, 1]
+    assert compiled.check_pages(slots, 4, 7, out) == 1  # page 1 does not fit whole
+    assert compiled.check_pages(-slots - 1, 4, 8, out) == 0
+    twice = np.array([4, 5, 6, 7, 4, 5, 6, 7], dtype=np.int64)
+    assert compiled.check_pages(twice, 4, 8, out) == -1 and out.tolist() == [1, 1]
+    assert compiled.check_pages(twice, 4, 8, out, True) == -2
+    many = np.random.default_rng(1).permutation(10_000)
+    assert compiled.check_pages(many, 1, 10_000, np.empty(10_000, dtype=np.int64), True) == -1
+    many[9_999] = many[17]
+    assert compiled.check_pages(many, 1, 10_000, np.empty(10_000, dtype=np.int64), True) == -2
+    with pytest.raises(ValueError, match="need an output of 2 pages, got 3"):
+        compiled.check_pages(slots, 4, 8, np.empty(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="need an output"):
+        compiled.check_pages(slots[:6], 4, 8, out)
+    with pytest.raises(ValueError, match="positive"):
+        compiled.check_pages(slots, 0, 8, out)
+    with pytest.raises(TypeError, match="int64"):
+        compiled.check_pages(slots.astype(np.int32), 4, 8, out)
+    with pytest.raises(TypeError, match="int64"):
+        compiled.check_pages(slots, 4, 8, np.empty(2, dtype=np.float64))
+    with pytest.raises((TypeError, ValueError)):  # read-only output
+        compiled.check_pages(slots, 4, 8, np.frombuffer(bytes(16), dtype=np.int64))
+    with pytest.raises((TypeError, ValueError)):  # not contiguous
+        compiled.check_pages(np.arange(16, dtype=np.int64)[::2], 4, 8, out)
+    got = np.empty(6, dtype=np.int64)
+    compiled.expand_pages(np.array([2, 0], dtype=np.int64), 3, got)
+    assert got.tolist() == [6, 7, 8, 0, 1, 2]
+    with pytest.raises(ValueError, match="need 6, the output holds 5"):
+        compiled.expand_pages(np.array([2, 0], dtype=np.int64), 3, np.empty(5, dtype=np.int64))

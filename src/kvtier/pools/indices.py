@@ -7,10 +7,22 @@ those threads costs far more than the work (milliseconds for a 4096-page check).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 import torch
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
+
+# the compiled loops, built by setup.py where a C compiler exists; KVTIER_NATIVE=0 (read
+# at import) keeps to numpy, as for the copy path
+_native = None
+if os.environ.get("KVTIER_NATIVE", "1") != "0":
+    try:
+        from . import _indices as _native
+    except ImportError:
+        pass
 
 #: inputs up to this many slots are checked in plain Python: below it, numpy's fixed
 #: cost per call (a few microseconds for the seven array ops) is the larger one.
@@ -28,6 +40,14 @@ def page_starts(indices: torch.Tensor, *, page_size: int, size: int, what: str,
     numbers on the CPU. Raises ``ValueError`` naming ``what`` and the offending numbers;
     never modifies anything.
     """
+    return torch.from_numpy(page_numbers(indices, page_size=page_size, size=size, what=what,
+                                         allowed_devices=allowed_devices, unique=unique))
+
+
+def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
+                 allowed_devices: tuple[torch.device, ...] = (torch.device("cpu"),),
+                 unique: bool = False) -> np.ndarray:
+    """:func:`page_starts` as a new int64 numpy array (no tensor around it)."""
     if not isinstance(indices, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor of int64 token slots, got {type(indices).__name__}")
     if indices.dtype not in _INDEX_DTYPES:
@@ -40,14 +60,13 @@ def page_starts(indices: torch.Tensor, *, page_size: int, size: int, what: str,
     if n % page_size:
         raise ValueError(f"{what} holds {n} slots, not a multiple of page_size {page_size}")
     if n == 0:
-        return torch.empty(0, dtype=torch.int64)
+        return np.empty(0, dtype=np.int64)
     if n <= _SMALL_SLOTS:
         ids = _small_page_ids(indices.tolist(), page_size, size, unique)
         if ids is not None:
-            return torch.from_numpy(np.array(ids, dtype=np.int64))
+            return np.array(ids, dtype=np.int64)
         # NOTE: invalid: fall through, so that one place words every error message
-    return torch.from_numpy(_page_ids(_host_int64(indices), page_size=page_size, size=size, what=what,
-                                      unique=unique))
+    return _page_ids(_host_int64(indices), page_size=page_size, size=size, what=what, unique=unique)
 
 
 def _host_int64(indices: torch.Tensor) -> np.ndarray:
@@ -73,6 +92,11 @@ def _small_page_ids(slots: list[int], page_size: int, size: int, unique: bool) -
 
 def _page_ids(flat: np.ndarray, *, page_size: int, size: int, what: str, unique: bool) -> np.ndarray:
     """:func:`page_starts` on a ``(n,)`` int64 array, ``n`` a positive multiple of ``page_size``."""
+    if _native is not None and flat.flags.c_contiguous:
+        page_ids = np.empty(flat.size // page_size, dtype=np.int64)
+        if _native.check_pages(flat, page_size, size, page_ids, unique) == -1:
+            return page_ids
+        # NOTE: a bad or repeated page: the numpy checks below find it and word the error
     pages = flat.reshape(-1, page_size)
     starts = pages[:, 0]
     page_ids, offsets = np.divmod(starts, page_size)
@@ -90,12 +114,16 @@ def _page_ids(flat: np.ndarray, *, page_size: int, size: int, what: str, unique:
         if np.count_nonzero(broken):
             i = int(np.flatnonzero(broken)[0]) // page_size
             raise ValueError(f"{what}: page {i} slots {pages[i].tolist()} are not consecutive from {int(starts[i])}")
+    _check_unique(page_ids, what, unique)
+    return page_ids
+
+
+def _check_unique(page_ids: np.ndarray, what: str, unique: bool) -> None:
     if unique and page_ids.size > 1:
         ordered = np.sort(page_ids)
         if np.count_nonzero(ordered[1:] == ordered[:-1]):
             raise ValueError(f"{what} names the same page more than once; a destination page can be written once "
                              "per call")
-    return page_ids
 
 
 def _steps(flat: np.ndarray, page_size: int) -> np.ndarray:
@@ -112,5 +140,24 @@ def _steps(flat: np.ndarray, page_size: int) -> np.ndarray:
 
 def page_slots(page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
     """Page numbers ``(p,)`` -> their token slots, ``(p * page_size,)`` int64 on the CPU."""
-    ids = _host_int64(page_ids)
-    return torch.from_numpy((ids[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1))
+    return torch.from_numpy(page_token_slots(_host_int64(page_ids), page_size))
+
+
+def page_token_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """Page numbers ``(p,)`` (int64 numpy) -> their token slots, a new ``(p * page_size,)``
+    int64 array."""
+    if page_size == 1:
+        return pages.astype(np.int64)  # a copy
+    if _native is not None and pages.dtype == np.int64 and pages.flags.c_contiguous:
+        out = np.empty(pages.size * page_size, dtype=np.int64)
+        _native.expand_pages(pages, page_size, out)
+        return out
+    return (np.multiply(pages, page_size)[:, None] + _offsets(page_size)).reshape(-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _offsets(page_size: int) -> np.ndarray:
+    """``0 .. page_size - 1``, shared (read only)."""
+    offsets = np.arange(page_size, dtype=np.int64)
+    offsets.flags.writeable = False
+    return offsets

@@ -1,0 +1,183 @@
+/* kvtier.pools._indices: the two loops over token slots that every cache call runs.
+ *
+ * check_pages validates a slot array the way kvtier.pools.indices does in numpy (each
+ * page's slots consecutive from an aligned start inside the pool) and writes the page
+ * numbers, in one pass instead of about ten numpy calls; expand_pages writes the token
+ * slots of page numbers (the inverse). Both are optional: kvtier.pools.indices falls
+ * back to numpy where this module is missing or KVTIER_NATIVE=0, and words every error
+ * itself (check_pages only reports where the first bad page is). Nothing is trusted:
+ * every buffer must be C-contiguous and exactly the size its counts imply.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Calls longer than this many slots release the GIL while they loop. */
+#define RELEASE_GIL_SLOTS 65536
+
+static int get_int64s(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    const char *f = view->format;
+    if (view->itemsize != 8 || f == NULL || (strcmp(f, "q") && strcmp(f, "<q") && strcmp(f, "=q") &&
+                                              strcmp(f, "l") && strcmp(f, "<l") && strcmp(f, "=l"))) {
+        PyErr_Format(PyExc_TypeError, "%s must be a buffer of native int64, got format %s itemsize %zd", what,
+                     f ? f : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Whether ``pages`` (each in [0, 2^62)) names a page twice: an open-addressing set of
+ * 2^k >= 2n slots holding page + 1 (0 is empty). -1 on no memory. */
+static int has_duplicate(const int64_t *pages, Py_ssize_t n) {
+    int bits = 1;
+    while (((Py_ssize_t)1 << bits) < 2 * n)
+        bits++;
+    size_t mask = ((size_t)1 << bits) - 1;
+    uint64_t *table = calloc(mask + 1, sizeof(uint64_t));
+    if (table == NULL)
+        return -1;
+    int found = 0;
+    for (Py_ssize_t i = 0; i < n && !found; i++) {
+        uint64_t v = (uint64_t)pages[i] + 1;
+        size_t at = (size_t)((v * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+        while (table[at] && table[at] != v)
+            at = (at + 1) & mask;
+        found = table[at] == v;
+        table[at] = v;
+    }
+    free(table);
+    return found;
+}
+
+PyDoc_STRVAR(check_pages_doc,
+"check_pages(slots, page_size, size, out, unique=False) -> int\n\n"
+"``slots``: int64 token slots, a positive multiple of ``page_size`` long; ``out``: a\n"
+"writable int64 buffer of len(slots) // page_size. Writes each page's number to ``out``\n"
+"and returns -1 when every page's slots are consecutive from a multiple of\n"
+"``page_size`` and lie in [0, size) (and, with ``unique``, no page comes twice);\n"
+"otherwise the index of the first page that is not (``out`` partly written), or -2\n"
+"when only a repeated page is wrong.");
+
+static PyObject *check_pages(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *src_obj, *out_obj;
+    Py_ssize_t page_size, size;
+    int unique = 0;
+    if (!PyArg_ParseTuple(args, "OnnO|p:check_pages", &src_obj, &page_size, &size, &out_obj, &unique))
+        return NULL;
+    if (page_size <= 0 || size < 0) {
+        PyErr_Format(PyExc_ValueError, "check_pages: page_size %zd and size %zd must be positive", page_size, size);
+        return NULL;
+    }
+    Py_buffer src, out;
+    if (get_int64s(src_obj, &src, 0, "slots") < 0)
+        return NULL;
+    if (get_int64s(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t n = src.len / 8, pages = out.len / 8;
+    if (n == 0 || n % page_size || pages != n / page_size) {
+        PyErr_Format(PyExc_ValueError, "check_pages: %zd slots with page_size %zd need an output of %zd pages, "
+                     "got %zd", n, page_size, n / page_size, pages);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    const int64_t *s = (const int64_t *)src.buf;
+    int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size, limit = (int64_t)(size / page_size);
+    Py_ssize_t bad = -1;
+    PyThreadState *save = n >= RELEASE_GIL_SLOTS ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t p = 0; p < pages && bad < 0; p++) {
+        const int64_t *page = s + p * page_size;
+        int64_t start = page[0];
+        /* NOTE: start >= 0 first, so % and / see no negative number */
+        if (start < 0 || start % ps || start / ps >= limit) {
+            bad = p;
+            break;
+        }
+        int64_t mismatch = 0;
+        for (int64_t j = 1; j < ps; j++)
+            mismatch |= page[j] ^ (start + j);
+        if (mismatch)
+            bad = p;
+        o[p] = start / ps;
+    }
+    int repeated = 0;
+    if (bad < 0 && unique && pages > 1) /* every page number is now in [0, size / page_size) */
+        repeated = has_duplicate(o, pages);
+    if (save)
+        PyEval_RestoreThread(save);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    if (repeated < 0)
+        return PyErr_NoMemory();
+    return PyLong_FromSsize_t(repeated ? -2 : bad);
+}
+
+PyDoc_STRVAR(expand_pages_doc,
+"expand_pages(pages, page_size, out) -> None\n\n"
+"Write the token slots of ``pages`` (int64 page numbers) to ``out`` (a writable int64\n"
+"buffer of len(pages) * page_size): page p becomes p * page_size .. p * page_size +\n"
+"page_size - 1.");
+
+static PyObject *expand_pages(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *src_obj, *out_obj;
+    Py_ssize_t page_size;
+    if (!PyArg_ParseTuple(args, "OnO:expand_pages", &src_obj, &page_size, &out_obj))
+        return NULL;
+    if (page_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "expand_pages: page_size %zd must be positive", page_size);
+        return NULL;
+    }
+    Py_buffer src, out;
+    if (get_int64s(src_obj, &src, 0, "pages") < 0)
+        return NULL;
+    if (get_int64s(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t pages = src.len / 8;
+    if (out.len / 8 != pages * page_size) {
+        PyErr_Format(PyExc_ValueError, "expand_pages: %zd pages of %zd slots need %zd, the output holds %zd", pages,
+                     page_size, pages * page_size, out.len / 8);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    const int64_t *s = (const int64_t *)src.buf;
+    int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size;
+    PyThreadState *save = pages * page_size >= RELEASE_GIL_SLOTS ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t p = 0; p < pages; p++) {
+        /* NOTE: unsigned, so no page number overflows into undefined behaviour */
+        int64_t first = (int64_t)((uint64_t)s[p] * (uint64_t)ps), *dst = o + p * page_size;
+        for (int64_t j = 0; j < ps; j++)
+            dst[j] = (int64_t)((uint64_t)first + (uint64_t)j);
+    }
+    if (save)
+        PyEval_RestoreThread(save);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"check_pages", check_pages, METH_VARARGS, check_pages_doc},
+    {"expand_pages", expand_pages, METH_VARARGS, expand_pages_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvtier.pools._indices",
+    "Token-slot checks and page expansion (optional; kvtier.pools.indices falls back to numpy).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__indices(void) { return PyModule_Create(&module); }
