@@ -17,7 +17,7 @@ def hits(m):
 
 def snapshot(cache):
     cache.flush()
-    return sorted((tuple(n.key), n.lock_ref, n.device is not None, n.host_ready) for n in cache.tree.nodes())
+    return sorted((tuple(n.key), n.lock_ref, n.dev_pages is not None, n.host_ready) for n in cache.tree.nodes())
 
 
 def test_a_second_release_raises_and_keeps_the_other_holders_lock():

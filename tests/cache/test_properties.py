@@ -71,7 +71,7 @@ class CacheMachine(RuleBasedStateMachine):
     def lock(self, tokens):
         m = self.cache.match_prefix(tokens)
         self.cache.lock(m)
-        self.locked.append((m, {id(n): (n, n.device, n.host) for n in m.path}))
+        self.locked.append((m, {id(n): (n, n.dev_pages, n.host) for n in m.path}))
 
     @precondition(lambda self: self.locked and not self.closed)
     @rule(i=st.integers(0, 10))
@@ -134,7 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
             for node, device, host in snapshot.values():
                 assert self.cache.tree.attached(node)
                 if device is not None:
-                    assert node.device is not None and torch.equal(node.device[-1:], device[-1:])
+                    assert node.dev_pages is not None and node.dev_pages[-1] == device[-1]
                 if host is not None:
                     assert node.host is not None
 

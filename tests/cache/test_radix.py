@@ -143,7 +143,10 @@ def test_device_slots_of_a_split_chain_are_its_nodes_slots_in_order():
         slots = cache.alloc_device(len(branch))
         cache.free_device(slots[:cache.insert(branch, slots)])
     cache.flush()
-    expected = lambda m: torch.cat([n.device for n in m.path if n.device is not None])  # noqa: E731
+    def expected(m):  # each node's pages, expanded to token slots by hand
+        pages = [p for n in m.path if n.dev_pages is not None for p in n.dev_pages.tolist()]
+        return torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)], dtype=torch.int64)
+
     match = cache.match_prefix(tokens)
     assert len(match.path) == 6 and torch.equal(match.device_indices, expected(match))
     for _ in range(2):  # the siblings go first, then the chain's last pages: host-only now

@@ -98,42 +98,114 @@ def _fragment(cache: HierarchicalCache, prompts: _Prompts, page_size: int) -> ar
     return target
 
 
-def _insert_times(cache: HierarchicalCache, prompts: list[list[int]], slots: list[torch.Tensor]) -> dict:
-    """``insert`` each prompt with the collector on; per-call µs and collections seen."""
+def _minor_faults() -> int | None:
+    """This process's minor page faults so far (first touches of new memory), where
+    the platform counts them."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _percentiles(times: list[float], name: str) -> dict:
+    times = sorted(times)
+    return {f"{name}_p50_us": times[len(times) // 2], f"{name}_p99_us": times[len(times) * 99 // 100],
+            f"{name}_max_us": times[-1]}
+
+
+def _insert_times(cache: HierarchicalCache, prompts: list, slots) -> dict:
+    """``insert`` each prompt with the collector on: per-call µs, page faults per call and
+    collections seen. ``slots(i)`` gives prompt ``i``'s device slots (untimed)."""
     runs = {0: 0, 1: 0, 2: 0}
 
     def seen(phase, info):
         if phase == "start":
             runs[info["generation"]] += 1
 
-    times = []
+    times, alloc_times, faults = [], [], 0
     gc.callbacks.append(seen)
     try:
-        for p, s in zip(prompts, slots):
+        for i, p in enumerate(prompts):
+            t = time.perf_counter()
+            s = slots(i)
+            alloc_times.append((time.perf_counter() - t) * 1e6)
+            before = _minor_faults()
             t = time.perf_counter()
             cache.insert(p, s)
             times.append((time.perf_counter() - t) * 1e6)
+            faults += (_minor_faults() - before) if before is not None else 0
     finally:
         gc.callbacks.remove(seen)
-    times.sort()
-    return {"insert_p50_us": times[len(times) // 2], "insert_p99_us": times[len(times) * 99 // 100],
-            "insert_max_us": times[-1], "gc_runs": [runs[0], runs[1], runs[2]]}
+    return {**_percentiles(times, "insert"), **_percentiles(alloc_times, "alloc"),
+            "faults_per_insert": faults / len(prompts) if _minor_faults() is not None else None,
+            "gc_runs": [runs[0], runs[1], runs[2]]}
+
+
+def _timed_inserts(cache: HierarchicalCache, prompts: _Prompts, slots, prefix: str) -> dict:
+    """:func:`_insert_times` of fresh prompts as lists and as ``array('q')``, keyed
+    ``{prefix}{figure}_{input}``."""
+    out = {}
+    for kind in ("list", "array"):  # fresh prompts, as a server inserts them: not in the CPU's caches
+        new = [prompts.array() for _ in range(_INSERTS)]
+        if kind == "list":
+            new = [p.tolist() for p in new]
+        # NOTE: made just now, the prompt lists are young objects: a young-generation
+        # collection during the timing would walk all 200 x 8K ids (~6 ms, the
+        # benchmark's own data); collected first, they are old and a collection skips them
+        gc.collect()
+        out.update({f"{prefix}{key}_{kind}": value for key, value in _insert_times(cache, new, slots).items()})
+    return out
+
+
+def _build(page_size: int, size: int, prompts: _Prompts, write_policy: str, room: int):
+    """A cache over a device pool of ``size`` slots filled with prompts until ``room``
+    slots are left; ``(cache, last prompt cached, seconds)``."""
+    spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)  # metadata is what is timed: 2 bytes a token
+    device = DeviceKVPool(spec, size, page_size)
+    cache = HierarchicalCache(device, HostKVPool(spec, page_size * 4, page_size), write_policy=write_policy)
+    t0 = time.perf_counter()
+    cached = prompts.array()
+    while device.available_size() - prompts.n >= room:
+        cached = prompts.array()
+        slots = cache.alloc_device(prompts.n)
+        cache.free_device(slots[:cache.insert(cached, slots)])  # the shared prefix was cached already
+    return cache, cached, time.perf_counter() - t0
+
+
+def steady_inserts(page_size: int, prompt_tokens: int, tree_pages: int, seed: int) -> dict:
+    """Inserts into a full tree, as a server runs once its pool has filled: each prompt's
+    slots come from ``alloc_device``, which evicts least recently used pages first, so
+    the tree's memory is reused rather than new (timed apart: ``alloc``)."""
+    prompts = _Prompts(prompt_tokens, seed + 1)
+    # NOTE: write_through_selective: evicted pages that were never reused just go (write_back
+    # would first copy each to the host, which is not what is timed here)
+    cache, _, _ = _build(page_size, tree_pages * page_size, prompts, "write_through_selective", 0)
+    try:
+        return _timed_inserts(cache, prompts, lambda i: cache.alloc_device(prompt_tokens), "steady_")
+    finally:
+        cache.close()
 
 
 def tree_bytes(cache: HierarchicalCache) -> int:
     """Host bytes of the tree's own structures: nodes, child maps, keys, slot tensors
     (each underlying storage once), LRU entries and the device-page ownership map."""
     state = cache._state
-    total, storages = 0, set()
+    total, storages, buffers = 0, set(), {}
     for node in state.tree.nodes():
         total += sys.getsizeof(node) + sys.getsizeof(node.children) + sys.getsizeof(node.key)
-        for t in (node.dev_base, node.host):
-            if t is not None:
-                total += sys.getsizeof(t)
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in storages:
-                    storages.add(storage.data_ptr())
-                    total += storage.nbytes()
+        if node.dev_pages is not None:  # a numpy view of its base: the base's buffer counted once
+            total += sys.getsizeof(node.dev_pages)
+            owner = node.dev_pages if node.dev_pages.base is None else node.dev_pages.base
+            if id(owner) not in buffers:
+                buffers[id(owner)] = owner
+                total += owner.nbytes
+        if node.host is not None:
+            total += sys.getsizeof(node.host)
+            storage = node.host.untyped_storage()
+            if storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
         if node.store_keys is not None:
             total += sys.getsizeof(node.store_keys) + sum(map(sys.getsizeof, node.store_keys))
     entries = {id(e): e for heap in state.lru._heaps.values() for e in heap}
@@ -144,18 +216,10 @@ def tree_bytes(cache: HierarchicalCache) -> int:
 def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: int) -> dict:
     check_config((page_size,), prompt_tokens, tree_pages)
     prompts = _Prompts(prompt_tokens, seed)
-    spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)  # metadata is what is timed: 2 bytes a token
     spare = (3 * _INSERTS + 8) * prompt_tokens  # the fragmented path and the timed inserts
     size = tree_pages * page_size + spare
-    device = DeviceKVPool(spec, size, page_size)
-    cache = HierarchicalCache(device, HostKVPool(spec, page_size * 4, page_size), write_policy="write_back")
-    t0 = time.perf_counter()
-    cached = prompts.array()
-    while device.available_size() - prompt_tokens >= spare:
-        cached = prompts.array()
-        slots = cache.alloc_device(prompt_tokens)
-        cache.free_device(slots[:cache.insert(cached, slots)])  # the shared prefix was cached already
-    build_s = time.perf_counter() - t0
+    cache, cached, build_s = _build(page_size, size, prompts, "write_back", spare)
+    device = cache.device_pool
     pages = (size - device.available_size()) // page_size
     memory = tree_bytes(cache)
     fragmented = _fragment(cache, prompts, page_size)
@@ -175,19 +239,11 @@ def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: i
         if cache.match_prefix(x).device_len != prompt_tokens:
             raise AssertionError(f"the {kind} prompt must hit in full")
 
-    inserts = {}
-    for kind in ("list", "array"):  # fresh prompts, as a server inserts them: not in the CPU's caches
-        new = [prompts.array() for _ in range(_INSERTS)]
-        if kind == "list":
-            new = [p.tolist() for p in new]
-        slots = [cache.alloc_device(prompt_tokens) for _ in new]
-        # NOTE: made just now, the prompt lists are young objects: a young-generation
-        # collection during the timing would walk all 200 x 8K ids (~6 ms, the
-        # benchmark's own data); collected first, they are old and a collection skips them
-        gc.collect()
-        inserts.update({f"{key}_{kind}" if key != "gc_runs" else f"gc_runs_{kind}": value
-                        for key, value in _insert_times(cache, new, slots).items()})
+    slots = [cache.alloc_device(prompt_tokens) for _ in range(2 * _INSERTS)]  # the tree grows into spare room
+    inserts = _timed_inserts(cache, prompts, lambda i: slots.pop(), "")
     cache.close()
+    del cache, slots, inputs, fragmented, frag_list
+    gc.collect()  # the tree's nodes refer to their parents: cycles, freed by the collector
     return {"page_size": page_size, "prompt_tokens": prompt_tokens, "tree_pages": pages,
             "build_s": round(build_s, 2), "list_copy_us": floor,
             **{f"match_hit_{kind}_us": us for kind, us in hit.items()}, "match_new_us": miss,
@@ -195,7 +251,8 @@ def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: i
             "match_fragmented_list_us": frag["list"], **inserts,
             "tree_bytes_per_page": memory / pages, "tree_bytes_per_page_x_ids": memory / pages / (8 * page_size),
             "match_hit_list_x_floor": hit["list"] / floor, "match_hit_array_x_floor": hit["array"] / floor,
-            "insert_p99_array_x_floor": inserts["insert_p99_us_array"] / floor}
+            "insert_p99_array_x_floor": inserts["insert_p99_us_array"] / floor,
+            **steady_inserts(page_size, prompt_tokens, tree_pages, seed)}
 
 
 def run(page_sizes=(16, 64), prompt_tokens: int = 8192, tree_pages: int = 100_000, seed: int = 0) -> dict:

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..pools import DeviceKVPool, HostKVPool
-from ..pools.indices import page_starts
+from ..pools.indices import page_numbers
 from ..storage.keys import extend_keys
 from ..transfer import check_io_backend
 from .guard import StorageGuard
@@ -294,7 +294,7 @@ class HierarchicalCache:
                 raise ValueError("commit: this Acquired was already released (or committed)")
             del tokens[full:]  # our own copy: whole pages only, without copying again
             walked = state.check_insert(tokens, pages, salt)
-            already, new = state.insert(tokens, all_slots, salt, walked)
+            already, new = state.insert(tokens, pages, salt, walked)
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
             path, _, _ = state.match(tokens, salt)
@@ -370,15 +370,15 @@ class HierarchicalCache:
         del tokens[usable:]  # our own copy: whole pages only, without copying again
         with self._lock:
             walked = self._state.check_insert(tokens, pages, salt)
-            already, new = self._state.insert(tokens, slots, salt, walked)
+            already, new = self._state.insert(tokens, pages, salt, walked)
         self._stats.add(inserted_tokens=new)
         return already
 
     def _check_slots(self, slots: torch.Tensor):
         """The page numbers (numpy) of ``slots``; ``ValueError`` unless they are whole,
         distinct pages of this device pool."""
-        return page_starts(slots, page_size=self.page_size, size=self.device_pool.size, what="device_indices",
-                           allowed_devices=(self.device_pool.index_device,), unique=True).numpy()
+        return page_numbers(slots, page_size=self.page_size, size=self.device_pool.size, what="device_indices",
+                            allowed_devices=(self.device_pool.index_device,), unique=True)
 
     # -- allocation and eviction -----------------------------------------------------------------------------------
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
@@ -453,7 +453,7 @@ class HierarchicalCache:
         self._check_open()
         with self._lock:
             nodes = list(self._state.tree.nodes())
-            tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.device is not None),
+            tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.dev_pages is not None),
                      "host_tokens": sum(len(n.key) for n in nodes if n.host_ready)}
         queues = {w.name: w.depth() for w in self._mover.workers}
         out = {**self._stats.snapshot(), **tiers, "queue_depths": queues}

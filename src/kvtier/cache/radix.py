@@ -34,13 +34,15 @@ def now() -> int:
 class Node:
     """One run of cached pages. Per tier (see ``kvtier.cache.state`` for the rules):
 
-    - ``device``/``host``: ``(len(key),)`` slots, or ``None``; ``stored``: written to L3;
+    - ``dev_pages``: the device copy's page numbers, ``(len(key) // page_size,)`` int64
+      numpy, or ``None``; ``host``: ``(len(key),)`` host slots, or ``None``;
+      ``stored``: written to L3;
     - ``loading``: host -> device copy in flight (the device slots are being filled);
     - ``backup``: device -> host copy in flight (the host slots are being filled);
     - ``storing``: host -> storage write queued or running.
     """
 
-    __slots__ = ("key", "children", "parent", "edge", "collisions", "device", "dev_base", "dev_at", "host", "stored",
+    __slots__ = ("key", "children", "parent", "edge", "collisions", "dev_pages", "dev_base", "dev_at", "host", "stored",
                  "store_keys", "lock_ref", "last_access", "hits", "loading", "backup", "storing", "serial")
 
     def __init__(self, key: array, parent: "Node | None") -> None:
@@ -53,10 +55,12 @@ class Node:
         self.collisions = 0
         self.parent = parent
         self.edge: int | bytes = key[0] if key else 0  # this node's key in ``parent.children``
-        self.device: torch.Tensor | None = None
-        # ``device`` is ``dev_base[dev_at:dev_at + len(key)]``: the pieces of a split stay
-        # views of one tensor, so a path's device slots are gathered a run at a time
-        self.dev_base: torch.Tensor | None = None
+        # NOTE: page numbers, not token slots: 1/page_size of the memory, and the slots
+        # are a cheap expansion when a match hands them out. ``dev_pages`` is
+        # ``dev_base[dev_at:dev_at + len(key) // page_size]``: the pieces of a split stay
+        # views of one array, so a path's device pages are gathered a run at a time
+        self.dev_pages: np.ndarray | None = None
+        self.dev_base: np.ndarray | None = None
         self.dev_at = 0
         self.host: torch.Tensor | None = None
         self.stored = False
@@ -68,7 +72,7 @@ class Node:
         self.serial = next(_serial)  # creation order: breaks LRU ties the same way in every replay
 
     def __repr__(self) -> str:
-        tiers = "".join(t for t, on in (("D", self.device is not None), ("H", self.host_ready),
+        tiers = "".join(t for t, on in (("D", self.dev_pages is not None), ("H", self.host_ready),
                                         ("S", self.stored)) if on)
         return f"Node({len(self.key)} tokens, {tiers or '-'}, lock={self.lock_ref})"
 
@@ -79,7 +83,7 @@ class Node:
 
     @property
     def resident(self) -> bool:
-        return self.device is not None or self.host_ready
+        return self.dev_pages is not None or self.host_ready
 
     @property
     def is_root(self) -> bool:
@@ -197,13 +201,14 @@ class RadixTree:
         in flight (it joins that transfer's nodes, so the transfer settles both)."""
         assert 0 < n < len(node.key) and n % self.page_size == 0, (n, len(node.key))
         top = Node(node.key[:n], node.parent)
-        top.device = None if node.device is None else node.device[:n]
+        pages = n // self.page_size
+        top.dev_pages = None if node.dev_pages is None else node.dev_pages[:pages]
         top.dev_base, top.dev_at = node.dev_base, node.dev_at
         top.host = None if node.host is None else node.host[:n]
         top.stored = node.stored
         if node.store_keys is not None:
-            top.store_keys = node.store_keys[:n // self.page_size]
-            node.store_keys = node.store_keys[n // self.page_size:]
+            top.store_keys = node.store_keys[:pages]
+            node.store_keys = node.store_keys[pages:]
         top.lock_ref, top.last_access, top.hits = node.lock_ref, node.last_access, node.hits
         for attr in ("loading", "backup", "storing"):
             mark = getattr(node, attr)
@@ -213,8 +218,8 @@ class RadixTree:
         top.edge = node.edge
         node.parent.children[node.edge] = top  # same first page: ``top`` takes ``node``'s place
         node.key = node.key[n:]
-        node.device = None if node.device is None else node.device[n:]
-        node.dev_at += n
+        node.dev_pages = None if node.dev_pages is None else node.dev_pages[pages:]
+        node.dev_at += pages
         node.host = None if node.host is None else node.host[n:]
         node.parent = top
         node.edge = node.key[0]

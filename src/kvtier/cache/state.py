@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..pools.indices import page_token_slots
 from ..storage.keys import extend_keys
 from .handles import LoadHandle
 from .inflight import InFlight
@@ -35,13 +36,16 @@ from .radix import Node, RadixTree
 from .stats import CacheStats
 
 
+_NO_PAGES = np.empty(0, dtype=np.int64)
+
+
 def _device_count(path) -> int:
     """How many nodes of ``path`` have a device copy: device copies are prefix-closed,
     so they are ``path[:k]``, found by bisection (a fragmented path crosses hundreds)."""
     lo, hi = 0, len(path)
     while lo < hi:
         mid = (lo + hi) // 2
-        if path[mid].device is None:
+        if path[mid].dev_pages is None:
             hi = mid
         else:
             lo = mid + 1
@@ -84,21 +88,28 @@ class CacheState:
         """The device slots of ``path`` (its device nodes come first), in a new tensor."""
         k = _device_count(path)
         if not k:
-            return torch.empty(0, dtype=torch.int64, device=self.device_pool.index_device)
-        first, last = path[0], path[k - 1]
+            return self.slots_of(_NO_PAGES)
+        first, last, ps = path[0], path[k - 1], self.page_size
         if first.dev_base is last.dev_base:
             # NOTE: the nodes of a path that share a base are one run of it, in order
             # (only a split shares a base, and its pieces stay parent and child; a piece
             # leaves the device only after the pieces below it): one slice, no loop
-            return first.dev_base[first.dev_at:last.dev_at + len(last.key)].clone()
+            return self.slots_of(first.dev_base[first.dev_at:last.dev_at + len(last.key) // ps])
         runs, base, start, end = [], first.dev_base, first.dev_at, first.dev_at
         for n in path[:k]:  # pieces of one split node are adjacent views: one slice per run
             if n.dev_base is not base or n.dev_at != end:
                 runs.append(base[start:end])
                 base, start, end = n.dev_base, n.dev_at, n.dev_at
-            end += len(n.key)
+            end += len(n.key) // ps
         runs.append(base[start:end])
-        return torch.cat(runs)
+        return self.slots_of(np.concatenate(runs))
+
+    def slots_of(self, pages: np.ndarray) -> torch.Tensor:
+        """The device token slots of ``pages`` (page numbers), a new tensor on the pool's
+        index device."""
+        slots = torch.from_numpy(page_token_slots(pages, self.page_size))
+        index_device = self.device_pool.index_device
+        return slots if index_device.type == "cpu" else slots.to(index_device)
 
     # -- locks ------------------------------------------------------------------------------------
     def lock_node(self, node: Node) -> None:
@@ -116,15 +127,16 @@ class CacheState:
         if len(self.lru) > 4 * self._nodes + 1024:
             self.lru.rebuild(self.tree.nodes())
 
-    def _set_device(self, node: Node, slots: torch.Tensor) -> None:
-        node.device = node.dev_base = slots
+    def _set_device(self, node: Node, pages: np.ndarray) -> None:
+        """Give ``node`` the device pages ``pages`` (an array the node may keep)."""
+        node.dev_pages = node.dev_base = pages
         node.dev_at = 0
-        self._owned[self._pages(slots)] = True
+        self._owned[pages] = True
 
     def _drop_device(self, node: Node) -> None:
-        self._owned[self._pages(node.device)] = False
-        self.allocator.free(node.device)
-        node.device = node.dev_base = None
+        self._owned[node.dev_pages] = False
+        self.allocator.free(self.slots_of(node.dev_pages))
+        node.dev_pages = node.dev_base = None
         if not node.parent.is_root:
             self.lru.push(node.parent)  # it may now be a device leaf
 
@@ -148,10 +160,10 @@ class CacheState:
                 self.lru.push(node.parent)
 
     def _pages(self, slots: torch.Tensor) -> np.ndarray:
-        """The page numbers of ``slots`` (whole pages), on the CPU."""
+        """The page numbers of ``slots`` (whole pages), a new array on the CPU."""
         ps = self.page_size
         flat = (slots if slots.device.type == "cpu" else slots.cpu()).numpy()  # numpy: less per-call cost
-        return flat[::ps] // ps if ps > 1 else flat
+        return (flat[::ps] // ps).astype(np.int64, copy=False) if ps > 1 else flat.astype(np.int64)
 
     def owned(self, slots: torch.Tensor) -> np.ndarray:
         """``(pages,)`` bool: which whole pages of ``slots`` a node holds."""
@@ -198,9 +210,9 @@ class CacheState:
 
     @staticmethod
     def _device_evictable(node: Node) -> bool:
-        if node.device is None or node.lock_ref or node.loading is not None or node.backup is not None:
+        if node.dev_pages is None or node.lock_ref or node.loading is not None or node.backup is not None:
             return False
-        return not node.children or all(c.device is None for c in node.children.values())  # children leave first
+        return not node.children or all(c.dev_pages is None for c in node.children.values())  # children leave first
 
     @staticmethod
     def _host_evictable(node: Node) -> bool:
@@ -208,7 +220,7 @@ class CacheState:
             return False
         if node.storing is not None and node.storing.started:
             return False
-        return node.device is not None or not node.children  # a host-only node goes with its leaf
+        return node.dev_pages is not None or not node.children  # a host-only node goes with its leaf
 
     # -- host -> device -----------------------------------------------------------------------------------
     def begin_load(self, path: list[Node], layer_num: int, reserved: torch.Tensor | None = None):
@@ -219,14 +231,14 @@ class CacheState:
         if not path:
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)
-            handle = LoadHandle(self.device_slots([]), layer_num)
+            handle = LoadHandle(self.slots_of(_NO_PAGES), layer_num)
             handle._finish()
             return handle, None
         pin = path[-1]
         self.tree.lock(pin)  # our own path is not evicted to make room for it
-        depends, nodes, slots = {}, [], []
+        depends, nodes, pages = {}, [], []
         for node in path:
-            if node.device is None:
+            if node.dev_pages is None:
                 if not node.host_ready:
                     break
                 n = len(node.key)
@@ -236,20 +248,20 @@ class CacheState:
                     got = self.alloc("device", n)
                 if got is None:
                     break
-                self._set_device(node, got)
+                self._set_device(node, self._pages(got))
                 nodes.append(node)
             elif node.loading is not None:
                 depends[id(node.loading)] = node.loading.handle
-            slots.append(node.device)
+            pages.append(node.dev_pages)
         if reserved is not None and reserved.numel():
             self.allocator.free(reserved)
-        device = torch.cat(slots) if slots else self.device_slots([])
-        handle = LoadHandle(device, layer_num, tuple(depends.values()))
+        handle = LoadHandle(self.slots_of(np.concatenate(pages) if pages else _NO_PAGES), layer_num,
+                            tuple(depends.values()))
         if not nodes:
             self.unlock_node(pin)
             handle._finish()
             return handle, None
-        mark = InFlight("load", nodes, device=torch.cat([n.device for n in nodes]),
+        mark = InFlight("load", nodes, device=self.slots_of(np.concatenate([n.dev_pages for n in nodes])),
                         host=torch.cat([n.host for n in nodes]))
         mark.handle, mark.pin = handle, pin
         for node in nodes:
@@ -275,9 +287,9 @@ class CacheState:
 
     def _drop_device_subtree(self, node: Node) -> None:
         for child in list(node.children.values()):
-            if child.device is not None:
+            if child.dev_pages is not None:
                 self._drop_device_subtree(child)
-        if node.device is None:
+        if node.dev_pages is None:
             return
         if node.loading is not None:
             node.loading.cancelled = True
@@ -294,13 +306,13 @@ class CacheState:
         if node.host_ready:
             self.queue_store(node)
             return True
-        if node.device is None or node.loading is not None or node.backup is not None:
+        if node.dev_pages is None or node.loading is not None or node.backup is not None:
             return node.backup is not None
         host = self.alloc("host", len(node.key))
         if host is None:
             return False
         node.host = host
-        node.backup = InFlight("backup", [node], device=node.device, host=host)
+        node.backup = InFlight("backup", [node], device=self.slots_of(node.dev_pages), host=host)
         self.backups.add(node.backup)
         self.schedule(node.backup)
         return True
@@ -391,46 +403,46 @@ class CacheState:
         allocated, when the cache allocates for the engine). Returns the tree walk,
         for :meth:`insert` right after."""
         walked = path, _, inner = self.tree.walk(tokens, salt)
-        ps, offset = self.page_size, 0
-        bad = self._owned[pages]       # a page some node holds may only be that node's own
-        adopted = np.ones_like(bad)    # pages the tree would take over from the caller
-        for i, node in enumerate(path):
-            n = inner if i == len(path) - 1 else len(node.key)
-            if node.device is None:
+        ps, held, theirs = self.page_size, 0, []
+        for i, node in enumerate(path):  # the prompt's pages the path holds on the device
+            if node.dev_pages is None:
                 break
-            seg = slice(offset // ps, (offset + n) // ps)  # the caller's copy is either the node's or a duplicate
-            bad[seg] &= pages[seg] != self._pages(node.device[:n])
-            adopted[seg] = False
-            offset += n
-        if bad.any():
-            page = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already holds "
-                             "another cached page; pass slots from alloc_device, or the match's own")
-        if self.allocator is self.device_pool:
-            free = adopted & ~self.device_pool.allocated_pages(torch.from_numpy(pages)).numpy()
-            if free.any():
-                slot = int(pages[int(np.flatnonzero(free)[0])]) * ps
+            n = (inner if i == len(path) - 1 else len(node.key)) // ps
+            theirs.append(node.dev_pages[:n])
+            held += n
+        bad = self._owned[pages]  # a page some node holds may only be that node's own
+        if np.count_nonzero(bad):
+            if held:  # the caller's copy of a held page is either the node's or a duplicate
+                bad[:held] &= pages[:held] != np.concatenate(theirs)
+            if np.count_nonzero(bad):
+                page = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already "
+                                 "holds another cached page; pass slots from alloc_device, or the match's own")
+        if self.allocator is self.device_pool and held < pages.size:  # the pages the tree would adopt
+            free = ~self.device_pool.allocated_pages(torch.from_numpy(pages[held:])).numpy()
+            if np.count_nonzero(free):
+                slot = int(pages[held + int(np.flatnonzero(free)[0])]) * ps
                 raise ValueError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
         return walked
 
-    def insert(self, tokens: array, slots: torch.Tensor, salt: bytes, walked) -> tuple[int, int]:
-        """Cache ``tokens`` (whole pages) whose KV is in ``slots``; ``walked`` is what
-        :meth:`check_insert` returned, with the lock held since.
-        Returns ``(tokens already on the device, new tokens)``."""
+    def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked) -> tuple[int, int]:
+        """Cache ``tokens`` (whole pages) whose KV is in the device pages ``pages`` (an
+        array the tree may keep); ``walked`` is what :meth:`check_insert` returned, with
+        the lock held since. Returns ``(tokens already on the device, new tokens)``."""
         path, matched, made = self.tree.match(tokens, salt, walked)
         for node in made:
             self._added(node)
-        already, offset = 0, 0
+        already, offset, ps = 0, 0, self.page_size
         for node in path:
-            if node.device is None:  # host-only (or empty): adopt the caller's freshly computed slots
-                self._set_device(node, slots[offset:offset + len(node.key)].clone())
+            if node.dev_pages is None:  # host-only (or empty): adopt the caller's freshly computed pages
+                self._set_device(node, pages[offset // ps:(offset + len(node.key)) // ps])
                 self.lru.push(node)
             elif already == offset:
                 already += len(node.key)
             offset += len(node.key)
         if matched < len(tokens):
             node = self.tree.add_child(path[-1] if path else self.tree.root(salt), tokens[matched:])
-            self._set_device(node, slots[matched:].clone())
+            self._set_device(node, pages[matched // ps:])
             self._added(node)
             path.append(node)
         if self.write_policy == "write_through":
@@ -439,14 +451,13 @@ class CacheState:
         return already, len(tokens) - matched
 
     # -- integrity ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_base_run(node: Node) -> None:
+    def _check_base_run(self, node: Node) -> None:
         """The ancestors of ``node`` that share its device base are its parent, its
         parent's parent, ... with adjacent offsets, and no higher ancestor shares it
         (what :meth:`device_slots` relies on)."""
         up, at = node.parent, node.dev_at
         while not up.is_root and up.dev_base is node.dev_base:
-            assert up.dev_at + len(up.key) == at, f"{up}: not adjacent to the next piece of its base"
+            assert up.dev_at + len(up.key) // self.page_size == at, f"{up}: not adjacent to the next piece of its base"
             at, up = up.dev_at, up.parent
         while not up.is_root:
             assert up.dev_base is not node.dev_base, f"{node}: its base reappears above a gap"
@@ -459,11 +470,12 @@ class CacheState:
         dev_pages, host_slots = [], []
         for node in self.tree.nodes():
             assert len(node.key) % self.page_size == 0 and len(node.key), node
-            if node.device is not None:
-                assert node.parent.is_root or node.parent.device is not None, f"{node}: device not prefix-closed"
-                dev_pages += self._pages(node.device).tolist()
-                view = node.dev_base[node.dev_at:node.dev_at + len(node.key)]
-                assert torch.equal(view, node.device), f"{node}: device slots are not its base's run"
+            if node.dev_pages is not None:
+                assert node.parent.is_root or node.parent.dev_pages is not None, f"{node}: device not prefix-closed"
+                assert node.dev_pages.dtype == np.int64 and node.dev_pages.shape == (len(node.key) // self.page_size,)
+                dev_pages += node.dev_pages.tolist()
+                view = node.dev_base[node.dev_at:node.dev_at + len(node.key) // self.page_size]
+                assert np.array_equal(view, node.dev_pages), f"{node}: device pages are not its base's run"
                 self._check_base_run(node)
             if node.host is not None:
                 host_slots += node.host.tolist()

@@ -219,9 +219,20 @@ def cache_command(args: argparse.Namespace) -> int:
              f"{r['tree_bytes_per_page_x_ids']:.2f}x"] for r in result["rows"]]
     print_table("fragmented path (one node per page), tree memory",
                 ["page", "path nodes", "match array µs", "match list µs", "tree bytes/page", "x token ids"], rows)
-    rows = [[r["page_size"], kind, *(f"{r[f'insert_{stat}_us_{kind}']:.0f}" for stat in ("p50", "p99", "max")),
-             "/".join(map(str, r[f"gc_runs_{kind}"]))] for r in result["rows"] for kind in ("list", "array")]
-    print_table("insert of fresh prompts, µs", ["page", "input", "p50", "p99", "max", "gc gen0/1/2"], rows)
+    def faults(value):
+        return "-" if value is None else f"{value:.1f}"
+
+    rows = [[r["page_size"], kind, *(f"{r[f'{tree}insert_{stat}_us_{kind}']:.0f}" for tree in ("", "steady_")
+                                     for stat in ("p50", "p99", "max")),
+             faults(r[f"faults_per_insert_{kind}"]), faults(r[f"steady_faults_per_insert_{kind}"]),
+             "/".join(map(str, r[f"gc_runs_{kind}"])), "/".join(map(str, r[f"steady_gc_runs_{kind}"])),
+             f"{r[f'steady_alloc_p50_us_{kind}']:.0f}/{r[f'steady_alloc_p99_us_{kind}']:.0f}"]
+            for r in result["rows"] for kind in ("list", "array")]
+    print_table("insert of fresh prompts, µs: growing (the tree takes new memory) | steady (a full pool: "
+                "alloc_device evicts first, untimed)",
+                ["page", "input", "p50", "p99", "max", "steady p50", "p99", "max", "page faults", "steady",
+                 "gc gen0/1/2", "steady", "alloc p50/p99"], rows)
+    print("page faults: minor faults per insert, each the first touch of 4 KiB of new memory")
     return 0
 
 
