@@ -100,6 +100,21 @@ def test_without_a_host_copy_eviction_drops_pages():
     assert cache.device_pool.available_size() == 64
 
 
+def test_the_lru_index_lets_evicted_pages_go():
+    """A tier's LRU heap only indexes nodes with a copy in that tier: a heap that is
+    never popped (no host evictions here) must not keep dropped nodes and their keys."""
+    cache = make_cache(write_policy="write_through_selective")
+    for k in range(40):
+        slots = cache.alloc_device(2 * PAGE)  # a full pool: evicts an earlier prompt's pages
+        cache.insert([1000 + 8 * k + i for i in range(2 * PAGE)], slots)
+    heaps = cache._state.lru._heaps
+    assert heaps["host"] == []
+    assert all(entry[-1].dev_pages is not None or not cache.tree.attached(entry[-1]) for entry in heaps["device"])
+    assert len(heaps["device"]) <= 2 * 40  # stale entries surface and go as evictions pop
+    cache.check_integrity(engine_device_slots=0)
+    cache.close()
+
+
 def test_locked_pages_are_never_evicted():
     cache = make_cache()
     serve(cache, A)

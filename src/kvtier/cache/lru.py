@@ -23,19 +23,25 @@ _heappush = heapq.heappush
 class LruIndex:
     def __init__(self) -> None:
         self._heaps: dict[str, list] = {t: [] for t in TIERS}
-        self._heap_list = list(self._heaps.values())
+        self._device, self._host = self._heaps["device"], self._heaps["host"]
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return max(len(h) for h in self._heaps.values())
 
     def push(self, node) -> None:
+        """Index ``node`` in the heap of each tier it has a copy in (only such a node
+        can be evicted from a tier, and every way of gaining a copy pushes it again)."""
         # NOTE: one entry shared by both heaps: entries are immutable, and a single
         # counter value keeps each heap's order exactly as with one value per heap
-        # (values only need to grow with every push).
+        # (values only need to grow with every push). A heap never gets a node that has
+        # no copy in its tier: such entries would never surface there (a tier with no
+        # evictions never pops), and would keep evicted nodes and their keys alive.
         entry = (node.last_access, node.serial, next(self._seq), node)
-        for heap in self._heap_list:
-            _heappush(heap, entry)
+        if node.dev_pages is not None:
+            _heappush(self._device, entry)
+        if node.host is not None:
+            _heappush(self._host, entry)
 
     def pop(self, tier: str, evictable: Callable[[object], bool]):
         """The least recently used node that ``evictable`` accepts, taken out of the
@@ -55,10 +61,11 @@ class LruIndex:
     def rebuild(self, nodes: Iterable) -> None:
         """Drop every entry and index ``nodes`` afresh (compaction)."""
         entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes]
-        for tier in TIERS:
-            self._heaps[tier] = list(entries)
-            heapq.heapify(self._heaps[tier])
-        self._heap_list = list(self._heaps.values())
+        self._device = [e for e in entries if e[-1].dev_pages is not None]
+        self._host = [e for e in entries if e[-1].host is not None]
+        for heap in (self._device, self._host):
+            heapq.heapify(heap)
+        self._heaps = {"device": self._device, "host": self._host}
 
     def contains(self, tier: str, node) -> bool:
         """Whether ``node`` has an entry in ``tier`` (integrity checks only: a scan)."""
