@@ -160,3 +160,24 @@ def test_device_slots_of_a_split_chain_are_its_nodes_slots_in_order():
         cache.release(got)
     cache.check_integrity()
     cache.close()
+
+
+def test_device_slots_expand_the_same_on_an_accelerator():
+    """With slot tensors on an accelerator the page numbers are expanded there (torch ops);
+    run on the CPU, that branch must give the numpy expansion's slots."""
+    import torch
+
+    from engine import PAGE, make_cache
+
+    cache = make_cache(device_tokens=64, host_tokens=64)
+    tokens = list(range(100, 124))
+    cache.insert(tokens, cache.alloc_device(len(tokens)))
+    branch = tokens[:2 * PAGE] + [7] * PAGE
+    slots = cache.alloc_device(len(branch))
+    cache.free_device(slots[:cache.insert(branch, slots)])
+    on_cpu = [cache.match_prefix(t).device_indices for t in (tokens, branch, [5] * PAGE)]
+    cache._state._offsets = torch.arange(PAGE)  # the accelerator branch, run on the CPU
+    elsewhere = [cache.match_prefix(t).device_indices for t in (tokens, branch, [5] * PAGE)]
+    assert [t.tolist() for t in elsewhere] == [t.tolist() for t in on_cpu] and on_cpu[0].numel() == len(tokens)
+    assert all(t.dtype == torch.int64 for t in elsewhere)
+    cache.close()

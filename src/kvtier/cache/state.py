@@ -64,6 +64,8 @@ class CacheState:
         self.lru = LruIndex()
         self._nodes = 0
         self._owned = np.zeros(device_pool.size // self.page_size, dtype=bool)  # device pages held by nodes
+        index_device = device_pool.index_device  # where slot tensors live; None: the CPU
+        self._offsets = None if index_device.type == "cpu" else torch.arange(self.page_size, device=index_device)
         self.backups: set[InFlight] = set()  # device -> host copies in flight
         self.schedule: Callable[[InFlight], None] = lambda mark: None  # the mover's; set by the cache
 
@@ -107,9 +109,12 @@ class CacheState:
     def slots_of(self, pages: np.ndarray) -> torch.Tensor:
         """The device token slots of ``pages`` (page numbers), a new tensor on the pool's
         index device."""
-        slots = torch.from_numpy(page_token_slots(pages, self.page_size))
-        index_device = self.device_pool.index_device
-        return slots if index_device.type == "cpu" else slots.to(index_device)
+        if self._offsets is None:
+            return torch.from_numpy(page_token_slots(pages, self.page_size))
+        # NOTE: on an accelerator only the page numbers cross (1/page_size of the slots'
+        # bytes), and the expansion runs there, queued like any kernel
+        on = torch.from_numpy(pages).to(self._offsets.device)
+        return (on[:, None] * self.page_size + self._offsets).reshape(-1)
 
     # -- locks ------------------------------------------------------------------------------------
     def lock_node(self, node: Node) -> None:
