@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import KVSpec
+from .memory import pool_bytes
 
 _ALIGN = 4096  # component offsets inside one allocation: page-aligned for pinning/registration
 
@@ -53,7 +54,7 @@ def carve(spec: KVSpec, shapes: dict[str, tuple[int, ...]], *, device: torch.dev
     """One allocation holding every component, each a view of ``shapes[name]``.
 
     Returns ``(raw uint8 buffer, {name: typed view})``. Each component starts at a
-    4 KiB-aligned offset.
+    4 KiB-aligned address: the allocation is aligned too, not only the offsets.
     """
     offsets, total = {}, 0
     for c in spec.components:
@@ -62,7 +63,7 @@ def carve(spec: KVSpec, shapes: dict[str, tuple[int, ...]], *, device: torch.dev
         for n in shapes[c.name]:
             nbytes *= n
         total += -(-nbytes // _ALIGN) * _ALIGN
-    raw = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    raw = pool_bytes(total, device=device, pin_memory=pin_memory)  # aligned (see memory.py)
     views = {}
     for c in spec.components:
         shape = shapes[c.name]
