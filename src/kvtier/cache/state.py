@@ -64,7 +64,9 @@ class CacheState:
         self.lru = LruIndex()
         self._nodes = 0
         self._owned = np.zeros(device_pool.size // self.page_size, dtype=bool)  # device pages held by nodes
-        index_device = device_pool.index_device  # where slot tensors live; None: the CPU
+        # 0 .. page_size - 1 on an accelerator that holds the slot tensors (``slots_of``
+        # expands pages there); None when they live on the CPU (numpy expands them)
+        index_device = device_pool.index_device
         self._offsets = None if index_device.type == "cpu" else torch.arange(self.page_size, device=index_device)
         self.backups: set[InFlight] = set()  # device -> host copies in flight
         self.schedule: Callable[[InFlight], None] = lambda mark: None  # the mover's; set by the cache
