@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .indices import page_starts
+from .indices import page_numbers, page_token_slots
 
 
 class PageAllocator:
@@ -29,7 +29,6 @@ class PageAllocator:
         self._head = 0
         self._count = pages
         self._in_use = np.zeros(pages, dtype=bool)
-        self._offsets = np.arange(page_size, dtype=np.int64)
 
     def available_size(self) -> int:
         """Free token slots."""
@@ -46,9 +45,7 @@ class PageAllocator:
             return None
         pages = self._take(need)
         self._in_use[pages] = True
-        if self.page_size == 1:
-            return torch.from_numpy(pages)
-        return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
+        return torch.from_numpy(page_token_slots(pages, self.page_size))
 
     def allocated(self, page_ids: torch.Tensor) -> torch.Tensor:
         """``(n,)`` bool: which of the (valid) ``page_ids`` are handed out."""
@@ -56,8 +53,8 @@ class PageAllocator:
 
     def free(self, indices: torch.Tensor) -> None:
         """Return whole pages; ``ValueError`` for slots that are not allocated (double free)."""
-        pages = page_starts(indices, page_size=self.page_size, size=self.size, what="free indices",
-                            allowed_devices=self._devices, unique=True).numpy()
+        pages = page_numbers(indices, page_size=self.page_size, size=self.size, what="free indices",
+                             allowed_devices=self._devices, unique=True)
         if pages.size == 0:
             return
         not_used = pages[~self._in_use[pages]]

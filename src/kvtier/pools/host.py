@@ -13,7 +13,7 @@ from ..transfer import CopyWorkers, check_io_backend, copy_pages
 from .allocator import PageAllocator
 from .common import carve, check_sizes, check_spec, parse_device
 from .device import DeviceKVPool
-from .indices import page_starts
+from .indices import page_numbers, page_starts
 from .meta import SpanTable, SpanTables
 from .views import PageViews
 
@@ -251,7 +251,7 @@ class HostKVPool:
 
     # -- zero-copy metadata ---------------------------------------------------------
     def _meta_pages(self, indices: torch.Tensor) -> np.ndarray:
-        return page_starts(indices, page_size=self.page_size, size=self.size, what="indices").numpy()
+        return page_numbers(indices, page_size=self.page_size, size=self.size, what="indices")
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """``(ptr_list, size_list)``: one span per contiguous piece of each page.
