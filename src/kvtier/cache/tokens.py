@@ -8,25 +8,20 @@ so ``None``/``""``/``b""`` are one tenant and ``"t"``/``b"t"`` another.
 from __future__ import annotations
 
 import functools
-import os
 import struct
 from array import array
 
 import numpy as np
 import torch
 
+from ..compiled import load
+
 _INT64 = np.iinfo(np.int64)
 _ZERO = array("q", [0])
 _ALL_INTS = object()
 
-# the compiled list reader, built by setup.py where a C compiler exists; KVTIER_NATIVE=0
-# (read at import) keeps to the pure path, as for the copy path
-_fill_int64 = None
-if os.environ.get("KVTIER_NATIVE", "1") != "0":
-    try:
-        from ._tokens import fill_int64 as _fill_int64
-    except ImportError:
-        pass
+# the compiled list reader (``kvtier.compiled``: where built, unless KVTIER_NATIVE=0 at import)
+_fill_int64 = getattr(load("kvtier.cache._tokens"), "fill_int64", None)
 
 
 def token_array(token_ids) -> array:

@@ -8,21 +8,16 @@ those threads costs far more than the work (milliseconds for a 4096-page check).
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 
+from ..compiled import load
+
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
-# the compiled loops, built by setup.py where a C compiler exists; KVTIER_NATIVE=0 (read
-# at import) keeps to numpy, as for the copy path
-_native = None
-if os.environ.get("KVTIER_NATIVE", "1") != "0":
-    try:
-        from . import _indices as _native
-    except ImportError:
-        pass
+# the compiled loops (``kvtier.compiled``: where built, unless KVTIER_NATIVE=0 at import)
+_native = load("kvtier.pools._indices")
 
 #: inputs up to this many slots are checked in plain Python: below it, numpy's fixed
 #: cost per call (a few microseconds for the seven array ops) is the larger one.

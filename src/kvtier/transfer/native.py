@@ -16,19 +16,18 @@ tests and benchmarks can switch it).
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
-try:
-    from . import _native
-except ImportError:  # not compiled here (no compiler at install time): numpy does every copy
-    _native = None
+from ..compiled import built, switched_on
+
+# None where not compiled (no compiler at install time): numpy does every copy
+_native = built("kvtier.transfer._native")
 
 
 def enabled() -> bool:
     """Whether copies may use the compiled path: built, and not switched off."""
-    return _native is not None and os.environ.get("KVTIER_NATIVE", "1") != "0"
+    return _native is not None and switched_on()
 
 
 def path_name() -> str:
