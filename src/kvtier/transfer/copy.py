@@ -112,6 +112,14 @@ def _stop(jobs: queue.SimpleQueue, count: int) -> None:
         jobs.put(None)
 
 
+def thread_count(nbytes: int, threads: int, workers: CopyWorkers | None = None) -> int:
+    """Threads worth splitting a copy of ``nbytes`` over: one below ``PARALLEL_MIN_BYTES``,
+    else ``threads``, at most ``workers``' when given."""
+    if nbytes < PARALLEL_MIN_BYTES:
+        return 1
+    return threads if workers is None else min(threads, workers.threads)
+
+
 def split_threads(items: Sequence[T], nbytes: int, threads: int, run: Callable[[Sequence[T]], None],
                   workers: CopyWorkers | None = None) -> None:
     """``run(items)``, or with ``threads > 1`` and at least ``PARALLEL_MIN_BYTES`` to move,
@@ -122,9 +130,8 @@ def split_threads(items: Sequence[T], nbytes: int, threads: int, run: Callable[[
     the GIL for the split to pay (``np.copyto`` does on copies of over 500 elements). The
     first error of any part is re-raised here, after every part has finished.
     """
-    if workers is not None:
-        threads = min(threads, workers.threads)
-    if threads <= 1 or nbytes < PARALLEL_MIN_BYTES or len(items) < 2:
+    threads = thread_count(nbytes, threads, workers)
+    if threads <= 1 or len(items) < 2:
         run(items)
         return
     threads = min(threads, len(items))

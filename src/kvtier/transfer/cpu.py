@@ -188,9 +188,7 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, nbytes: int
     """Copy ``runs`` of pages for every page-major ``(dst, src)`` numpy view pair, splitting
     the pages across ``threads`` threads (``workers``' when given) when there are enough
     bytes to move."""
-    parallel = threads if nbytes >= _copy.PARALLEL_MIN_BYTES else 1
-    if workers is not None:
-        parallel = min(parallel, workers.threads)
+    parallel = _copy.thread_count(nbytes, threads, workers)
     tasks = plan([widen(d, s) for d, s in pairs], runs, parts=parallel)
     # NOTE: split_threads deals tasks[i::parallel] to thread i: part i of every pair
     _copy.split_threads(tasks, nbytes, parallel, run_tasks, workers)
