@@ -14,8 +14,9 @@ diverge, as chat traffic does. Timed, per page size:
 
 Each time is also given as a ratio to a floor measured in the same run: copying the
 prompt's token list (``list(tokens)``), the least any call that takes the prompt does.
-The tree's memory per cached page counts its nodes, keys, slot tensors, LRU entries
-and device-page ownership map (not the KV pools).
+The tree's memory per cached page counts its nodes, keys, device page arrays, LRU
+entries and device-page ownership map (not the KV pools). Inserts are also timed into
+a full pool, each prompt's slots from ``alloc_device`` (which evicts first).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ import gc
 import sys
 import time
 from array import array
+
+try:
+    import resource
+except ImportError:  # not on Windows: page faults are not counted there
+    resource = None
 
 import numpy as np
 import torch
@@ -98,14 +104,10 @@ def _fragment(cache: HierarchicalCache, prompts: _Prompts, page_size: int) -> ar
     return target
 
 
-def _minor_faults() -> int | None:
-    """This process's minor page faults so far (first touches of new memory), where
-    the platform counts them."""
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _minor_faults() -> int:
+    """This process's minor page faults so far (first touches of new memory); 0 where
+    the platform does not count them (no ``resource``: Windows)."""
+    return 0 if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _percentiles(times: list[float], name: str) -> dict:
@@ -134,11 +136,11 @@ def _insert_times(cache: HierarchicalCache, prompts: list, slots) -> dict:
             t = time.perf_counter()
             cache.insert(p, s)
             times.append((time.perf_counter() - t) * 1e6)
-            faults += (_minor_faults() - before) if before is not None else 0
+            faults += _minor_faults() - before
     finally:
         gc.callbacks.remove(seen)
     return {**_percentiles(times, "insert"), **_percentiles(alloc_times, "alloc"),
-            "faults_per_insert": faults / len(prompts) if _minor_faults() is not None else None,
+            "faults_per_insert": None if resource is None else faults / len(prompts),
             "gc_runs": [runs[0], runs[1], runs[2]]}
 
 
@@ -177,6 +179,7 @@ def steady_inserts(page_size: int, prompt_tokens: int, tree_pages: int, seed: in
     """Inserts into a full tree, as a server runs once its pool has filled: each prompt's
     slots come from ``alloc_device``, which evicts least recently used pages first, so
     the tree's memory is reused rather than new (timed apart: ``alloc``)."""
+    gc.collect()  # a tree built before (its nodes and parents are cycles) goes first: one tree at the peak
     prompts = _Prompts(prompt_tokens, seed + 1)
     # NOTE: write_through_selective: evicted pages that were never reused just go (write_back
     # would first copy each to the host, which is not what is timed here)
@@ -188,8 +191,9 @@ def steady_inserts(page_size: int, prompt_tokens: int, tree_pages: int, seed: in
 
 
 def tree_bytes(cache: HierarchicalCache) -> int:
-    """Host bytes of the tree's own structures: nodes, child maps, keys, slot tensors
-    (each underlying storage once), LRU entries and the device-page ownership map."""
+    """Host bytes of the tree's own structures: nodes, child maps, keys, device page
+    arrays and host slot tensors (each underlying buffer once), LRU entries and the
+    device-page ownership map."""
     state = cache._state
     total, storages, buffers = 0, set(), {}
     for node in state.tree.nodes():
@@ -242,8 +246,6 @@ def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: i
     slots = [cache.alloc_device(prompt_tokens) for _ in range(2 * _INSERTS)]  # the tree grows into spare room
     inserts = _timed_inserts(cache, prompts, lambda i: slots.pop(), "")
     cache.close()
-    del cache, slots, inputs, fragmented, frag_list
-    gc.collect()  # the tree's nodes refer to their parents: cycles, freed by the collector
     return {"page_size": page_size, "prompt_tokens": prompt_tokens, "tree_pages": pages,
             "build_s": round(build_s, 2), "list_copy_us": floor,
             **{f"match_hit_{kind}_us": us for kind, us in hit.items()}, "match_new_us": miss,
@@ -251,11 +253,11 @@ def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: i
             "match_fragmented_list_us": frag["list"], **inserts,
             "tree_bytes_per_page": memory / pages, "tree_bytes_per_page_x_ids": memory / pages / (8 * page_size),
             "match_hit_list_x_floor": hit["list"] / floor, "match_hit_array_x_floor": hit["array"] / floor,
-            "insert_p99_array_x_floor": inserts["insert_p99_us_array"] / floor,
-            **steady_inserts(page_size, prompt_tokens, tree_pages, seed)}
+            "insert_p99_array_x_floor": inserts["insert_p99_us_array"] / floor}
 
 
 def run(page_sizes=(16, 64), prompt_tokens: int = 8192, tree_pages: int = 100_000, seed: int = 0) -> dict:
     check_config(page_sizes, prompt_tokens, tree_pages)
     return {"config": {"python": sys.version.split()[0], "gc_threshold": list(gc.get_threshold())},
-            "rows": [bench_page_size(ps, prompt_tokens, tree_pages, seed) for ps in page_sizes]}
+            "rows": [{**bench_page_size(ps, prompt_tokens, tree_pages, seed),
+                      **steady_inserts(ps, prompt_tokens, tree_pages, seed)} for ps in page_sizes]}
