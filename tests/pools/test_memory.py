@@ -38,7 +38,7 @@ def test_a_large_cpu_pool_is_on_huge_pages(monkeypatch):
 @pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
 def test_the_advice_reaches_the_kernel_and_the_memory_works():
     raw = pool_bytes(HUGE_MIN_BYTES, device=torch.device("cpu"))
-    if memory._madvise is None:
+    if memory._madvise() is None:
         pytest.skip("this libc has no madvise")
     # the kernel takes the advice or refuses it (THP off: EINVAL); either way the bytes are ours
     memory._advise_huge(raw.data_ptr(), HUGE_PAGE)

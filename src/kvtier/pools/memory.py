@@ -19,7 +19,7 @@ Two things about the memory itself then matter, measured on the reference spec:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import sys
 
@@ -51,22 +51,20 @@ def pool_bytes(nbytes: int, *, device: torch.device, pin_memory: bool = False) -
 def _advise_huge(address: int, nbytes: int) -> bool:
     """``madvise(MADV_HUGEPAGE)`` over ``[address, address + nbytes)``; False where the
     kernel refuses (transparent huge pages off) or libc has no ``madvise``."""
-    if _madvise is None or nbytes <= 0:
+    madvise = _madvise()
+    if madvise is None or nbytes <= 0:
         return False
-    return _madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) == 0
+    return madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) == 0
 
 
-def _load_madvise():
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's ``madvise`` (looked up on the first large pool, not at import), or ``None``."""
     if sys.platform != "linux":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+        fn = ctypes.CDLL(None, use_errno=True).madvise  # the process's own symbols include libc's
+    except (OSError, AttributeError):
         return None
-    fn = getattr(libc, "madvise", None)
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
-
-
-_madvise = _load_madvise()
