@@ -7,10 +7,10 @@ Two things about the memory itself then matter, measured on the reference spec:
 - alignment: torch aligns a CPU allocation to 64 bytes only. From a page-aligned base
   every 256-byte run covers whole 128-byte line pairs, which the CPU's adjacent-line
   prefetcher fetches together; from a 64-byte-aligned one a page_head per-layer load
-  read 1.5x the lines it used and ran ~30% slower;
+  reads 1.5x the lines it uses, and ran markedly slower;
 - page size: with 4 KiB pages each of those runs needs its own TLB entry. Transparent
   huge pages (``madvise(MADV_HUGEPAGE)``, asked before the memory is first touched) made
-  page_head per-layer loads ~15% faster and memcpy steady at its higher speed.
+  page_head per-layer loads faster in paired runs.
 
 ``KVTIER_HUGEPAGES=0`` (read at each allocation) keeps to 4 KiB pages. Pinned memory
 (CUDA's allocator) and device memory are left as their allocators give them.

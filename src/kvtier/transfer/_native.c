@@ -228,9 +228,9 @@ static ALWAYS_INLINE void copy_all_sized(const Plan *p, char *dst, const char *s
 
 /* NOTE: copy_all_sized compiled once per common block size (a head's dims at 2 bytes:
  * 64 to 512 dims), with the size and the store kind as constants: the copy and
- * prefetch loops unrolled, a page_head per-layer load runs ~1.5x faster than through
- * the one loop for any size (measured: 256-byte blocks 8 KiB apart, 9.4 -> 14.6 GB/s
- * on one thread). Other sizes take that generic loop. */
+ * prefetch loops unrolled, a page_head per-layer load ran much faster than through the
+ * one loop for any size (256-byte blocks 8 KiB apart, the same code compiled both
+ * ways). Other sizes take that generic loop. */
 #define SIZED(n)                                          \
     case n:                                               \
         if (stream)                                       \
