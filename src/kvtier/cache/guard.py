@@ -1,9 +1,11 @@
 """Storage as the cache calls it: every fault is a miss plus a counted error.
 
 A backend may raise, answer with the wrong number of results, or hang. None of that
-reaches the engine: ``exists`` runs on its own thread with a timeout (a call still
-hung makes the next ones fail fast instead of piling up), ``get`` and ``set`` run on
-the cache's workers and turn exceptions and malformed answers into misses.
+reaches the engine: ``exists`` runs on a thread of its own with a timeout (with every
+such thread still in a hung call, the next ones fail fast instead of piling up),
+``get`` and ``set`` run on the caller's workers and turn exceptions and malformed
+answers into misses. The cache and the vLLM integration's host tier both call storage
+through it, so one policy holds for every storage call kvtier makes.
 """
 
 from __future__ import annotations
@@ -22,17 +24,32 @@ _warnings = WarningLimiter(log)  # a storage that is down fails every call: say 
 
 
 class StorageGuard:
-    def __init__(self, storage: Storage, stats: CacheStats, timeout: float, inline: bool = False) -> None:
+    """``stats`` has ``error(kind)`` (a :class:`CacheStats`, or any counter that does);
+    ``concurrency`` is how many ``exists`` calls may run at once, each on its own thread."""
+
+    def __init__(self, storage: Storage, stats: CacheStats, timeout: float, inline: bool = False,
+                 concurrency: int = 1) -> None:
         self.storage, self._stats, self.timeout = storage, stats, timeout
-        self.worker = Worker("kvtier-exists", inline)
-        self._idle = threading.Lock()  # held while an exists call runs
+        self.workers = [Worker("kvtier-exists" if i == 0 else f"kvtier-exists-{i}", inline)
+                        for i in range(concurrency)]
+        self._free = list(range(concurrency))  # threads with no exists call running
+        self._free_lock = threading.Lock()
+
+    def _take_thread(self) -> int | None:
+        with self._free_lock:
+            return self._free.pop() if self._free else None
+
+    def _give_thread(self, i: int) -> None:
+        with self._free_lock:
+            self._free.append(i)
 
     def exists(self, keys: list[str]) -> int:
         """How many leading ``keys`` storage holds; 0 on any fault or after ``timeout``."""
         if not keys:
             return 0
-        if not self._idle.acquire(blocking=False):
-            return self._fault("storage_exists", "busy", "a previous batch_exists is still running")
+        slot = self._take_thread()
+        if slot is None:
+            return self._fault("storage_exists", "busy", "every batch_exists thread is still running a call")
         answer, done = {}, threading.Event()
 
         def call() -> None:
@@ -41,13 +58,13 @@ class StorageGuard:
             except Exception as e:
                 answer["error"] = e
             finally:
-                self._idle.release()
+                self._give_thread(slot)
                 done.set()
 
         try:
-            self.worker.submit(call)
+            self.workers[slot].submit(call)
         except CacheClosedError:
-            self._idle.release()
+            self._give_thread(slot)
             raise
         if not done.wait(self.timeout):
             return self._fault("storage_exists", "slow", f"batch_exists took over {self.timeout}s")
@@ -69,15 +86,20 @@ class StorageGuard:
 
     def set(self, keys: list[str], host_pool, host_indices) -> bool:
         """Whether every page was written; faults are logged (the caller counts them)."""
+        return all(self.set_each(keys, host_pool, host_indices))
+
+    def set_each(self, keys: list[str], host_pool, host_indices) -> list[bool]:
+        """Per key, whether its page was written (only ``True`` counts); a fault or an
+        answer of another shape is all ``False``, logged (the caller counts them)."""
         try:
             ok = self.storage.batch_set(keys, host_pool, host_indices)
         except Exception as e:
             _warnings.warn(("batch_set", type(e)), "kvtier storage: batch_set raised %r", e)
-            return False
+            return [False] * len(keys)
         if not isinstance(ok, (list, tuple)) or len(ok) != len(keys):
             _warnings.warn(("batch_set", "answer"), "kvtier storage: batch_set answered %r for %d keys", ok, len(keys))
-            return False
-        return all(x is True for x in ok)
+            return [False] * len(keys)
+        return [x is True for x in ok]
 
     def _per_key(self, kind: str, op: str, got, n: int) -> list[bool]:
         if not isinstance(got, (list, tuple)) or len(got) != n or not all(isinstance(x, bool) for x in got):
@@ -92,4 +114,5 @@ class StorageGuard:
         return 0
 
     def close(self) -> None:
-        self.worker.close(timeout=self.timeout)
+        for worker in self.workers:
+            worker.close(timeout=self.timeout)

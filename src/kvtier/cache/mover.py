@@ -185,7 +185,7 @@ class Mover:
     def flush(self) -> None:
         """Wait until no job is queued or running (jobs may queue others), storage
         queries included."""
-        workers = self.workers + ([self.guard.worker] if self.guard is not None else [])
+        workers = self.workers + (self.guard.workers if self.guard is not None else [])
         while any(w.depth() for w in workers):
             for worker in workers:
                 worker.join_queue()

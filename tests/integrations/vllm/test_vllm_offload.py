@@ -1,19 +1,15 @@
 """kvtier's vLLM manager and worker driven through vLLM's own offloading classes, with
-no model: store -> lookup -> load round trips, eviction order, storage prefetches."""
-
-import time
+no model: store -> lookup -> load round trips, offloaded blocks of several vLLM blocks,
+eviction order, resets."""
 
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
 
 import torch  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext  # noqa: E402
-from vllm_helpers import (BLOCK, CPU_GQA, FA_GQA, LAYERS, MLA, UNKNOWN, Rig, context, keys,  # noqa: E402
-                          offloading_config)
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ScheduleEndContext  # noqa: E402
+from vllm_helpers import BLOCK, CPU_GQA, FA_GQA, LAYERS, MLA, UNKNOWN, Rig, context, keys  # noqa: E402
 
-import kvtier.storage  # noqa: E402
-from kvtier.integrations.vllm import KVTierOffloadingSpec, UnsupportedVLLMSetupError  # noqa: E402
 from kvtier.integrations.vllm.blocks import block_format  # noqa: E402
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -32,6 +28,26 @@ def test_store_lookup_load_round_trip_is_byte_exact(geometry):
     rig.load(ks, [9, 10, 11])
     for layer, want in zip(rig.engine.kv, before):
         assert torch.equal(layer[[9, 10, 11]], want)
+
+
+@pytest.mark.parametrize("geometry", [CPU_GQA, UNKNOWN], ids=["cpu", "opaque"])
+def test_offloaded_blocks_of_three_vllm_blocks_round_trip_from_their_middle(geometry):
+    """blocks_per_chunk 3: a key holds three vLLM blocks; a load may start inside one."""
+    rig = Rig(geometry, host_blocks=3, per_key=3)
+    ks = keys("a", "b")
+    blocks = [4, 9, 2, 11, 0, 6]
+    before = rig.engine.blocks(blocks)
+    rig.store(ks, blocks)
+    assert len(rig.manager.prepare_load(ks, context()).pages) == 6
+    rig.manager.complete_load(ks, context())
+    rig.engine.wipe(blocks)
+    spec = rig.manager.prepare_load(ks, context())
+    targets = [12, 13, 14, 15]  # the last four vLLM blocks: request blocks 2..5 (block_indices 2)
+    assert rig.worker.submit_load(1, spec, GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[2]))
+    for layer, want in zip(rig.engine.kv, before):
+        assert torch.equal(layer[targets], want[2:])
+    with pytest.raises(ValueError, match="4 vLLM blocks .skipping 1. for 6 host pages"):
+        rig.worker.submit_load(2, spec, GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[1]))
 
 
 def test_cpu_blocks_become_canonical_k_and_v_pages():
@@ -69,9 +85,9 @@ def test_lru_eviction_order_skips_pinned_and_storing_pages():
     stored = rig.manager.prepare_store([f], context())  # f: being stored
     assert stored.evicted_keys == [d]
     rig.manager.prepare_load([e], context())
-    free_before = rig.tier.pool.available_size()
+    free_before = rig.tier.free_keys()
     assert rig.manager.prepare_store([g], context()) is None  # nothing evictable: nothing changes
-    assert rig.tier.lru_order() == [c, e] and rig.tier.pool.available_size() == free_before
+    assert rig.tier.lru_order() == [c, e] and rig.tier.free_keys() == free_before
     rig.manager.complete_load([c, e], context())
     assert rig.manager.prepare_store([g], context()).evicted_keys == [c]
 
@@ -83,11 +99,12 @@ def test_store_of_held_keys_copies_nothing_and_failed_store_frees():
     out = rig.store([a, b], [0, 1])
     assert out.keys_to_store == [b]
     out = rig.manager.prepare_store(keys("c"), context())
-    assert rig.manager.lookup(out.keys_to_store[0], context()) is LookupResult.MISS  # not readable yet
+    assert rig.manager.lookup(out.keys_to_store[0], context()) is LookupResult.HIT_PENDING  # stored, not readable yet
     rig.manager.complete_store(out.keys_to_store, context(), success=False)
-    assert rig.tier.pool.available_size() == 2 * BLOCK
+    assert rig.manager.lookup(out.keys_to_store[0], context()) is LookupResult.MISS
+    assert rig.tier.free_keys() == 2
     rig.manager.reset_cache()
-    assert rig.tier.lru_order() == [] and rig.tier.pool.available_size() == 4 * BLOCK
+    assert rig.tier.lru_order() == [] and rig.tier.free_keys() == 4
 
 
 def test_reset_forgets_everything_and_frees_in_flight_pages_two_steps_later():
@@ -98,147 +115,13 @@ def test_reset_forgets_everything_and_frees_in_flight_pages_two_steps_later():
     rig.manager.prepare_store([c], context())          # a store vLLM will drop too
     rig.manager.reset_cache()
     assert [rig.manager.lookup(k, context()) for k in (a, b, c)] == [LookupResult.MISS] * 3
-    assert rig.tier.pool.available_size() == 2 * BLOCK  # b freed now; a and c wait for vLLM's flush
+    assert rig.tier.free_keys() == 2  # b freed now; a and c wait for vLLM's flush
     rig.manager.on_schedule_end(END)
-    assert rig.tier.pool.available_size() == 2 * BLOCK
+    assert rig.tier.free_keys() == 2
     rig.manager.on_schedule_end(END)
-    assert rig.tier.pool.available_size() == 4 * BLOCK
+    assert rig.tier.free_keys() == 4
     rig.manager.complete_load([a], context())          # a late completion is ignored
     rig.store([a], [0])
     assert rig.manager.lookup(a, context()) is LookupResult.HIT
 
 
-def _stored_rig(tmp_path, names, **kw):
-    """A rig whose blocks of ``names`` went through the host tier into file storage."""
-    first = Rig(CPU_GQA, storage=kvtier.storage.open(f"file://{tmp_path}"), **kw)
-    ks = keys(*names)
-    first.store(ks, list(range(len(ks))))
-    first.tier.flush()
-    assert first.tier.stats["written"] == len(ks)
-    return first, ks
-
-
-def _settle(manager, req, ks, timeout=10.0):
-    """Look ``ks`` up each scheduler step until no answer is pending; returns the answers."""
-    end = time.monotonic() + timeout
-    while True:
-        got = [manager.lookup(k, req) for k in ks]
-        manager.on_schedule_end(END)
-        if not {LookupResult.RETRY, LookupResult.HIT_PENDING} & set(got) or time.monotonic() > end:
-            return got
-        time.sleep(0.005)
-
-
-def test_storage_only_blocks_answer_pending_then_load_byte_exact(tmp_path):
-    first, ks = _stored_rig(tmp_path, ["a", "b", "c"])
-    second = Rig(CPU_GQA, storage=kvtier.storage.open(f"file://{tmp_path}"), seed=1)
-    req = context()
-    assert [second.manager.lookup(k, req) for k in ks] == [LookupResult.RETRY] * 3
-    assert second.manager.has_pending_work()
-    second.manager.on_schedule_end(END)
-    assert _settle(second.manager, req, ks + keys("zz")) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
-    assert not second.manager.has_pending_work()
-    second.load(ks, [5, 6, 7])
-    for mine, theirs in zip(second.engine.kv, first.engine.kv):
-        assert torch.equal(mine[[5, 6, 7]], theirs[[0, 1, 2]])
-    assert second.tier.stats["fetched"] == 3 and second.tier.stats["written"] == 0
-
-
-def test_corrupt_storage_objects_are_misses(tmp_path):
-    _, ks = _stored_rig(tmp_path, ["a", "b"])
-    for f in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
-        raw = bytearray(f.read_bytes())
-        raw[-5] ^= 0xFF
-        f.write_bytes(bytes(raw))
-    second = Rig(CPU_GQA, storage=kvtier.storage.open(f"file://{tmp_path}"))
-    assert _settle(second.manager, context(), ks) == [LookupResult.MISS] * 2
-    assert second.tier.stats["fetch_failed"] == 2 and second.tier.lru_order() == []
-
-
-def test_other_namespace_or_geometry_never_reads_the_blocks(tmp_path):
-    _, ks = _stored_rig(tmp_path, ["a"])
-    other = Rig(CPU_GQA, storage=kvtier.storage.open(f"file://{tmp_path}"), key_prefix="another-model")
-    assert _settle(other.manager, context(), ks) == [LookupResult.MISS]
-
-
-class _SlowStorage:
-    """A storage whose every call takes ``delay`` seconds."""
-
-    def __init__(self, inner, delay):
-        self.inner, self.delay = inner, delay
-
-    def __getattr__(self, name):
-        attr = getattr(self.inner, name)
-        if name.startswith("batch_"):
-            def slow(*a, **kw):
-                time.sleep(self.delay)
-                return attr(*a, **kw)
-            return slow
-        return attr
-
-
-def test_slow_storage_never_blocks_lookups_and_times_out_into_misses(tmp_path):
-    _, ks = _stored_rig(tmp_path, ["a", "b"])
-    slow = _SlowStorage(kvtier.storage.open(f"file://{tmp_path}"), delay=1.0)
-    rig = Rig(CPU_GQA, storage=slow, timeout_s=0.2)
-    req = context()
-    start = time.monotonic()
-    got = _settle(rig.manager, req, ks, timeout=5.0)
-    assert got == [LookupResult.MISS] * 2
-    assert time.monotonic() - start < 0.9  # answered before storage did
-    rig.tier.flush()
-
-
-def test_down_storage_is_a_miss(tmp_path):
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        store = kvtier.storage.open(f"redis://127.0.0.1:{port}/0?socket_connect_timeout=0.2")
-    except ValueError as e:  # no redis client in this environment
-        pytest.skip(str(e))
-    rig = Rig(CPU_GQA, storage=store)
-    req = context()
-    assert _settle(rig.manager, req, keys("a")) == [LookupResult.MISS]
-    out = rig.store(keys("a"), [0])
-    assert out is not None and rig.manager.lookup(keys("a")[0], req) is LookupResult.HIT
-    rig.tier.flush()
-    assert rig.tier.stats["write_failed"] == 1
-
-
-@pytest.mark.parametrize("extra, message", [
-    ({"host_bytes": 1 << 20, "host_byte": 1}, "unknown kv_connector_extra_config keys \\['host_byte'\\]"),
-    ({}, "needs host_bytes"),
-    ({"host_bytes": -1}, "host_bytes must be a positive int"),
-    ({"host_bytes": 1 << 20, "storage": "ftp://x/y"}, "unknown storage scheme 'ftp'"),
-    ({"host_bytes": 1 << 20, "storage": "file://host/dir"}, "use file:///absolute/path"),
-    ({"host_bytes": 1 << 20, "storage": "nonsense"}, "storage must be a URL"),
-    ({"host_bytes": 100}, "holds no block"),
-])
-def test_bad_extra_config_fails_at_construction(extra, message):
-    with pytest.raises(ValueError, match=message):
-        KVTierOffloadingSpec(offloading_config(extra, block_bytes=3 * 8192))
-
-
-@pytest.mark.parametrize("kw", [{"blocks_per_chunk": 2}, {"world_size": 2}, {"groups": 2}])
-def test_unsupported_setups_say_what_to_change(kw):
-    with pytest.raises(UnsupportedVLLMSetupError):
-        KVTierOffloadingSpec(offloading_config({"host_bytes": 1 << 20}, **kw))
-
-
-def test_spec_builds_tier_keyed_by_model_and_format(tmp_path):
-    from vllm_helpers import Engine
-
-    spec = KVTierOffloadingSpec(offloading_config({"host_bytes": 1 << 20, "storage": f"file://{tmp_path}"}))
-    engine = Engine(CPU_GQA)
-    worker = spec.get_worker(engine.caches)
-    manager = spec.get_manager()
-    tier = spec.tier
-    assert tier is not None and manager.tier is tier
-    assert tier.key_prefix.startswith("vllm%3A%2Fmodels%2Ftiny-llama%40unversioned%3Abfloat16/")
-    named = KVTierOffloadingSpec(offloading_config({"host_bytes": 1 << 20, "namespace": "team-a/llama"}))
-    assert named.namespace() == "team-a/llama"
-    worker.shutdown()
-    assert spec.tier is None and manager.lookup(keys("a")[0], context()) is LookupResult.MISS

@@ -11,6 +11,7 @@ from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches, Can
 from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                        OffloadingModelConfig, OffloadingParallelConfig)
 
+from kvtier import HostKVPool
 from kvtier.integrations.vllm import KVTierOffloadingManager, KVTierOffloadingWorker
 from kvtier.integrations.vllm.blocks import Geometry, block_format
 from kvtier.integrations.vllm.tier import HostTier
@@ -23,16 +24,19 @@ UNKNOWN = Geometry("SOME_BACKEND", "LBNHC", False, 2, 32, BLOCK, torch.bfloat16)
 
 
 def offloading_config(extra: dict, *, layers: int = LAYERS, block_bytes: int = 0, blocks_per_chunk: int = 1,
-                      world_size: int = 1, groups: int = 1) -> OffloadingConfig:
+                      world_size: int = 1, groups: int = 1, rank: int = 0, pp_size: int = 1, dcp_size: int = 1,
+                      engine_id: str | None = None, model: str = "/models/tiny-llama",
+                      events: bool = False) -> OffloadingConfig:
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
     return OffloadingConfig(
         groups=tuple(OffloadingGroupConfig(BLOCK, names, g) for g in range(groups)),
-        worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=events,
         extra_config={"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm", **extra},
-        engine_id=f"test-{hashlib.sha1(repr(sorted(extra.items())).encode()).hexdigest()[:8]}",
-        model=OffloadingModelConfig("/models/tiny-llama", "bfloat16"),
+        engine_id=engine_id or f"test-{hashlib.sha1(repr(sorted(extra.items())).encode()).hexdigest()[:8]}",
+        model=OffloadingModelConfig(model, "bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(0, world_size, world_size, 1, 1, 1, 0, 1, 0, True),
+        parallel=OffloadingParallelConfig(rank, world_size * pp_size, world_size, pp_size, 1, dcp_size, 0, 1, 0,
+                                          True),
         kv_cache_layout="LBHNC")
 
 
@@ -76,17 +80,21 @@ def context(req: str = "r0") -> ReqContext:
 
 
 class Rig:
-    """A tier, vLLM-facing manager and worker over one :class:`Engine`."""
+    """A tier, vLLM-facing manager and worker over one :class:`Engine`: the worker's
+    host pool is the pool the tier holds, as the pool file makes it across processes.
+    ``host_blocks`` counts offloaded blocks of ``per_key`` vLLM blocks each."""
 
     def __init__(self, geometry: Geometry, host_blocks: int = 8, storage=None, key_prefix: str = "test",
-                 timeout_s: float = 2.0, seed: int = 0) -> None:
+                 timeout_s: float = 2.0, seed: int = 0, per_key: int = 1, events: bool = False, **tier) -> None:
         self.engine = Engine(geometry, seed=seed)
+        self.per_key = per_key
         fmt = block_format(geometry, LAYERS, self.engine.page_bytes)
-        block_bytes = fmt.page_size * fmt.spec.bytes_per_token
-        self.tier = HostTier(fmt, host_blocks * block_bytes, storage=storage, key_prefix=key_prefix,
-                             timeout_s=timeout_s)
+        pool = HostKVPool(fmt.spec, host_blocks * per_key * fmt.page_size, fmt.page_size, layout="page_head")
+        tier.setdefault("buffer_pages", host_blocks * per_key)  # room to stage every block at once
+        self.tier = HostTier([pool], fmt, blocks_per_key=per_key, storage=storage, key_prefix=key_prefix,
+                             timeout_s=timeout_s, events=events, **tier)
         self.manager = KVTierOffloadingManager(lambda: self.tier)
-        self.worker = KVTierOffloadingWorker(self.tier, self.engine.kv)
+        self.worker = KVTierOffloadingWorker(pool, fmt, self.engine.kv, blocks_per_key=per_key)
         self._job = 0
 
     def store(self, offload_keys, block_ids: list[int], req=None):
@@ -95,9 +103,11 @@ class Rig:
         out = self.manager.prepare_store(offload_keys, req)
         if out is None:
             return None
-        index = {k: b for k, b in zip(offload_keys, block_ids)}
+        per = self.per_key
+        index = {k: block_ids[i * per:(i + 1) * per] for i, k in enumerate(offload_keys)}
         self._job += 1
-        assert self.worker.submit_store(self._job, gpu_spec([index[k] for k in out.keys_to_store]), out.store_spec)
+        blocks = [b for k in out.keys_to_store for b in index[k]]
+        assert self.worker.submit_store(self._job, gpu_spec(blocks), out.store_spec)
         assert [r.job_id for r in self.worker.get_finished() if r.success] == [self._job]
         self.manager.complete_store(out.keys_to_store, req)
         return out

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from ...spec import DTYPE_NAMES, Component, KVSpec
+from ...spec import DTYPE_NAMES, DTYPES_BY_NAME, Component, KVSpec
 
 _MHA_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("CPU_ATTN", "LBHNC"): ("head", "kv", "slot", "dim"),
@@ -64,6 +64,22 @@ class Geometry:
     head_size: int          # MLA: kv_lora_rank + qk_rope_head_dim
     block_tokens: int
     dtype: torch.dtype | None
+    total_kv_heads: int | None = None  # the model's; None: this worker holds them all
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def shard_of(self, full: KVSpec) -> KVSpec:
+        """This worker's part of ``full``: its heads as a shard (``KVSpec.shard``), so
+        that storage objects are cut by global head range and any tensor-parallel size
+        reads them. Ranks that replicate heads (more ranks than KV heads) hold shard
+        ``rank * heads // tp_size`` of ``heads``; single-head (MLA) specs are whole on
+        every rank."""
+        if self.tp_size == 1 or all(c.head_num == 1 for c in full.components):
+            return full
+        heads = self.total_kv_heads or self.num_kv_heads * self.tp_size
+        if heads >= self.tp_size:
+            return full.shard(self.tp_rank, self.tp_size)
+        return full.shard(self.tp_rank * heads // self.tp_size, heads)
 
 
 @dataclass(frozen=True)
@@ -88,9 +104,9 @@ class BlockFormat:
     def layer_views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{component: (block, slot, head, dim) view}`` of one layer's int8
         ``(num_blocks, >= page_bytes)`` rows; no copy."""
-        assert rows.dim() == 2 and rows.stride(1) == 1 and rows.shape[1] >= self.page_bytes, (
-            f"layer rows must be (num_blocks, >= {self.page_bytes}) bytes with contiguous rows, "
-            f"got shape {tuple(rows.shape)} strides {rows.stride()}")
+        if rows.dim() != 2 or rows.stride(1) != 1 or rows.shape[1] < self.page_bytes:
+            raise ValueError(f"kvtier: layer rows must be (num_blocks, >= {self.page_bytes}) bytes with contiguous "
+                             f"rows, got shape {tuple(rows.shape)} strides {rows.stride()}")
         page = rows[:, :self.page_bytes].view(self.spec.dtype)
         if self.order is None:  # one slot of one head: the whole row
             return {"blk": page.view(page.shape[0], 1, 1, page.shape[1])}
@@ -112,9 +128,16 @@ class BlockFormat:
 
 
 def opaque_format(geometry: Geometry, layers: int, page_bytes: int) -> BlockFormat:
-    """Whole blocks as bytes: a ``(layers, 1 slot, 1 head, page_bytes)`` uint8 page."""
-    spec = KVSpec(layers, (Component("blk", 1, page_bytes),), torch.uint8)
-    name = f"opaque.{geometry.backend}.{geometry.layout}.b{geometry.block_tokens}.{page_bytes}B"
+    """Whole blocks as bytes: a ``(layers, 1 slot, 1 head, page_bytes)`` uint8 page.
+
+    With tensor parallelism each rank's bytes are its own: the spec has one "head" per
+    rank and each rank holds its own as a shard, so storage keeps the ranks' bytes
+    apart, and a reader of another tensor-parallel size (another head count) misses."""
+    g = geometry
+    spec = KVSpec(layers, (Component("blk", g.tp_size, page_bytes),), torch.uint8)
+    if g.tp_size > 1:
+        spec = spec.shard(g.tp_rank, g.tp_size)
+    name = f"opaque.{g.backend}.{g.layout}.b{g.block_tokens}.{page_bytes}B"
     return BlockFormat(name, spec, 1, page_bytes, None)
 
 
@@ -126,11 +149,50 @@ def block_format(geometry: Geometry, layers: int, page_bytes: int) -> BlockForma
     if order is None or g.dtype is None or g.dtype not in DTYPE_NAMES:
         return opaque_format(g, layers, page_bytes)
     if g.use_mla:
-        comps = (Component("kv", 1, g.head_size),)
+        full = KVSpec(layers, (Component("kv", 1, g.head_size),), g.dtype)
     else:
-        comps = (Component("k", g.num_kv_heads, g.head_size), Component("v", g.num_kv_heads, g.head_size))
-    spec = KVSpec(layers, comps, g.dtype)
+        heads = (g.total_kv_heads or g.num_kv_heads * g.tp_size) if g.tp_size > 1 else g.num_kv_heads
+        if g.tp_size > 1 and max(1, heads // g.tp_size) != g.num_kv_heads:
+            return opaque_format(g, layers, page_bytes)  # heads split some other way: keep the bytes as they are
+        full = KVSpec(layers, (Component("k", heads, g.head_size), Component("v", heads, g.head_size)), g.dtype)
+    spec = g.shard_of(full)
     if spec.page_elems(g.block_tokens) // layers * spec.element_size != page_bytes:
         return opaque_format(g, layers, page_bytes)
     name = f"kv.{spec.fingerprint()}.b{g.block_tokens}"
     return BlockFormat(name, spec, g.block_tokens, page_bytes, order)
+
+
+# -- formats across processes (the pool file's header): JSON, never pickle ----------------------
+def format_to_json(fmt: BlockFormat) -> dict:
+    spec = fmt.spec
+    full = spec.full
+    shard = [spec.shard_of.rank, spec.shard_of.size] if spec.shard_of is not None else None
+    return {"name": fmt.name, "page_size": fmt.page_size, "page_bytes": fmt.page_bytes,
+            "order": list(fmt.order) if fmt.order is not None else None, "layers": full.layer_num,
+            "dtype": DTYPE_NAMES[full.dtype], "components": [[c.name, c.head_num, c.head_dim] for c in full.components],
+            "shard": shard}
+
+
+def format_from_json(d: dict) -> BlockFormat:
+    """The :class:`BlockFormat` written by :func:`format_to_json`; ``ValueError`` for
+    anything else (the checks of ``KVSpec`` and ``Component`` included)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"format is {type(d).__name__}, not an object")
+    dtype = DTYPES_BY_NAME.get(d.get("dtype"))
+    comps = d.get("components")
+    if dtype is None or not isinstance(comps, list) or not all(isinstance(c, list) and len(c) == 3 for c in comps):
+        raise ValueError(f"format has dtype {d.get('dtype')!r}, components {comps!r:.80}")
+    full = KVSpec(d.get("layers"), tuple(Component(*c) for c in comps), dtype)
+    shard = d.get("shard")
+    spec = full.shard(*shard) if isinstance(shard, list) and len(shard) == 2 else full
+    order = d.get("order")
+    if order is not None and (not isinstance(order, list) or sorted(order) not in (sorted(_MLA_ORDER),
+                                                                                 sorted(("kv", "head", "slot", "dim")))):
+        raise ValueError(f"format has block order {order!r}")
+    name, page_size, page_bytes = d.get("name"), d.get("page_size"), d.get("page_bytes")
+    for field, v in (("page_size", page_size), ("page_bytes", page_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"format has {field} {v!r}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"format has name {name!r}")
+    return BlockFormat(name, spec, page_size, page_bytes, tuple(order) if order is not None else None)

@@ -1,13 +1,15 @@
 """The ``kv_connector_extra_config`` that :class:`KVTierOffloadingSpec` accepts, checked once.
 
 kvtier's own keys are ``host_bytes`` (required), ``storage`` and ``namespace``, plus
-two tuning knobs; the rest are the keys vLLM's ``OffloadingConnector`` itself reads.
-Anything else is a ``ValueError`` at construction that lists the known keys, so a
-typo (``host_byte``) never silently turns the cache off.
+tuning knobs; the rest are the keys vLLM's ``OffloadingConnector`` itself reads.
+Anything else is a ``ValueError`` at construction, on one line that names the key,
+the nearest known one and every key there is, so a typo (``host_byte``) never
+silently turns the cache off.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -16,11 +18,14 @@ VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_pe
                        "self_describing_kv_events", "canonical_layout"})
 #: kvtier's keys and what each means.
 KVTIER_KEYS = {
-    "host_bytes": "bytes of host memory for the host tier (required, > 0)",
+    "host_bytes": "bytes of host memory for the host tier, over all workers (required, > 0)",
     "storage": "storage URL (file:///dir, redis://host:port/db, mooncake://...); optional",
-    "namespace": "names the model in storage keys instead of its name, revision and dtype; optional",
+    "namespace": "names the model in storage keys instead of its path, revision, dtype and weights digest; optional",
     "storage_timeout_s": "seconds a storage probe or prefetch may take before its blocks count as misses (2.0)",
     "io_threads": "threads moving blocks between the host tier and storage (2)",
+    "storage_buffer_bytes": "bytes of staging memory for storage reads and writes; while it is full, further "
+                            "storage writes are dropped (default: a quarter of host_bytes)",
+    "host_dir": "directory of the host tier's shared memory files (/dev/shm)",
 }
 
 
@@ -31,6 +36,8 @@ class KVTierConfig:
     namespace: str | None = None
     storage_timeout_s: float = 2.0
     io_threads: int = 2
+    storage_buffer_bytes: int | None = None
+    host_dir: str = "/dev/shm"
 
     def __post_init__(self) -> None:
         if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes <= 0:
@@ -46,6 +53,11 @@ class KVTierConfig:
             raise ValueError(f"kvtier: storage_timeout_s must be a positive number, got {timeout!r}")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads <= 0:
             raise ValueError(f"kvtier: io_threads must be a positive int, got {self.io_threads!r}")
+        buffer = self.storage_buffer_bytes
+        if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int) or buffer <= 0):
+            raise ValueError(f"kvtier: storage_buffer_bytes must be a positive int (bytes), got {buffer!r}")
+        if not isinstance(self.host_dir, str) or not self.host_dir.startswith("/"):
+            raise ValueError(f"kvtier: host_dir must be an absolute directory path, got {self.host_dir!r}")
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> "KVTierConfig":
@@ -53,9 +65,10 @@ class KVTierConfig:
         naming any key that neither kvtier nor vLLM's connector knows."""
         unknown = sorted(set(extra) - VLLM_KEYS - set(KVTIER_KEYS))
         if unknown:
-            known = ", ".join(f"{k} ({v})" for k, v in KVTIER_KEYS.items())
-            raise ValueError(f"kvtier: unknown kv_connector_extra_config keys {unknown}; kvtier's keys: {known}; "
-                             f"vLLM's: {', '.join(sorted(VLLM_KEYS))}")
+            near = {k: difflib.get_close_matches(k, [*KVTIER_KEYS, *VLLM_KEYS], n=1) for k in unknown}
+            hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in near.items() if m)
+            raise ValueError(f"kvtier: unknown kv_connector_extra_config keys {unknown}" + (f" ({hints})" if hints else "")
+                             + f"; kvtier's keys: {', '.join(KVTIER_KEYS)}; vLLM's: {', '.join(sorted(VLLM_KEYS))}")
         if "host_bytes" not in extra:
             raise ValueError("kvtier: kv_connector_extra_config needs host_bytes (bytes of host memory for the "
                              "host tier), e.g. {'host_bytes': 1 << 30}")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Callable
 
 import numpy as np
-from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingManager, OffloadKey,
-                                     PrepareStoreOutput, ReqContext, RequestOffloadingContext,
+from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, Medium, OffloadingEvent, OffloadingManager,
+                                     OffloadKey, PrepareStoreOutput, ReqContext, RequestOffloadingContext,
                                      ScheduleEndContext)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .metrics import TierMetrics
+from .pages import Source
 from .tier import HostTier, Lookup, Probe
 
 #: Seconds a scheduler step may wait for storage look-ups in flight (see HostTier.yield_to_io).
@@ -17,12 +20,14 @@ IO_YIELD_S = 0.002
 
 _RESULTS = {Lookup.HIT: LookupResult.HIT, Lookup.PENDING: LookupResult.HIT_PENDING,
             Lookup.RETRY: LookupResult.RETRY, Lookup.MISS: LookupResult.MISS}
+_SOURCES = {Source.HOST: CacheHitSource.HOST, Source.STORAGE: CacheHitSource.DISK}
 
 
 class KVTierLoadStoreSpec(LoadStoreSpec):
-    """Host pages of kvtier's tier, one per vLLM block, in the order of the keys."""
+    """Host pages of kvtier's tier: ``blocks_per_key`` per offloaded block, in the order
+    of its keys. vLLM sends it to the workers with the job (it holds only page numbers)."""
 
-    def __init__(self, pages: list[int]) -> None:
+    def __init__(self, pages) -> None:
         self.pages = np.asarray(pages, dtype=np.int64)
 
     def __repr__(self) -> str:
@@ -33,12 +38,13 @@ class KVTierOffloadingManager(OffloadingManager):
     """Keyed by vLLM's ``OffloadKey`` (chained block hash + group): vLLM's hashes already
     match prefixes, so each key is looked up on its own.
 
-    ``tier`` is a callable returning the engine's :class:`HostTier` (or None while the
-    worker has not built it yet: then everything misses and nothing is stored).
-    """
+    ``tier`` is a callable returning the engine's :class:`HostTier`, or None while it
+    cannot be built yet (the workers' pool files not there): then everything misses and
+    nothing is stored."""
 
     def __init__(self, tier: Callable[[], HostTier | None]) -> None:
         self._tier_fn = tier
+        self._metrics = TierMetrics()
         self._probes: list[Probe] = []  # probes with keys queued this scheduler step
 
     @property
@@ -60,6 +66,10 @@ class KVTierOffloadingManager(OffloadingManager):
         if idle and probe.queued:  # its first key this step: send the batch at the step's end
             self._probes.append(probe)
         return _RESULTS[result]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        tier = self.tier
+        return _SOURCES[tier.source(bytes(key))] if tier is not None else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return KVTierLoadStoreSpec(self.tier.pin([bytes(k) for k in keys]))
@@ -110,3 +120,22 @@ class KVTierOffloadingManager(OffloadingManager):
         tier = self.tier
         if tier is not None:
             tier.reset()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Blocks stored into and removed from the host tier since the last call, in
+        order (removals before the store that reuses their pages); none unless the
+        tier was built with events on (vLLM's KV events)."""
+        tier = self.tier
+        if tier is None:
+            return ()
+        return [OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=Medium.CPU, removed=removed)
+                for keys, removed in tier.take_events()]
+
+    def get_stats(self):
+        tier = self.tier
+        return self._metrics.collect(tier) if tier is not None else None
+
+    def shutdown(self) -> None:
+        tier = self.tier
+        if tier is not None:
+            tier.close()

@@ -1,74 +1,109 @@
-"""The ``OffloadingSpec`` vLLM loads: builds the host tier, the manager and the worker."""
+"""The ``OffloadingSpec`` vLLM loads: the worker's host pool, the scheduler's tier and manager.
+
+vLLM builds one spec object in each process that takes part: in every worker (rank
+``r`` of the tensor-parallel group, ``get_worker``) and in the engine core
+(``get_manager``); by default those are different processes, and with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` one. Either way the two sides share only what
+vLLM passes between them (the jobs' load/store specs, which hold host page numbers,
+and the jobs' completions) plus the pool files each worker creates and the scheduler
+maps (:mod:`.region`). vLLM initialises the workers' KV caches before it builds its
+scheduler, so the files are there when the manager looks for them.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+from typing import Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.base import (CanonicalKVCaches, OffloadingManager, OffloadingMetricMetadata, OffloadingSpec,
+                                     OffloadingWorker)
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from ... import storage as kvstorage
 from ...errors import UnsupportedLayoutError
 from ...storage.keys import namespace_tag
-from ..identity import model_namespace
+from ..identity import engine_namespace
 from .blocks import BlockFormat, Geometry, block_format, cache_dtype
 from .config import KVTierConfig
 from .manager import KVTierOffloadingManager
+from .metrics import metric_definitions
+from .region import Region, RegionError, RegionInfo
 from .tier import HostTier
 from .worker import KVTierOffloadingWorker
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger("vllm.kvtier")  # vLLM's logging configuration shows it beside vLLM's own lines
 
-# NOTE: vLLM builds one spec object for the worker and another for the scheduler (both
-# in the engine process when there is one worker); the host tier they share is found
-# here by engine id. The worker creates it (only it sees the KV tensors) and closes it.
+#: Scheduler-side tiers of this process by engine id: for tests and scripts that run vLLM
+#: in-process (``engine_tier``); nothing in the serving path reads it.
 _TIERS: dict[str, HostTier] = {}
 _TIERS_LOCK = threading.Lock()
+_ATTACH_RETRY_S = 0.5
 
 
 class UnsupportedVLLMSetupError(NotImplementedError):
     """A vLLM configuration this spec cannot serve; the message says what to change."""
 
 
-class KVTierOffloadingSpec(OffloadingSpec):
+# NOTE: a CPUOffloadingSpec subclass only so that vLLM keeps its older transfer metrics
+# (vllm:kv_offload_total_bytes{transfer_type}) for kvtier as it does for its own CPU
+# spec; none of the CPU spec's code runs (every method it has is overridden here).
+class KVTierOffloadingSpec(CPUOffloadingSpec):
     """vLLM ``OffloadingSpec`` with kvtier's host tier and optional storage."""
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions(storage=bool(extra_config.get("storage")))
+
     def __init__(self, config: OffloadingConfig) -> None:
-        super().__init__(config)
-        self.kvtier = KVTierConfig.parse(config.extra_config)
-        _check_setup(config)
-        if self.kvtier.storage is not None:
-            kvstorage.open(self.kvtier.storage).close()  # a bad URL or option fails here, not later
-        need = config.worker_kv_bytes_per_block
-        if need and self.kvtier.host_bytes < need:
-            raise ValueError(f"kvtier: host_bytes {self.kvtier.host_bytes} holds no block of this model "
-                             f"({need} bytes over all layers); give at least {need}")
+        OffloadingSpec.__init__(self, config)
+        try:
+            self.kvtier = KVTierConfig.parse(config.extra_config)
+            _check_setup(config)
+            if self.kvtier.storage is not None:
+                kvstorage.open(self.kvtier.storage).close()  # a bad URL or option fails here, not later
+            need = config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk * config.parallel.world_size
+            if need and self.kvtier.host_bytes < need:
+                raise ValueError(f"kvtier: host_bytes {self.kvtier.host_bytes} holds no offloaded block of this model "
+                                 f"({need} bytes over all layers and workers); give at least {need}")
+        except (ValueError, NotImplementedError) as e:
+            log.error("%s", e)  # one line in vLLM's log before vLLM's own tracebacks
+            raise
         self.engine_id = config.engine_id
+        self.blocks_per_key = config.cache.blocks_per_chunk
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierOffloadingWorker | None = None
-
-    # -- scheduler side -------------------------------------------------------------------------
-    def get_manager(self) -> OffloadingManager:
-        if self._manager is None:
-            self._manager = KVTierOffloadingManager(lambda: _TIERS.get(self.engine_id))
-        return self._manager
+        self._region: Region | None = None
+        self._tier: HostTier | None = None
+        self._tier_lock = threading.Lock()
+        self._next_attach = 0.0
 
     # -- worker side ----------------------------------------------------------------------------------
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             rows = _layer_rows(kv_caches)
             fmt = block_format(self.geometry(), len(rows), kv_caches.group_data_refs[0][0].page_size_bytes)
-            tier = self.build_tier(fmt)
-            with _TIERS_LOCK:
-                old = _TIERS.pop(self.engine_id, None)
-                _TIERS[self.engine_id] = tier
-            if old is not None:
-                old.close()
-            log.info("kvtier: %s pages of %s in host memory%s", tier.num_pages, fmt.name,
-                     f", storage {self.kvtier.storage}" if self.kvtier.storage else "")
-            self._worker = KVTierOffloadingWorker(tier, rows, on_shutdown=self.release)
+            par = self.config.parallel
+            per_rank = fmt.page_size * fmt.spec.bytes_per_token * par.world_size
+            pages = self.kvtier.host_bytes // per_rank // self.blocks_per_key * self.blocks_per_key
+            if pages < 1:
+                raise ValueError(f"kvtier: host_bytes {self.kvtier.host_bytes} holds no offloaded block of "
+                                 f"{per_rank * self.blocks_per_key} bytes over {par.world_size} workers; give at "
+                                 f"least {per_rank * self.blocks_per_key}")
+            info = RegionInfo(self.engine_id, par.rank, par.world_size, os.getpid(), fmt, "page_head", pages)
+            self._region = Region.create(self.kvtier.host_dir, info)
+            log.info("kvtier: worker %d of %d: %d blocks of %s in %s (%.1f MiB)", par.rank, par.world_size, pages,
+                     fmt.name, self._region.path, info.file_bytes / 2**20)
+            self._worker = KVTierOffloadingWorker(self._region.pool, fmt, rows, blocks_per_key=self.blocks_per_key,
+                                                  on_shutdown=self._release_region)
         return self._worker
+
+    def _release_region(self) -> None:
+        if self._region is not None:
+            self._region.close()
 
     def geometry(self) -> Geometry:
         """The KV geometry from vLLM's current config (set while vLLM builds workers)."""
@@ -76,19 +111,69 @@ class KVTierOffloadingSpec(OffloadingSpec):
         from vllm.platforms import current_platform
 
         group = self.config.groups[0]
+        par = self.config.parallel
         vllm_config = get_current_vllm_config_or_none()
-        backend, heads, head, mla = "unknown", 1, 1, False
+        backend, heads, total, head, mla = "unknown", 1, None, 1, False
         if vllm_config is not None:
             model = vllm_config.model_config
             heads, head, mla = model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size(), \
                 model.use_mla
+            total = model.get_total_num_kv_heads()
             backend = _backend_name(vllm_config, group.layer_names)
         elif current_platform.is_cpu():
             backend = "CPU_ATTN"
         return Geometry(backend, self.config.kv_cache_layout or "unknown", mla, heads, head, group.tokens_per_block,
-                        cache_dtype(self.config.model.dtype))
+                        cache_dtype(self.config.model.dtype), total, par.rank, par.tp_size)
+
+    # -- scheduler side -------------------------------------------------------------------------
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KVTierOffloadingManager(self._scheduler_tier)
+            self._scheduler_tier()
+        return self._manager
+
+    def _scheduler_tier(self) -> HostTier | None:
+        """The tier over the workers' pool files, built when they are all there (tried
+        at most every ``_ATTACH_RETRY_S`` until then)."""
+        if self._tier is not None or time.monotonic() < self._next_attach:
+            return self._tier
+        with self._tier_lock:
+            if self._tier is None:
+                self._next_attach = time.monotonic() + _ATTACH_RETRY_S
+                self._tier = self._attach()
+        return self._tier
+
+    def _attach(self) -> HostTier | None:
+        par = self.config.parallel
+        regions = []
+        for rank in range(par.world_size):
+            region = Region.attach(self.kvtier.host_dir, self.engine_id, rank)
+            if region is None:
+                return None
+            regions.append(region)
+        shapes = {(r.info.format.name, r.info.format.page_size, r.info.num_pages) for r in regions}
+        if len(shapes) != 1:
+            raise RegionError(f"kvtier: the workers' host pools disagree (format, tokens, pages): {sorted(shapes)}")
+        for r in regions:
+            r.unlink()  # every process that needs the memory has it mapped now
+        fmt = regions[0].info.format
+        tier = self.build_tier([r.pool for r in regions], fmt)
+        with _TIERS_LOCK:
+            old = _TIERS.pop(self.engine_id, None)
+            _TIERS[self.engine_id] = tier
+        if old is not None:
+            old.close()
+        total = sum(r.info.file_bytes for r in regions)
+        log.info("kvtier: host tier of %d offloaded blocks (%d vLLM blocks of %d tokens each) on %d worker(s), "
+                 "%.1f MiB, format %s; storage %s; keys %s/*", tier.num_pages // self.blocks_per_key,
+                 self.blocks_per_key, fmt.page_size, par.world_size, total / 2**20, fmt.name,
+                 self.kvtier.storage or "none", tier.key_prefix)
+        return tier
 
     def namespace(self) -> str:
+        """The model part of storage keys: the configured ``namespace``, else the model's
+        path or hub id, revision, KV dtype and a digest of its checkpoint files
+        (:func:`~kvtier.integrations.identity.checkpoint_digest`)."""
         if self.kvtier.namespace is not None:
             return self.kvtier.namespace
         from vllm.config import get_current_vllm_config_or_none
@@ -98,45 +183,50 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if vllm_config is not None:  # the hub commit when vLLM resolved one, else what was asked for
             model = vllm_config.model_config
             revision = getattr(model.hf_config, "_commit_hash", None) or model.revision
-        return "vllm:" + model_namespace(self.config.model.name, revision, self.config.model.dtype, None)
+        return engine_namespace("vllm", self.config.model.name, revision, self.config.model.dtype)
 
-    def build_tier(self, fmt: BlockFormat) -> HostTier:
+    def build_tier(self, pools, fmt: BlockFormat) -> HostTier:
         store = kvstorage.open(self.kvtier.storage) if self.kvtier.storage else None
-        return HostTier(fmt, self.kvtier.host_bytes, storage=store,
-                        key_prefix=f"{namespace_tag(self.namespace())}/{fmt.name}",
-                        timeout_s=float(self.kvtier.storage_timeout_s), io_threads=self.kvtier.io_threads)
+        buffer_pages = None
+        if self.kvtier.storage_buffer_bytes is not None:
+            buffer_pages = self.kvtier.storage_buffer_bytes // (pools[0].page_bytes * len(pools))
+        prefix = f"{namespace_tag(self.namespace())}/{fmt.name}"
+        if self.blocks_per_key > 1:
+            prefix += f".x{self.blocks_per_key}"
+        return HostTier(pools, fmt, blocks_per_key=self.blocks_per_key, storage=store, key_prefix=prefix,
+                        timeout_s=float(self.kvtier.storage_timeout_s), io_threads=self.kvtier.io_threads,
+                        buffer_pages=buffer_pages, events=self.config.enable_kv_cache_events)
 
     @property
     def tier(self) -> HostTier | None:
-        return _TIERS.get(self.engine_id)
-
-    def release(self) -> None:
-        """Close this engine's tier (waits for storage writes in flight)."""
-        with _TIERS_LOCK:
-            tier = _TIERS.pop(self.engine_id, None)
-        if tier is not None:
-            tier.close()
+        return self._tier
 
 
 def engine_tier(engine_id: str) -> HostTier | None:
-    """The host tier of the engine ``engine_id`` in this process (its
-    ``kv_transfer_config.engine_id``), for stats and :meth:`HostTier.flush`."""
+    """The scheduler-side host tier of engine ``engine_id`` (its
+    ``kv_transfer_config.engine_id``) when that engine's scheduler runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): for stats and :meth:`HostTier.flush`."""
     return _TIERS.get(engine_id)
 
 
 def _check_setup(config: OffloadingConfig) -> None:
+    par = config.parallel
     if len(config.groups) != 1:
         raise UnsupportedVLLMSetupError(
             f"kvtier: the model has {len(config.groups)} offloadable KV cache groups (hybrid attention); "
             "kvtier serves models with one full-attention group")
-    if config.cache.blocks_per_chunk != 1:
+    if par.pp_size != 1:
         raise UnsupportedVLLMSetupError(
-            f"kvtier: blocks_per_chunk {config.cache.blocks_per_chunk}; kvtier keeps one page per vLLM block: "
-            "drop block_size / blocks_per_chunk from kv_connector_extra_config")
-    if config.parallel.world_size != 1:
+            f"kvtier: pipeline parallel size {par.pp_size}; kvtier's vLLM spec serves tensor parallelism only: "
+            "use --pipeline-parallel-size 1")
+    if par.pcp_size != 1 or par.dcp_size != 1:
         raise UnsupportedVLLMSetupError(
-            f"kvtier: {config.parallel.world_size} workers; kvtier's vLLM spec shares its host tier between "
-            "the scheduler and one worker in one process: use tensor and pipeline parallel size 1")
+            f"kvtier: context parallel sizes {par.pcp_size} (prefill) and {par.dcp_size} (decode); kvtier keeps "
+            "whole blocks per worker: use context parallel size 1")
+    if par.world_size != par.tp_size:
+        raise UnsupportedVLLMSetupError(
+            f"kvtier: {par.world_size} workers for tensor parallel size {par.tp_size}; kvtier's vLLM spec needs one "
+            "worker per tensor-parallel rank")
 
 
 def _layer_rows(kv_caches: CanonicalKVCaches) -> list:

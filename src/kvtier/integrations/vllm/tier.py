@@ -1,14 +1,27 @@
-"""kvtier's host tier (and storage behind it) keyed by vLLM's offload keys.
+"""kvtier's host tier on vLLM's scheduler side: the page table, and storage behind it.
 
-One :class:`HostTier` per vLLM engine: a :class:`~kvtier.pools.HostKVPool` of one
-page per vLLM block, a :class:`~.pages.PageTable` saying which block is where, and
-the storage client. The scheduler-side manager asks it what is where and reserves
-pages; the worker copies blocks in and out of its pool.
+One :class:`HostTier` per vLLM engine, in the scheduler's process. It holds the
+:class:`~.pages.PageTable` (which offload key is in which host pages, in what state)
+and, for storage, the I/O threads. The pages' bytes are the workers' pools, mapped
+from their pool files (:mod:`.region`): one pool per tensor-parallel rank, all with
+the same page numbers, each holding that rank's heads. The worker copies vLLM's
+blocks in and out of them on vLLM's jobs; this side copies them to and from storage.
 
-Storage work runs on threads and never blocks the caller: a *probe* asks storage
-which of a request's blocks exist and fetches them, checksums verified, into pages
-that then become READY; a committed store is copied to storage afterwards. A storage
-fault, or a probe slower than ``timeout_s``, is a miss.
+Storage work runs on threads and never blocks the scheduler. Every storage call goes
+through :class:`~kvtier.cache.guard.StorageGuard` (timeouts, answer checks, counted
+errors, rate-limited warnings), and no storage call ever holds a host page: reads
+land in a private staging buffer and are copied into host pages only once they are
+complete and verified; writes copy their pages into that buffer first and write
+from there. A storage backend that hangs or is slower than the stores arriving
+therefore holds only staging pages, and while the buffer is full further storage
+writes are dropped (counted), never queued behind it: the host tier keeps serving.
+
+- *probe*: a request's keys not in the host tier, asked of storage (``batch_exists``)
+  at the end of the scheduler step; those present are read into staging, then into
+  fresh host pages, READY. Until storage answers, or ``timeout_s`` passes, their
+  look-ups answer RETRY; a fault or a timeout is a miss.
+- *write*: a committed store not yet in storage is staged and written by one of
+  ``io_threads`` writers; a failure only leaves it in the host tier.
 """
 
 from __future__ import annotations
@@ -21,19 +34,27 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
+from ...cache.guard import StorageGuard
 from ...pools import HostKVPool
+from ...pools.allocator import PageAllocator
+from ...pools.indices import page_slots
 from ...storage import Storage
+from ...transfer import copy_pages
 from .blocks import BlockFormat
-from .pages import Page, PageState, PageTable, Reservation
+from .pages import Entry, PageState, PageTable, Reservation, Source
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger("vllm.kvtier")
+
+#: Default ceiling of the staging buffer for storage I/O.
+MAX_DEFAULT_BUFFER = 1 << 30
 
 
 class Lookup(Enum):
     HIT = "hit"            # READY: may be loaded now
-    PENDING = "pending"    # in storage and being fetched: ask again
+    PENDING = "pending"    # being stored or filled: readable soon
     RETRY = "retry"        # storage not asked yet, or not answered yet: ask again
     MISS = "miss"
 
@@ -47,36 +68,95 @@ class Probe:
     missing: set[bytes] = field(default_factory=set)
 
 
-class HostTier:
-    """Host pages for vLLM blocks of one :class:`BlockFormat`, with optional storage.
+class _Errors:
+    """The error counter :class:`StorageGuard` reports into (``error(kind)``)."""
 
-    Thread safety: every method may be called from any thread; the page table changes
-    under one lock, storage I/O runs outside it.
+    def __init__(self, stats: dict, lock: threading.Lock) -> None:
+        self._stats, self._lock = stats, lock
+
+    def error(self, kind: str) -> None:
+        with self._lock:
+            self._stats[f"{kind}_errors"] = self._stats.get(f"{kind}_errors", 0) + 1
+
+
+def copy_between(dst: HostKVPool, dst_pages: np.ndarray, src: HostKVPool, src_pages: np.ndarray) -> None:
+    """Copy whole pages ``src_pages[i]`` of ``src`` into ``dst_pages[i]`` of ``dst``
+    (pools of one spec, page size and layout)."""
+    if len(dst_pages) == 0:
+        return
+    pairs = [(dst.page_views[n], src.page_views[n]) for n in dst.spec.names]
+    copy_pages(pairs, torch.from_numpy(np.asarray(dst_pages, dtype=np.int64)),
+               torch.from_numpy(np.asarray(src_pages, dtype=np.int64)), layer=None,
+               nbytes=len(dst_pages) * dst.page_bytes, io_backend="direct", threads=dst.copy_threads,
+               workers=dst.copy_workers)
+
+
+class HostTier:
+    """Host pages for vLLM blocks of one :class:`BlockFormat` per rank, with optional storage.
+
+    ``pools[r]``: rank ``r``'s host pool (``num_pages`` pages of one vLLM block each);
+    ``blocks_per_key``: vLLM blocks per offloaded block. ``buffer_pages``: staging pages
+    for storage I/O (default: a quarter of the host pages, at most 1 GiB of them; at
+    least ``blocks_per_key``). Thread safety: every method may be
+    called from any thread; the page table changes under one lock, storage I/O and
+    page copies run outside it.
     """
 
-    def __init__(self, fmt: BlockFormat, host_bytes: int, *, storage: Storage | None = None,
-                 key_prefix: str = "vllm", timeout_s: float = 2.0, io_threads: int = 2) -> None:
-        page_bytes = fmt.page_size * fmt.spec.bytes_per_token
-        num_pages = host_bytes // page_bytes
-        if num_pages < 1:
-            raise ValueError(f"kvtier: host_bytes {host_bytes} holds no block of {page_bytes} bytes; "
-                             f"give at least {page_bytes}")
-        self.format, self.storage, self.key_prefix, self.timeout_s = fmt, storage, key_prefix, timeout_s
-        self.num_pages = num_pages
-        self.pool = HostKVPool(fmt.spec, num_pages * fmt.page_size, fmt.page_size, layout="page_head")
-        self._table = PageTable(self.pool)
+    def __init__(self, pools: Sequence[HostKVPool], fmt: BlockFormat, *, blocks_per_key: int = 1,
+                 storage: Storage | None = None, key_prefix: str = "vllm", timeout_s: float = 2.0,
+                 io_threads: int = 2, buffer_pages: int | None = None, events: bool = False) -> None:
+        num_pages = {p.num_pages for p in pools}
+        if len(num_pages) != 1 or not pools:
+            raise ValueError(f"kvtier: every rank's host pool needs one page count, got {sorted(num_pages)}")
+        self.num_pages = num_pages.pop()
+        if self.num_pages < blocks_per_key:
+            raise ValueError(f"kvtier: {self.num_pages} host pages hold no offloaded block of {blocks_per_key} "
+                             "vLLM blocks; raise host_bytes")
+        self.format, self.pools, self.blocks_per_key = fmt, list(pools), blocks_per_key
+        self.storage, self.key_prefix, self.timeout_s = storage, key_prefix, timeout_s
+        self._table = PageTable(self.num_pages, blocks_per_key, events)
         self.stats = self._table.stats
+        self.stats.update(bytes_read=0, bytes_written=0, read_time=0.0, write_time=0.0, probed=0, found=0)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when a probe finishes
+        self._idle = threading.Condition(self._lock)  # notified when a probe or a write finishes
         self._inflight = 0                            # probes sent and not finished
-        self._reader = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fetch") if storage else None
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-write") if storage else None
+        self._writing = 0                             # write jobs staged and not finished
+        # NOTE: ranks holding the same heads (replicated KV, MLA) share one staging pool
+        # and one storage object; each distinct shard is read and written once.
+        self._groups: dict = {}
+        for rank, pool in enumerate(self.pools):
+            self._groups.setdefault(pool.spec, []).append(rank)
+        self._reader = self._writer = self._stager = None
+        self._guard: StorageGuard | None = None
+        if storage is not None:
+            shard_bytes = sum(self.pools[ranks[0]].page_bytes for ranks in self._groups.values())
+            buffer_pages = max(buffer_pages or min(self.num_pages // 4, MAX_DEFAULT_BUFFER // shard_bytes),
+                               blocks_per_key)
+            self._staging_free = PageAllocator(buffer_pages, 1)
+            self._staging = {spec: HostKVPool(spec, buffer_pages * fmt.page_size, fmt.page_size,
+                                              layout=self.pools[ranks[0]].layout, pin_memory=False)
+                             for spec, ranks in self._groups.items()}
+            self._guard = StorageGuard(storage, _Errors(self.stats, self._lock), timeout_s, concurrency=io_threads)
+            self._reader = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fetch")
+            self._writer = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-write")
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvtier-stage")  # never waits on storage
 
-    def storage_key(self, key: bytes) -> str:
-        return f"{self.key_prefix}/{key.hex()}"
+    @property
+    def pool(self) -> HostKVPool:
+        """Rank 0's pool."""
+        return self.pools[0]
 
-    def slots(self, pages: Sequence[int]) -> torch.Tensor:
-        return self._table.slots(pages)
+    def storage_keys(self, key: bytes) -> list[str]:
+        """The storage objects of one offloaded block: one per vLLM block."""
+        base = f"{self.key_prefix}/{key.hex()}"
+        return [base] if self.blocks_per_key == 1 else [f"{base}.{j}" for j in range(self.blocks_per_key)]
+
+    def _expand(self, keys: Sequence[bytes]) -> list[str]:
+        return [s for k in keys for s in self.storage_keys(k)]
+
+    @staticmethod
+    def _slots(pool: HostKVPool, pages: np.ndarray) -> torch.Tensor:
+        return page_slots(torch.from_numpy(np.asarray(pages, dtype=np.int64)), pool.page_size)
 
     # -- what is where ----------------------------------------------------------------------
     def lookup(self, key: bytes, probe: Probe | None = None) -> Lookup:
@@ -84,13 +164,13 @@ class HostTier:
         :meth:`send`) and answer RETRY until storage answers or ``timeout_s`` passes."""
         now = time.monotonic()
         with self._lock:
-            page = self._table.get(key)
-            if page is not None:
-                if page.state is PageState.READY:
+            entry = self._table.get(key)
+            if entry is not None:
+                if entry.state is PageState.READY:
                     return Lookup.HIT
-                if page.state is PageState.FETCHING and now < page.deadline:
-                    return Lookup.PENDING
-                return Lookup.MISS
+                if self._table.is_orphan(key):
+                    return Lookup.MISS  # its store was dropped by a reset: it never completes
+                return Lookup.PENDING
             if self.storage is None or probe is None or key in probe.missing:
                 return Lookup.MISS
             deadline = probe.sent.get(key)
@@ -104,6 +184,17 @@ class HostTier:
             probe.missing.add(key)
             return Lookup.MISS
 
+    def source(self, key: bytes) -> Source:
+        """Where a READY block came from: stored by vLLM, or read from storage."""
+        with self._lock:
+            entry = self._table.get(key)
+            return entry.source if entry is not None else Source.HOST
+
+    def free_keys(self) -> int:
+        """Offloaded blocks that fit in the free host pages (no eviction)."""
+        with self._lock:
+            return self._table.free_keys()
+
     def busy(self) -> bool:
         """Whether work is in flight that needs the engine to keep stepping."""
         with self._lock:
@@ -114,10 +205,20 @@ class HostTier:
         with self._lock:
             return self._table.lru_order()
 
+    def snapshot(self) -> dict:
+        """A copy of :attr:`stats` (counters of blocks, bytes, seconds and errors)."""
+        with self._lock:
+            return dict(self.stats)
+
+    def usage(self) -> dict[str, float]:
+        """Fractions of the host pages in use, pinned by stores and pinned by loads."""
+        with self._lock:
+            return self._table.usage()
+
     # -- the manager's calls -------------------------------------------------------------------
     def reserve(self, keys: Iterable[bytes]) -> Reservation | None:
-        """Pages for the keys not held yet, evicting least recently used READY pages;
-        ``None`` (and nothing changed) when they do not fit."""
+        """Pages for the keys not held yet, evicting least recently used READY blocks
+        (never one of ``keys``); ``None`` (and nothing changed) when they do not fit."""
         with self._lock:
             return self._table.reserve(keys)
 
@@ -125,14 +226,13 @@ class HostTier:
         """Stores vLLM finished: READY (then copied to storage), or dropped on failure."""
         with self._lock:
             ready = self._table.commit(list(keys), success)
-            to_write = [(k, p.page) for k, p in ready if not p.in_storage] if self._writer else []
-            for k, _ in to_write:
-                self._table.get(k).writes += 1
-        if to_write:
-            self._writer.submit(self._write, to_write)
+            job = self._stage_writes([(k, e) for k, e in ready if not e.in_storage]) if self._writer else None
+        if job:
+            self._stager.submit(self._stage_out, job)
 
-    def pin(self, keys: Sequence[bytes]) -> list[int]:
-        """Host pages of READY ``keys``, protected from eviction until :meth:`unpin`."""
+    def pin(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Host pages of READY ``keys`` (``blocks_per_key`` each, key order), protected
+        from eviction until :meth:`unpin`."""
         with self._lock:
             return self._table.pin(keys)
 
@@ -152,7 +252,80 @@ class HostTier:
         with self._lock:
             self._table.tick()
 
-    # -- storage -------------------------------------------------------------------------------------
+    def take_events(self) -> list[tuple[list[bytes], bool]]:
+        with self._lock:
+            return self._table.take_events()
+
+    # -- storage writes ----------------------------------------------------------------------------
+    def _stage_writes(self, items: list[tuple[bytes, Entry]]) -> list | None:
+        """Staging pages for as many of ``items`` as fit (the rest are dropped, counted),
+        each entry pinned until its pages are staged. Under the lock."""
+        per = self.blocks_per_key
+        fits = min(len(items), self._staging_free.available_size() // per)
+        self.stats["write_dropped"] += len(items) - fits
+        if fits == 0:
+            return None
+        staging = self._staging_free.alloc(fits * per).numpy()
+        job = []
+        for i, (k, entry) in enumerate(items[:fits]):
+            entry.copies += 1
+            job.append((k, entry, staging[i * per:(i + 1) * per]))
+        self._writing += 1
+        return job
+
+    def _write_done(self, staging: np.ndarray) -> None:
+        """A write job ended (under the lock): its staging pages go back."""
+        self._staging_free.free(torch.from_numpy(staging))
+        self._writing -= 1
+        self._idle.notify_all()
+
+    def _stage_out(self, job: list[tuple[bytes, Entry, np.ndarray]]) -> None:
+        """On the stage thread: copy the pages into staging, unpin them, queue the write."""
+        host = np.concatenate([e.pages for _, e, _ in job])
+        staging = np.concatenate([s for _, _, s in job])
+        try:
+            for spec, ranks in self._groups.items():
+                copy_between(self._staging[spec], staging, self.pools[ranks[0]], host)
+        except Exception:
+            log.exception("kvtier: staging a storage write failed; its blocks stay in the host tier only")
+            with self._lock:
+                for _, entry, _ in job:
+                    entry.copies -= 1
+                self.stats["write_failed"] += len(job)
+                self._write_done(staging)
+            return
+        with self._lock:
+            for _, entry, _ in job:
+                entry.copies -= 1
+        self._writer.submit(self._write, [k for k, _, _ in job], staging)
+
+    def _write(self, keys: list[bytes], staging: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        ok = np.ones(len(keys) * self.blocks_per_key, dtype=bool)
+        try:
+            storage_keys = self._expand(keys)
+            for spec in self._groups:
+                pool = self._staging[spec]
+                ok &= np.array(self._guard.set_each(storage_keys, pool, self._slots(pool, staging)), dtype=bool)
+        except Exception:  # a bug, not a storage fault (the guard takes those): the blocks stay host-only
+            log.exception("kvtier: storage write failed")
+            ok[:] = False
+        per_key = ok.reshape(len(keys), self.blocks_per_key).all(axis=1)
+        with self._lock:
+            for k, good in zip(keys, per_key):
+                entry = self._table.get(k)
+                if entry is not None and good:
+                    entry.in_storage = True
+                self.stats["written" if good else "write_failed"] += 1
+            self.stats["bytes_written"] += int(per_key.sum()) * self.blocks_per_key * self._shard_bytes()
+            self.stats["write_time"] += time.perf_counter() - t0
+            self._write_done(staging)
+
+    def _shard_bytes(self) -> int:
+        """Bytes of one vLLM block over the distinct shards (what storage moves)."""
+        return sum(self._staging[spec].page_bytes for spec in self._groups)
+
+    # -- storage reads -------------------------------------------------------------------------------
     def send(self, probe: Probe) -> None:
         """Start the storage look-up of ``probe``'s queued keys on a thread."""
         with self._lock:
@@ -162,7 +335,7 @@ class HostTier:
             deadline = time.monotonic() + self.timeout_s
             probe.sent.update(dict.fromkeys(keys, deadline))
             self._inflight += 1
-        self._reader.submit(self._fetch, probe, keys, deadline)
+        self._reader.submit(self._fetch, probe, keys)
 
     def yield_to_io(self, budget_s: float) -> None:
         """Wait up to ``budget_s`` for running probes to finish.
@@ -175,71 +348,101 @@ class HostTier:
             if self._inflight:
                 self._idle.wait(budget_s)
 
-    def _fetch(self, probe: Probe, keys: list[bytes], deadline: float) -> None:
-        fetching: list[tuple[bytes, int]] = []
-        ok: list[bool] = []
+    def _fetch(self, probe: Probe, keys: list[bytes]) -> None:
+        staging = None
         try:
-            present = self.storage.batch_exists([self.storage_key(k) for k in keys])
+            present = self._guard.exists(self._expand(keys)) // self.blocks_per_key
             with self._lock:
-                fetching = self._start_fetching(keys[:present], deadline)
-                probe.missing.update(k for k in keys if self._table.get(k) is None)
-            if fetching:
-                ok = self.storage.batch_get([self.storage_key(k) for k, _ in fetching], self.pool,
-                                            self.slots([p for _, p in fetching]))
-        except Exception:  # a fault or bug in storage must not take vLLM down: misses
+                self.stats["probed"] += len(keys)
+                wanted = [k for k in keys[:present] if self._table.get(k) is None]
+                fits = min(len(wanted), self._staging_free.available_size() // self.blocks_per_key)
+                self.stats["fetch_dropped"] += len(wanted) - fits
+                wanted = wanted[:fits]
+                if wanted:
+                    staging = self._staging_free.alloc(fits * self.blocks_per_key).numpy()
+            if wanted:
+                self._read(wanted, staging)
+        except Exception:  # a bug, not a storage fault (the guard takes those): misses
             log.exception("kvtier: storage look-up failed; its blocks count as misses")
+        finally:
+            with self._lock:
+                if staging is not None:
+                    self._staging_free.free(torch.from_numpy(staging))
+                probe.missing.update(k for k in keys if self._table.get(k) is None)
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def _read(self, keys: list[bytes], staging: np.ndarray) -> None:
+        """Read ``keys`` into ``staging``, then the complete ones into new READY host pages."""
+        t0 = time.perf_counter()
+        per = self.blocks_per_key
+        ok = np.ones(len(keys) * per, dtype=bool)
+        storage_keys = self._expand(keys)
+        for spec in self._groups:
+            pool = self._staging[spec]
+            ok &= np.array(self._guard.get(storage_keys, pool, self._slots(pool, staging)), dtype=bool)
+        good = ok.reshape(len(keys), per).all(axis=1)
         with self._lock:
-            for i, (k, _) in enumerate(fetching):
-                if i < len(ok) and ok[i]:
-                    self._table.make_ready(k)
-                    self.stats["fetched"] += 1
-                else:
-                    self._table.drop(k)
-                    self.stats["fetch_failed"] += 1
-            probe.missing.update(k for k in keys if self._table.get(k) is None)
-            self._inflight -= 1
-            self._idle.notify_all()
-
-    def _start_fetching(self, keys: list[bytes], deadline: float) -> list[tuple[bytes, int]]:
-        """FETCHING pages for the longest prefix of ``keys`` (not held yet) that fits."""
-        wanted = [k for k in keys if self._table.get(k) is None]
-        got = self._table.allocate(len(wanted))
-        while got is None:
-            wanted.pop()
-            got = self._table.allocate(len(wanted))
-        for k, p in zip(wanted, got[0]):
-            self._table.add(k, Page(p, PageState.FETCHING, in_storage=True, deadline=deadline))
-        return list(zip(wanted, got[0]))
-
-    def _write(self, items: list[tuple[bytes, int]]) -> None:
+            self.stats["found"] += len(keys)
+            self.stats["fetch_failed"] += int((~good).sum())
+            self.stats["read_time"] += time.perf_counter() - t0
+            filling = self._start_filling([k for k, g in zip(keys, good) if g])
+        if not filling:
+            return
+        at = {k: i for i, k in enumerate(keys)}
+        src = np.concatenate([staging[at[k] * per:(at[k] + 1) * per] for k, _ in filling])
+        dst = np.concatenate([e.pages for _, e in filling])
         try:
-            ok = self.storage.batch_set([self.storage_key(k) for k, _ in items], self.pool,
-                                        self.slots([p for _, p in items]))
+            for spec, ranks in self._groups.items():
+                for rank in ranks:
+                    copy_between(self.pools[rank], dst, self._staging[spec], src)
         except Exception:
-            log.exception("kvtier: storage write failed; the blocks stay in the host tier only")
-            ok = [False] * len(items)
+            with self._lock:  # roll back: no FETCHING entry outlives its fetch
+                for k, _ in filling:
+                    self._table.drop(k)
+                self.stats["fetch_failed"] += len(filling)
+            raise
         with self._lock:
-            for (k, _), good in zip(items, ok):
-                page = self._table.get(k)  # a page with writes in flight is never dropped
-                page.writes -= 1
-                page.in_storage = page.in_storage or bool(good)
-                self.stats["written" if good else "write_failed"] += 1
+            for k, entry in filling:
+                self._table.make_ready(k)
+            self._table.stored([k for k, _ in filling])
+            self.stats["fetched"] += len(filling)
+            self.stats["bytes_read"] += len(filling) * per * self._shard_bytes()
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until the storage writes and probes submitted so far have finished."""
-        for ex in (self._writer, self._reader):
-            if ex is not None:
-                ex.submit(lambda: None).result(timeout)
+    def _start_filling(self, keys: list[bytes]) -> list[tuple[bytes, Entry]]:
+        """FETCHING entries for the longest prefix of ``keys`` (not held yet) that fits
+        in the host pages; the rest are dropped (counted). Under the lock."""
+        wanted = [k for k in keys if self._table.get(k) is None]
+        n = len(wanted)
+        got = self._table.allocate(n)
+        while got is None:
+            n -= 1
+            got = self._table.allocate(n)
+        self.stats["fetch_dropped"] += len(wanted) - n
+        per = self.blocks_per_key
+        out = []
+        for i, k in enumerate(wanted[:n]):
+            entry = Entry(got[0][i * per:(i + 1) * per], PageState.FETCHING, Source.STORAGE, in_storage=True)
+            self._table.add(k, entry)
+            out.append((k, entry))
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the storage writes and probes started so far have finished;
+        whether they did within ``timeout`` seconds."""
         with self._lock:
-            self._idle.wait_for(lambda: self._inflight == 0, timeout)
+            return self._idle.wait_for(lambda: self._inflight == 0 and self._writing == 0, timeout)
 
     def close(self) -> None:
         """Finish storage writes in flight, then release the storage client."""
-        for ex in (self._reader, self._writer):
+        for ex in (self._reader, self._stager, self._writer):
             if ex is not None:
                 ex.shutdown(wait=True)
+        if self._guard is not None:
+            self._guard.close()
         if self.storage is not None:
             self.storage.close()
 
 
-__all__ = ["HostTier", "Lookup", "PageState", "Probe", "Reservation"]
+__all__ = ["HostTier", "Lookup", "PageState", "Probe", "Reservation", "copy_between"]
