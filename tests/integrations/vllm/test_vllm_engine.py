@@ -192,3 +192,26 @@ def test_redis_storage_reuse_across_engines(gqa_model, redis_url):
     _assert_mostly_cached(cached, lengths)
     assert _tier(llm).stats["fetched"] > 0
     _close(llm)
+
+
+def test_checkpoint_overwritten_in_place_reads_none_of_the_old_kv(tmp_path):
+    """The default namespace digests the checkpoint's files: other weights saved to the
+    same path (a re-trained model) get other keys, and then reuse their own."""
+    model = str(save_llama(tmp_path / "model", seed=0))
+    url = f"file://{tmp_path}/store"
+    llm = _engine(model, storage=url)
+    _run(llm, _prompts())
+    _tier(llm).flush()
+    assert _tier(llm).stats["written"] > 0
+    _close(llm)
+    save_llama(tmp_path / "model", seed=1)
+    llm = _engine(model, storage=url)
+    fresh, cached, lengths = _run(llm, _prompts())
+    assert cached == [0, 0] and _tier(llm).stats["fetched"] == 0  # nothing of the old weights' KV
+    _tier(llm).flush()
+    _close(llm)
+    llm = _engine(model, storage=url)
+    again, cached, _ = _run(llm, _prompts())
+    assert again == fresh and _tier(llm).stats["fetched"] > 0
+    _assert_mostly_cached(cached, lengths)
+    _close(llm)

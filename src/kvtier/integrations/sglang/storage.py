@@ -13,6 +13,7 @@ A storage fault is a miss and a counted error, never an exception on sglang's th
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, List, Optional
@@ -25,7 +26,7 @@ from ... import storage as kvstorage
 from ...errors import UnsupportedLayoutError
 from ...pools import HostKVPool
 from ...storage.keys import namespace_tag
-from ..identity import model_namespace
+from ..identity import engine_namespace
 from .pools import Topology, UnsupportedPoolError, family_of, wrap_flat_page, wrap_pool
 from .settings import Settings
 
@@ -51,6 +52,22 @@ class _Throughput:
             for v in self._series.values():
                 v.clear()
         return out
+
+
+def _checkpoint(model_name: str) -> tuple[str, str | None]:
+    """``(path or hub id, revision)`` of the weights sglang serves. sglang names the model
+    to a storage backend by its served name: the model path, unless
+    ``--served-model-name`` was given; then the path comes from the model config sglang
+    publishes to its processes, when there is one."""
+    if os.path.isdir(os.path.expanduser(model_name)):
+        return model_name, None
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        model = get_model()
+        return model.model_path or model_name, model.revision
+    except (ImportError, ValueError, AttributeError):  # no config published: sglang's classes used alone
+        return model_name, None
 
 
 class KVTierStorage(HiCacheStorage):
@@ -118,10 +135,12 @@ class KVTierStorage(HiCacheStorage):
                  pool.layout, mem_pool_host.layout, self._prefix)
 
     def _namespace(self, mem_pool_host, spec) -> str:
-        """The model part of every key: the configured namespace, else sglang's model name
-        and the KV dtype; a pipeline stage's layer range is added, since a stage's pages
-        hold only its layers. (The geometry is in every object's name: kvtier.storage.)"""
-        name = self.settings.namespace or model_namespace(self.config.model_name, None, spec.dtype, None)
+        """The model part of every key: the configured namespace, else the checkpoint
+        sglang serves (its path or hub id, revision, the KV dtype and a digest of its
+        files: :func:`~kvtier.integrations.identity.checkpoint_digest`); a pipeline
+        stage's layer range is added, since a stage's pages hold only its layers. (The
+        geometry is in every object's name: kvtier.storage.)"""
+        name = self.settings.namespace or engine_namespace("sglang", *_checkpoint(self.config.model_name), spec.dtype)
         if self.config.pp_size > 1:
             start, end = getattr(mem_pool_host, "start_layer", None), getattr(mem_pool_host, "end_layer", None)
             stage = f"layers{start}-{end}" if start is not None else f"pp{self.config.pp_rank}of{self.config.pp_size}"
