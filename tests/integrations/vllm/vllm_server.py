@@ -110,17 +110,26 @@ class Server:
         return out
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, then SIGKILL to whatever of it is left
-        (vLLM's engine core and workers included)."""
+        """SIGTERM to the server's process group; SIGKILL to whatever of it is left after
+        20 s (vLLM's engine core and workers included: they clean up their shared memory
+        on SIGTERM, so they get the time to)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            except ProcessLookupError:
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            self.proc.poll()
+            try:
+                os.killpg(self.proc.pid, 0)  # anyone of the group left?
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait(10)
         self._out.close()

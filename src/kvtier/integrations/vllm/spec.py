@@ -243,7 +243,9 @@ def _backend_name(vllm_config, layer_names) -> str:
 
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(layer_names))
     names = {layer.get_attn_backend().get_name() for layer in layers.values()}
-    return names.pop() if len(names) == 1 else "mixed"
+    if len(names) == 1:
+        return names.pop()
+    return "mixed" if names else "unknown"  # unknown: no attention layers registered (vLLM's classes used alone)
 
 
 __all__ = ["KVTierOffloadingSpec", "UnsupportedVLLMSetupError", "engine_tier"]
