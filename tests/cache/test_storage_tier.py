@@ -120,3 +120,34 @@ def test_acquire_attributes_reused_tokens_to_tiers(store):
     finally:
         second.release(got)
     assert second.evict_device(64) == 16
+
+
+class GatedWrites:
+    """A storage whose writes wait for a gate: storage far slower than the writes arriving."""
+
+    def __init__(self, inner):
+        self.inner, self.gate = inner, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def batch_set(self, *args):
+        self.gate.wait(10)
+        return self.inner.batch_set(*args)
+
+
+def test_storage_slower_than_the_writes_arriving_drops_them_counted_and_the_host_tier_serves(store):
+    slow = GatedWrites(store)
+    cache = make_cache(device_tokens=64, host_tokens=64, storage=slow)  # write backlog: 16 tokens
+    prompts = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(8)]
+    for p in prompts:  # 8 x 4 pages while the first write hangs in storage
+        assert serve(cache, p)["inserted"]
+    stats = cache.stats()
+    assert stats["store_dropped_tokens"] > 0
+    assert hits(cache.match_prefix(prompts[-1])) == (16, 0, 0)
+    slow.gate.set()
+    cache.flush()
+    stats = cache.stats()  # the rest lost their host copy before their turn (64 host tokens): not written
+    assert stats["stored_tokens"] >= 16 and stats["stored_tokens"] + stats["store_dropped_tokens"] <= 8 * 16
+    assert stats["errors"] == 0
+    cache.close()

@@ -28,6 +28,10 @@ from .workers import Worker
 log = logging.getLogger("kvtier.cache")
 _warnings = WarningLimiter(log)
 PREFETCH_CHUNK_PAGES = 8
+#: Storage writes queued behind the one running, as a fraction of the host pool's
+#: tokens: past it, further writes are dropped (counted), not queued. (One write is
+#: always queued when none is, however large.)
+STORE_BACKLOG_FRACTION = 0.25
 
 
 class Mover:
@@ -42,6 +46,8 @@ class Mover:
                       "store": (self.writer, self._store)}
         cuda = state.device_pool.device.type == "cuda"
         self._streams = {k: torch.cuda.Stream(state.device_pool.device) for k in ("load", "backup")} if cuda else {}
+        self._store_backlog = max(state.page_size, int(state.host_pool.size * STORE_BACKLOG_FRACTION))
+        self._queued_store_tokens = 0  # tokens of the writes queued, not started (under the cache's lock)
         state.schedule = self.schedule
 
     @property
@@ -51,8 +57,18 @@ class Mover:
 
     # -- scheduling (lock held) ----------------------------------------------------------------------
     def schedule(self, mark: InFlight) -> None:
-        """Queue the job for ``mark``; if the cache is closed, roll it back now."""
+        """Queue the job for ``mark``; if the cache is closed, roll it back now. A storage
+        write that would queue more than the backlog allows is dropped, counted: when
+        storage is slower than the writes arriving, the queue stays bounded and the
+        pages stay host-only (a later backup may write them)."""
         worker, job = self._jobs[mark.kind]
+        if mark.kind == "store":
+            tokens = sum(len(n.key) for n in mark.nodes)
+            if self._queued_store_tokens and self._queued_store_tokens + tokens > self._store_backlog:
+                mark.clear()
+                self.state.stats.add(store_dropped_tokens=tokens)
+                return
+            self._queued_store_tokens += tokens
         if mark.kind == "backup" and self._streams:
             # NOTE: the engine may still be writing these slots on its stream: the copy waits for it.
             mark.ready = torch.cuda.Event()
@@ -70,6 +86,7 @@ class Mover:
             mark.cancelled = True
             self.state.finish_backup(mark, ok=True)
         else:
+            self._queued_store_tokens -= sum(len(n.key) for n in mark.nodes)
             mark.clear()
 
     # -- jobs ----------------------------------------------------------------------------------------------
@@ -122,6 +139,7 @@ class Mover:
 
     def _store(self, mark: InFlight) -> None:
         with self.state.lock:
+            self._queued_store_tokens -= sum(len(n.key) for n in mark.nodes)
             job = self.state.start_store(mark)
         ok = job is not None and self.guard.set(job[0], self.state.host_pool, job[1])
         with self.state.lock:

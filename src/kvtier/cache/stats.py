@@ -10,7 +10,7 @@ _EVICTED = {"device": "device_evicted_tokens", "host": "host_evicted_tokens"}
 
 class CacheStats:
     _FIELDS = ("matches", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens", "loaded_tokens",
-               "backed_up_tokens", "stored_tokens", "prefetched_tokens", "inserted_tokens",
+               "backed_up_tokens", "stored_tokens", "store_dropped_tokens", "prefetched_tokens", "inserted_tokens",
                "device_evicted_tokens", "host_evicted_tokens", "device_alloc_failures", "errors",
                *(f"{k}_errors" for k in ERROR_KINDS))
 

@@ -95,15 +95,17 @@ def test_scheduler_spec_maps_the_workers_pool_file_and_stores_through_it(tmp_pat
     manager.shutdown()
 
 
-def test_a_manager_before_its_workers_misses_until_the_pool_file_exists(tmp_path):
+def test_a_manager_without_its_workers_pool_files_refuses_to_start(tmp_path):
+    """vLLM builds its workers' KV caches before its scheduler: a pool file missing then
+    is a worker on another machine, which kvtier cannot serve; never a silent no-op."""
     worker_spec, scheduler_spec = _pair(tmp_path)
-    manager = scheduler_spec.get_manager()
-    assert manager.tier is None
-    assert manager.lookup(keys("a")[0], context()) is LookupResult.MISS
-    assert manager.prepare_store(keys("a"), context()) is None
-    worker_spec.get_worker(Engine(CPU_GQA).caches)
-    scheduler_spec._next_attach = 0.0  # skip the retry interval
-    assert manager.tier is not None and manager.prepare_store(keys("a"), context()) is not None
+    with pytest.raises(UnsupportedVLLMSetupError, match=r"no host pool file of worker\(s\) \[0\] of 1 in .*shm"):
+        scheduler_spec.get_manager()
+    two = KVTierOffloadingSpec(offloading_config({"host_bytes": 1 << 20, "host_dir": str(tmp_path / "shm")},
+                                                 engine_id="e1", world_size=2))
+    worker_spec.get_worker(Engine(CPU_GQA).caches)  # rank 0 here, rank 1 elsewhere
+    with pytest.raises(UnsupportedVLLMSetupError, match=r"worker\(s\) \[1\] of 2"):
+        two.get_manager()
 
 
 def test_tier_keys_name_the_model_its_format_and_block_span(tmp_path):

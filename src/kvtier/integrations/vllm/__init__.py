@@ -2,26 +2,30 @@
 
 Use (vLLM 0.32; importing this module imports vLLM, ``import kvtier`` does not)::
 
-    LLM(model, enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both",
-        kv_connector_extra_config={"spec_name": "KVTierOffloadingSpec",
-                                   "spec_module_path": "kvtier.integrations.vllm",
-                                   "host_bytes": 1 << 30, "storage": "file:///var/cache/kvtier"}))
+    vllm serve MODEL --enable-prefix-caching --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "KVTierOffloadingSpec",
+        "spec_module_path": "kvtier.integrations.vllm", "host_bytes": 17179869184,
+        "storage": "file:///var/cache/kvtier"}}'
 
 vLLM evicts a block from its own cache -> the block was stored in kvtier's host tier
 (and, asynchronously, in storage) -> a later prompt with the same prefix loads it
-back instead of recomputing it. Blocks only in storage are fetched into the host
-tier on a thread while vLLM keeps scheduling; see :mod:`.tier` for page states and
-:mod:`.blocks` for which attention layouts get canonical K/V pages.
+back instead of recomputing it. Blocks only in storage are read into the host tier,
+and verified, on a thread while vLLM keeps scheduling.
+
+Where things run: each worker rank owns its host pool, in a shared-memory file
+(:mod:`.region`), and copies vLLM's blocks in and out of it (:mod:`.worker`); the
+engine core's side keeps the page table (:mod:`.pages`) and moves pages between that
+same memory and storage (:mod:`.tier`), and answers vLLM's scheduler (:mod:`.manager`).
+vLLM's default process layout, the in-process one and tensor parallelism all work this
+way. :mod:`.blocks` says which attention layouts become canonical K/V pages.
 
 Keys: vLLM's chained block hash (with its group index) under a namespace naming the
-model — ``vllm:<name or path>@<revision>:<dtype>`` unless ``namespace`` is given —
-and the block format (KV geometry and block size, or the backend for opaque pages).
+model — ``vllm:<path or hub id>@<revision>:<dtype>:w<checkpoint digest>`` unless
+``namespace`` is given — and the block format (KV geometry and block size, or the
+backend for opaque pages).
 
-Limits: one KV cache group (full attention, no hybrid models), one offloaded block
-per vLLM block (``blocks_per_chunk`` 1), and one worker per engine (tensor and
-pipeline parallel size 1): the scheduler-side manager and the worker share the host
-tier in one process.
+Limits: one KV cache group (full attention: hybrid models are refused at start),
+pipeline and context parallel size 1.
 """
 
 from __future__ import annotations

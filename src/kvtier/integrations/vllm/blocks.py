@@ -162,7 +162,7 @@ def block_format(geometry: Geometry, layers: int, page_bytes: int) -> BlockForma
     return BlockFormat(name, spec, g.block_tokens, page_bytes, order)
 
 
-# -- formats across processes (the pool file's header): JSON, never pickle ----------------------
+# -- formats across processes (the pool file's header): plain JSON ----------------------
 def format_to_json(fmt: BlockFormat) -> dict:
     spec = fmt.spec
     full = spec.full

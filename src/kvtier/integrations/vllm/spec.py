@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 from vllm.v1.kv_offload.base import (CanonicalKVCaches, OffloadingManager, OffloadingMetricMetadata, OffloadingSpec,
@@ -41,7 +40,6 @@ log = logging.getLogger("vllm.kvtier")  # vLLM's logging configuration shows it 
 #: in-process (``engine_tier``); nothing in the serving path reads it.
 _TIERS: dict[str, HostTier] = {}
 _TIERS_LOCK = threading.Lock()
-_ATTACH_RETRY_S = 0.5
 
 
 class UnsupportedVLLMSetupError(NotImplementedError):
@@ -78,8 +76,6 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
         self._worker: KVTierOffloadingWorker | None = None
         self._region: Region | None = None
         self._tier: HostTier | None = None
-        self._tier_lock = threading.Lock()
-        self._next_attach = 0.0
 
     # -- worker side ----------------------------------------------------------------------------------
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -128,29 +124,22 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
     # -- scheduler side -------------------------------------------------------------------------
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = KVTierOffloadingManager(self._scheduler_tier)
-            self._scheduler_tier()
+            self._tier = self._attach()
+            self._manager = KVTierOffloadingManager(lambda: self._tier)
         return self._manager
 
-    def _scheduler_tier(self) -> HostTier | None:
-        """The tier over the workers' pool files, built when they are all there (tried
-        at most every ``_ATTACH_RETRY_S`` until then)."""
-        if self._tier is not None or time.monotonic() < self._next_attach:
-            return self._tier
-        with self._tier_lock:
-            if self._tier is None:
-                self._next_attach = time.monotonic() + _ATTACH_RETRY_S
-                self._tier = self._attach()
-        return self._tier
-
-    def _attach(self) -> HostTier | None:
+    def _attach(self) -> HostTier:
+        """The tier over the workers' pool files. vLLM initialises its workers' KV caches
+        before it builds its scheduler, so a file missing now means a worker this process
+        cannot reach (another node): refused, saying so."""
         par = self.config.parallel
-        regions = []
-        for rank in range(par.world_size):
-            region = Region.attach(self.kvtier.host_dir, self.engine_id, rank)
-            if region is None:
-                return None
-            regions.append(region)
+        regions = [Region.attach(self.kvtier.host_dir, self.engine_id, rank) for rank in range(par.world_size)]
+        missing = [rank for rank, r in enumerate(regions) if r is None]
+        if missing:
+            raise UnsupportedVLLMSetupError(
+                f"kvtier: no host pool file of worker(s) {missing} of {par.world_size} in {self.kvtier.host_dir} on this "
+                "machine; kvtier's vLLM spec needs every worker on the engine core's node, sharing host_dir with it "
+                "(one node per engine: scale out with data parallelism)")
         shapes = {(r.info.format.name, r.info.format.page_size, r.info.num_pages) for r in regions}
         if len(shapes) != 1:
             raise RegionError(f"kvtier: the workers' host pools disagree (format, tokens, pages): {sorted(shapes)}")
