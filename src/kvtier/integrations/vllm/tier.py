@@ -97,9 +97,9 @@ class HostTier:
     ``pools[r]``: rank ``r``'s host pool (``num_pages`` pages of one vLLM block each);
     ``blocks_per_key``: vLLM blocks per offloaded block. ``buffer_pages``: staging pages
     for storage I/O (default: a quarter of the host pages, at most 1 GiB of them; at
-    least ``blocks_per_key``). Thread safety: every method may be
-    called from any thread; the page table changes under one lock, storage I/O and
-    page copies run outside it.
+    least ``blocks_per_key``). Thread safety: every method may be called from any
+    thread; the page table changes under one lock, storage I/O and page copies run
+    outside it.
     """
 
     def __init__(self, pools: Sequence[HostKVPool], fmt: BlockFormat, *, blocks_per_key: int = 1,
@@ -126,12 +126,13 @@ class HostTier:
         self._groups: dict = {}
         for rank, pool in enumerate(self.pools):
             self._groups.setdefault(pool.spec, []).append(rank)
+        #: bytes of one vLLM block over the distinct shards: what storage moves for it
+        self.shard_page_bytes = sum(self.pools[ranks[0]].page_bytes for ranks in self._groups.values())
         self._reader = self._writer = self._stager = None
         self._guard: StorageGuard | None = None
         if storage is not None:
-            shard_bytes = sum(self.pools[ranks[0]].page_bytes for ranks in self._groups.values())
-            buffer_pages = max(buffer_pages or min(self.num_pages // 4, MAX_DEFAULT_BUFFER // shard_bytes),
-                               blocks_per_key)
+            default = min(self.num_pages // 4, MAX_DEFAULT_BUFFER // self.shard_page_bytes)
+            buffer_pages = max(buffer_pages or default, blocks_per_key)
             self._staging_free = PageAllocator(buffer_pages, 1)
             self._staging = {spec: HostKVPool(spec, buffer_pages * fmt.page_size, fmt.page_size,
                                               layout=self.pools[ranks[0]].layout, pin_memory=False)
@@ -317,13 +318,9 @@ class HostTier:
                 if entry is not None and good:
                     entry.in_storage = True
                 self.stats["written" if good else "write_failed"] += 1
-            self.stats["bytes_written"] += int(per_key.sum()) * self.blocks_per_key * self._shard_bytes()
+            self.stats["bytes_written"] += int(per_key.sum()) * self.blocks_per_key * self.shard_page_bytes
             self.stats["write_time"] += time.perf_counter() - t0
             self._write_done(staging)
-
-    def _shard_bytes(self) -> int:
-        """Bytes of one vLLM block over the distinct shards (what storage moves)."""
-        return sum(self._staging[spec].page_bytes for spec in self._groups)
 
     # -- storage reads -------------------------------------------------------------------------------
     def send(self, probe: Probe) -> None:
@@ -407,7 +404,7 @@ class HostTier:
                 self._table.make_ready(k)
             self._table.stored([k for k, _ in filling])
             self.stats["fetched"] += len(filling)
-            self.stats["bytes_read"] += len(filling) * per * self._shard_bytes()
+            self.stats["bytes_read"] += len(filling) * per * self.shard_page_bytes
 
     def _start_filling(self, keys: list[bytes]) -> list[tuple[bytes, Entry]]:
         """FETCHING entries for the longest prefix of ``keys`` (not held yet) that fits
