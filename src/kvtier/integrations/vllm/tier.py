@@ -137,6 +137,9 @@ class HostTier:
             self._staging = {spec: HostKVPool(spec, buffer_pages * fmt.page_size, fmt.page_size,
                                               layout=self.pools[ranks[0]].layout, pin_memory=False)
                              for spec, ranks in self._groups.items()}
+            for pool in self._staging.values():  # touched now, not in the first reads (see region._populate)
+                for buf in pool.buffers.values():
+                    buf.view(torch.uint8).zero_()
             self._guard = StorageGuard(storage, _Errors(self.stats, self._lock), timeout_s, concurrency=io_threads)
             self._reader = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fetch")
             self._writer = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-write")
