@@ -101,6 +101,7 @@ def test_in_process_layout_reads_tp2_pages_from_storage(model, work, reference):
         assert m['vllm:prompt_tokens_cached_by_source_total{source="disk"}'] == 2 * FULL_BLOCKS
         assert m['vllm:kv_offload_tiering_read_bytes_total{tier="file"}'] > 0
         assert m['vllm:kv_offload_tiering_chunk_hits_total{tier="file"}'] == 2 * 19
+        assert m['vllm:kv_offload_tiering_lookup_async_delay_seconds_count{tier="file"}'] >= 1
         server.reset_prefix_cache()
         assert server.complete(PROMPTS[0]) == (reference[0], FULL_BLOCKS)
         assert server.metrics()['vllm:prompt_tokens_cached_by_source_total{source="host"}'] == FULL_BLOCKS

@@ -14,6 +14,7 @@ pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm_helpers import BLOCK, CPU_GQA, LAYERS, Rig, context, gpu_spec, keys  # noqa: E402
 
 import kvtier.storage  # noqa: E402
@@ -55,10 +56,21 @@ def test_storage_only_blocks_answer_pending_then_load_byte_exact(tmp_path):
     second.manager.on_schedule_end(END)
     assert _settle(second.manager, req, ks + keys("zz")) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
     assert not second.manager.has_pending_work()
+    assert second.manager.get_load_source(ks[0], req) is CacheHitSource.DISK
     second.load(ks, [5, 6, 7])
     for mine, theirs in zip(second.engine.kv, first.engine.kv):
         assert torch.equal(mine[[5, 6, 7]], theirs[[0, 1, 2]])
     assert second.tier.stats["fetched"] == 3 and second.tier.stats["written"] == 0
+    assert second.manager.get_load_source(ks[0], req) is CacheHitSource.HOST  # loaded once: a host block now
+    stats = second.manager.get_stats().reduce()  # what vLLM's /metrics gets
+    block = second.tier.shard_page_bytes
+    assert stats["vllm:kv_offload_tiering_read_bytes:('file',)"] == 3 * block
+    assert stats["vllm:kv_offload_tiering_chunk_hits:('file',)"] == 3
+    assert stats["vllm:kv_offload_tiering_chunk_queries:('file',)"] == 4
+    assert stats["vllm:kv_offload_tiering_lookup_async_delay_seconds:('file',)_count"] >= 1
+    assert stats["vllm:kv_offload_cpu_cache_usage_perc"] == 3 / 8
+    again = second.manager.get_stats().reduce()  # counters report what changed since the last report
+    assert "vllm:kv_offload_tiering_read_bytes:('file',)" not in again
 
 
 def test_corrupt_storage_objects_are_misses(tmp_path):
@@ -167,6 +179,9 @@ def test_faulty_storage_reads_are_misses_and_pin_nothing(tmp_path, how):
     if how != "hang":
         rig.tier.flush(5)
         assert rig.tier.stats["fetch_failed"] == 3 and rig.tier.stats["storage_read_errors"] == 1
+        reported = rig.manager.get_stats().reduce()
+        assert reported["vllm:kv_offload_kvtier_storage_errors:('file', 'storage_read')"] == 1
+        assert reported["vllm:kv_offload_tiering_promotion_job_failures:('file',)"] == 3
     assert rig.tier.free_keys() == 4 and _pins(rig.tier) == 0  # no host page is held by the read
     out = rig.store(keys("x", "y", "z", "w"), [0, 1, 2, 3])  # the whole host tier still serves
     assert out is not None and out.keys_to_store == keys("x", "y", "z", "w")
@@ -226,6 +241,8 @@ def test_storage_slower_than_stores_drops_writes_and_the_host_tier_keeps_serving
     stats = rig.tier.stats
     assert stats["write_dropped"] > 0 and stats["written"] > 0
     assert stats["written"] + stats["write_dropped"] == len(names)
+    reported = rig.manager.get_stats().reduce()
+    assert reported["vllm:kv_offload_tiering_backpressure_blocks_dropped:('file',)"] == stats["write_dropped"]
     assert _pins(rig.tier) == 0 and rig.tier.free_keys() == 0
 
 

@@ -12,6 +12,8 @@ specs use, so dashboards made for those read kvtier too:
   (blocks read from it), ``_promotion_job_failures`` (reads that failed),
   ``_cascade_job_failures`` (writes that failed), ``_backpressure_blocks_dropped``
   (writes dropped while the staging buffer was full);
+- ``vllm:kv_offload_tiering_lookup_async_delay_seconds{tier}``: how long each storage
+  look-up took, from the step that asked to storage's answer;
 - ``vllm:kv_offload_kvtier_storage_errors`` by ``kind`` (storage calls that faulted,
   timed out or answered malformed) and ``vllm:kv_offload_kvtier_probe_timeouts``.
 
@@ -25,7 +27,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
+from vllm.v1.kv_offload.base import (OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingHistogramMetadata,
+                                     OffloadingMetricMetadata)
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics as T
 
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from .tier import HostTier
 
 STORAGE_ERRORS = "vllm:kv_offload_kvtier_storage_errors"
+DELAY_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10)  # vLLM's tiering spec's
 PROBE_TIMEOUTS = "vllm:kv_offload_kvtier_probe_timeouts"
 
 #: metric -> the tier stats field it reports, as its increase since the last report.
@@ -76,6 +80,9 @@ def metric_definitions(storage: bool) -> dict[str, OffloadingMetricMetadata]:
         "kvtier storage calls that raised, timed out or answered malformed (each a miss), by kind.", ("tier", "kind"))
     defs[PROBE_TIMEOUTS] = OffloadingCounterMetadata(
         "Blocks whose storage look-up outlasted storage_timeout_s (a miss).", tier)
+    defs[T.LOOKUP_ASYNC_DELAY] = OffloadingHistogramMetadata(
+        "Seconds a request's storage look-up took, from the scheduler step that sent it to storage's answer.", tier,
+        DELAY_BUCKETS)
     return defs
 
 
@@ -100,7 +107,7 @@ class TierMetrics:
             out.set_gauge(metric, usage[part])
         if tier.storage is None:
             return out
-        label = (type(tier.storage).scheme or "storage",)
+        label = (getattr(tier.storage, "scheme", "") or "storage",)
         for metric, name in _STORAGE_COUNTERS.items():
             change = self._delta(stats, name)
             if change:
@@ -112,4 +119,6 @@ class TierMetrics:
         change = self._delta(stats, "probe_timeouts")
         if change:
             out.increase_counter(PROBE_TIMEOUTS, change, label)
+        for delay in tier.take_delays():
+            out.observe_histogram(T.LOOKUP_ASYNC_DELAY, delay, label)
         return out

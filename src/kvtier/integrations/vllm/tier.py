@@ -50,6 +50,8 @@ log = logging.getLogger("vllm.kvtier")
 
 #: Default ceiling of the staging buffer for storage I/O.
 MAX_DEFAULT_BUFFER = 1 << 30
+#: Probe delays kept between two reports of them (the rest are not sampled).
+MAX_DELAYS = 10_000
 
 
 class Lookup(Enum):
@@ -121,6 +123,7 @@ class HostTier:
         self._idle = threading.Condition(self._lock)  # notified when a probe or a write finishes
         self._inflight = 0                            # probes sent and not finished
         self._writing = 0                             # write jobs staged and not finished
+        self._delays: list[float] = []                # seconds from a probe's send to storage's answer
         # NOTE: ranks holding the same heads (replicated KV, MLA) share one staging pool
         # and one storage object; each distinct shard is read and written once.
         self._groups: dict = {}
@@ -213,6 +216,13 @@ class HostTier:
         """A copy of :attr:`stats` (counters of blocks, bytes, seconds and errors)."""
         with self._lock:
             return dict(self.stats)
+
+    def take_delays(self) -> list[float]:
+        """Seconds each storage look-up took, from its send to storage's answer, since
+        the last call."""
+        with self._lock:
+            out, self._delays = self._delays, []
+            return out
 
     def usage(self) -> dict[str, float]:
         """Fractions of the host pages in use, pinned by stores and pinned by loads."""
@@ -332,10 +342,10 @@ class HostTier:
             keys, probe.queued = probe.queued, []
             if not keys or self._reader is None:
                 return
-            deadline = time.monotonic() + self.timeout_s
-            probe.sent.update(dict.fromkeys(keys, deadline))
+            sent = time.monotonic()
+            probe.sent.update(dict.fromkeys(keys, sent + self.timeout_s))
             self._inflight += 1
-        self._reader.submit(self._fetch, probe, keys)
+        self._reader.submit(self._fetch, probe, keys, sent)
 
     def yield_to_io(self, budget_s: float) -> None:
         """Wait up to ``budget_s`` for running probes to finish.
@@ -348,7 +358,7 @@ class HostTier:
             if self._inflight:
                 self._idle.wait(budget_s)
 
-    def _fetch(self, probe: Probe, keys: list[bytes]) -> None:
+    def _fetch(self, probe: Probe, keys: list[bytes], sent: float) -> None:
         staging = None
         try:
             present = self._guard.exists(self._expand(keys)) // self.blocks_per_key
@@ -369,6 +379,8 @@ class HostTier:
                 if staging is not None:
                     self._staging_free.free(torch.from_numpy(staging))
                 probe.missing.update(k for k in keys if self._table.get(k) is None)
+                if len(self._delays) < MAX_DELAYS:
+                    self._delays.append(time.monotonic() - sent)
                 self._inflight -= 1
                 self._idle.notify_all()
 
