@@ -56,17 +56,20 @@ def test_storage_hit_continues_after_a_host_hit(store):
 
 
 class SlowStore:
-    """A storage whose gets wait for a gate: stop policies can be observed."""
+    """A storage whose ``op`` (gets: stop policies can be observed) waits for a gate."""
 
-    def __init__(self, inner):
-        self.inner, self.gate = inner, threading.Event()
+    def __init__(self, inner, op="batch_get"):
+        self.inner, self.op, self.gate = inner, op, threading.Event()
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        attr = getattr(self.inner, name)
+        if name != self.op:
+            return attr
 
-    def batch_get(self, *args):
-        self.gate.wait(10)
-        return self.inner.batch_get(*args)
+        def gated(*args):
+            self.gate.wait(10)
+            return attr(*args)
+        return gated
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
@@ -122,23 +125,9 @@ def test_acquire_attributes_reused_tokens_to_tiers(store):
     assert second.evict_device(64) == 16
 
 
-class GatedWrites:
-    """A storage whose writes wait for a gate: storage far slower than the writes arriving."""
-
-    def __init__(self, inner):
-        self.inner, self.gate = inner, threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def batch_set(self, *args):
-        self.gate.wait(10)
-        return self.inner.batch_set(*args)
-
-
 def test_storage_slower_than_the_writes_arriving_drops_them_counted_and_the_host_tier_serves(store):
-    slow = GatedWrites(store)
-    cache = make_cache(device_tokens=64, host_tokens=64, storage=slow)  # write backlog: 16 tokens
+    slow = SlowStore(store, op="batch_set")  # storage far slower than the writes arriving
+    cache = make_cache(device_tokens=64, host_tokens=64, storage=slow)  # write backlog: 64 tokens
     prompts = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(8)]
     for p in prompts:  # 8 x 4 pages while the first write hangs in storage
         assert serve(cache, p)["inserted"]

@@ -29,9 +29,11 @@ log = logging.getLogger("kvtier.cache")
 _warnings = WarningLimiter(log)
 PREFETCH_CHUNK_PAGES = 8
 #: Storage writes queued behind the one running, as a fraction of the host pool's
-#: tokens: past it, further writes are dropped (counted), not queued. (One write is
-#: always queued when none is, however large.)
-STORE_BACKLOG_FRACTION = 0.25
+#: tokens: past it, further writes are dropped (counted), not queued. A whole host
+#: pool's worth is the natural bound: the host holds no more, so writes queued past it
+#: would find their pages evicted when their turn came. (One write is always queued
+#: when none is, however large.)
+STORE_BACKLOG_FRACTION = 1.0
 
 
 class Mover:

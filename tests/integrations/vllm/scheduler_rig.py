@@ -46,9 +46,9 @@ class SchedulerRig:
             device_config=DeviceConfig("cpu"))
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
         page = spec.page_size_bytes
-        kv_config = KVCacheConfig(num_blocks=num_blocks,
-                                  kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
-                                                                  layer_stride=page * num_blocks, block_stride=page)],
+        tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
+                               layer_stride=page * num_blocks, block_stride=page)  # layer-outermost
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
                                   kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
         config.cache_config.num_gpu_blocks = num_blocks
         sched_block, hash_block = resolve_kv_cache_block_sizes(kv_config, config)

@@ -14,8 +14,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
 
 import torch  # noqa: E402
-from vllm.v1.kv_offload.base import (GPULoadStoreSpec, LookupResult, Medium, OffloadKey,  # noqa: E402
-                                     make_offload_key)
+from vllm.v1.kv_offload.base import (GPULoadStoreSpec, LookupResult, Medium, make_offload_key)
 from vllm_helpers import CPU_GQA, UNKNOWN, Rig, context  # noqa: E402
 
 from kvtier.integrations.vllm.tiny import save_llama  # noqa: E402

@@ -28,7 +28,8 @@ class Reference:
 
     def reserve(self, keys):
         new = [k for k in dict.fromkeys(keys) if k not in self.state]
-        victims = [k for k in self.lru if self.loads[k] == 0 and k not in keys][:max(0, len(new) - (PAGES - self.held()))]
+        room = max(0, len(new) - (PAGES - self.held()))
+        victims = [k for k in self.lru if self.loads[k] == 0 and k not in keys][:room]
         if PAGES - self.held() + len(victims) < len(new):
             return None
         for k in victims:

@@ -5,7 +5,6 @@ and in the in-process one, at tensor-parallel sizes 1 and 2: host-tier hits afte
 without offloading, kvtier's hits in vLLM's metrics, and a misspelled key that
 refuses to start on one clear line."""
 
-import os
 import re
 from pathlib import Path
 

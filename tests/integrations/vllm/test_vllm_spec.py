@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
 
 import torch  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm_helpers import CPU_GQA, Engine, context, gpu_spec, keys, offloading_config  # noqa: E402
 

@@ -42,9 +42,9 @@ class Server:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         start = [str(Path(sys.executable).with_name("vllm")), "serve", model] if cli else \
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-        argv = [*start, "--port", str(self.port), "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "2048",
-                "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
-                "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp)]
+        argv = [*start, "--port", str(self.port), "--host", "127.0.0.1", "--block-size", "32",
+                "--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching",
+                "--seed", "0", "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp)]
         if kvtier is not None:
             argv += ["--kv-transfer-config", kvtier_transfer_config(**kvtier)]
         self._out = open(log, "wb")

@@ -186,8 +186,8 @@ def format_from_json(d: dict) -> BlockFormat:
     shard = d.get("shard")
     spec = full.shard(*shard) if isinstance(shard, list) and len(shard) == 2 else full
     order = d.get("order")
-    if order is not None and (not isinstance(order, list) or sorted(order) not in (sorted(_MLA_ORDER),
-                                                                                 sorted(("kv", "head", "slot", "dim")))):
+    axes = (sorted(_MLA_ORDER), sorted(("kv", "head", "slot", "dim")))
+    if order is not None and (not isinstance(order, list) or sorted(order) not in axes):
         raise ValueError(f"format has block order {order!r}")
     name, page_size, page_bytes = d.get("name"), d.get("page_size"), d.get("page_bytes")
     for field, v in (("page_size", page_size), ("page_bytes", page_bytes)):

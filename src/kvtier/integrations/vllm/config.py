@@ -67,8 +67,9 @@ class KVTierConfig:
         if unknown:
             near = {k: difflib.get_close_matches(k, [*KVTIER_KEYS, *VLLM_KEYS], n=1) for k in unknown}
             hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in near.items() if m)
-            raise ValueError(f"kvtier: unknown kv_connector_extra_config keys {unknown}" + (f" ({hints})" if hints else "")
-                             + f"; kvtier's keys: {', '.join(KVTIER_KEYS)}; vLLM's: {', '.join(sorted(VLLM_KEYS))}")
+            hints = f" ({hints})" if hints else ""
+            raise ValueError(f"kvtier: unknown kv_connector_extra_config keys {unknown}{hints}; kvtier's keys: "
+                             f"{', '.join(KVTIER_KEYS)}; vLLM's: {', '.join(sorted(VLLM_KEYS))}")
         if "host_bytes" not in extra:
             raise ValueError("kvtier: kv_connector_extra_config needs host_bytes (bytes of host memory for the "
                              "host tier), e.g. {'host_bytes': 1 << 30}")

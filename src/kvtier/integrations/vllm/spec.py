@@ -137,9 +137,9 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
         missing = [rank for rank, r in enumerate(regions) if r is None]
         if missing:
             raise UnsupportedVLLMSetupError(
-                f"kvtier: no host pool file of worker(s) {missing} of {par.world_size} in {self.kvtier.host_dir} on this "
-                "machine; kvtier's vLLM spec needs every worker on the engine core's node, sharing host_dir with it "
-                "(one node per engine: scale out with data parallelism)")
+                f"kvtier: no host pool file of worker(s) {missing} of {par.world_size} in {self.kvtier.host_dir} on "
+                "this machine; kvtier's vLLM spec needs every worker on the engine core's node, sharing host_dir "
+                "with it (one node per engine: scale out with data parallelism)")
         shapes = {(r.info.format.name, r.info.format.page_size, r.info.num_pages) for r in regions}
         if len(shapes) != 1:
             raise RegionError(f"kvtier: the workers' host pools disagree (format, tokens, pages): {sorted(shapes)}")

@@ -9,12 +9,11 @@ blocks in and out of them on vLLM's jobs; this side copies them to and from stor
 
 Storage work runs on threads and never blocks the scheduler. Every storage call goes
 through :class:`~kvtier.cache.guard.StorageGuard` (timeouts, answer checks, counted
-errors, rate-limited warnings), and no storage call ever holds a host page: reads
-land in a private staging buffer and are copied into host pages only once they are
-complete and verified; writes copy their pages into that buffer first and write
-from there. A storage backend that hangs or is slower than the stores arriving
-therefore holds only staging pages, and while the buffer is full further storage
-writes are dropped (counted), never queued behind it: the host tier keeps serving.
+errors, rate-limited warnings), and no storage call ever holds a host page: it reads
+and writes a :class:`~.staging.StagingBuffer`. A storage backend that hangs or is
+slower than the stores arriving therefore holds only staging pages, and while the
+buffer is full further storage writes are dropped (counted), never queued behind
+it: the host tier keeps serving.
 
 - *probe*: a request's keys not in the host tier, asked of storage (``batch_exists``)
   at the end of the scheduler step; those present are read into staging, then into
@@ -39,12 +38,11 @@ import torch
 
 from ...cache.guard import StorageGuard
 from ...pools import HostKVPool
-from ...pools.allocator import PageAllocator
 from ...pools.indices import page_slots
 from ...storage import Storage
-from ...transfer import copy_pages
 from .blocks import BlockFormat
 from .pages import Entry, PageState, PageTable, Reservation, Source
+from .staging import StagingBuffer
 
 log = logging.getLogger("vllm.kvtier")
 
@@ -79,18 +77,6 @@ class _Errors:
     def error(self, kind: str) -> None:
         with self._lock:
             self._stats[f"{kind}_errors"] = self._stats.get(f"{kind}_errors", 0) + 1
-
-
-def copy_between(dst: HostKVPool, dst_pages: np.ndarray, src: HostKVPool, src_pages: np.ndarray) -> None:
-    """Copy whole pages ``src_pages[i]`` of ``src`` into ``dst_pages[i]`` of ``dst``
-    (pools of one spec, page size and layout)."""
-    if len(dst_pages) == 0:
-        return
-    pairs = [(dst.page_views[n], src.page_views[n]) for n in dst.spec.names]
-    copy_pages(pairs, torch.from_numpy(np.asarray(dst_pages, dtype=np.int64)),
-               torch.from_numpy(np.asarray(src_pages, dtype=np.int64)), layer=None,
-               nbytes=len(dst_pages) * dst.page_bytes, io_backend="direct", threads=dst.copy_threads,
-               workers=dst.copy_workers)
 
 
 class HostTier:
@@ -135,14 +121,7 @@ class HostTier:
         self._guard: StorageGuard | None = None
         if storage is not None:
             default = min(self.num_pages // 4, MAX_DEFAULT_BUFFER // self.shard_page_bytes)
-            buffer_pages = max(buffer_pages or default, blocks_per_key)
-            self._staging_free = PageAllocator(buffer_pages, 1)
-            self._staging = {spec: HostKVPool(spec, buffer_pages * fmt.page_size, fmt.page_size,
-                                              layout=self.pools[ranks[0]].layout, pin_memory=False)
-                             for spec, ranks in self._groups.items()}
-            for pool in self._staging.values():  # touched now, not in the first reads (see region._populate)
-                for buf in pool.buffers.values():
-                    buf.view(torch.uint8).zero_()
+            self._staging = StagingBuffer(self.pools, self._groups, max(buffer_pages or default, blocks_per_key))
             self._guard = StorageGuard(storage, _Errors(self.stats, self._lock), timeout_s, concurrency=io_threads)
             self._reader = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fetch")
             self._writer = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-write")
@@ -275,11 +254,11 @@ class HostTier:
         """Staging pages for as many of ``items`` as fit (the rest are dropped, counted),
         each entry pinned until its pages are staged. Under the lock."""
         per = self.blocks_per_key
-        fits = min(len(items), self._staging_free.available_size() // per)
+        fits = min(len(items), self._staging.free_pages() // per)
         self.stats["write_dropped"] += len(items) - fits
         if fits == 0:
             return None
-        staging = self._staging_free.alloc(fits * per).numpy()
+        staging = self._staging.take(fits * per)
         job = []
         for i, (k, entry) in enumerate(items[:fits]):
             entry.copies += 1
@@ -289,7 +268,7 @@ class HostTier:
 
     def _write_done(self, staging: np.ndarray) -> None:
         """A write job ended (under the lock): its staging pages go back."""
-        self._staging_free.free(torch.from_numpy(staging))
+        self._staging.give(staging)
         self._writing -= 1
         self._idle.notify_all()
 
@@ -298,8 +277,7 @@ class HostTier:
         host = np.concatenate([e.pages for _, e, _ in job])
         staging = np.concatenate([s for _, _, s in job])
         try:
-            for spec, ranks in self._groups.items():
-                copy_between(self._staging[spec], staging, self.pools[ranks[0]], host)
+            self._staging.stage_out(staging, host)
         except Exception:
             log.exception("kvtier: staging a storage write failed; its blocks stay in the host tier only")
             with self._lock:
@@ -318,8 +296,7 @@ class HostTier:
         ok = np.ones(len(keys) * self.blocks_per_key, dtype=bool)
         try:
             storage_keys = self._expand(keys)
-            for spec in self._groups:
-                pool = self._staging[spec]
+            for pool in self._staging.pools.values():
                 ok &= np.array(self._guard.set_each(storage_keys, pool, self._slots(pool, staging)), dtype=bool)
         except Exception:  # a bug, not a storage fault (the guard takes those): the blocks stay host-only
             log.exception("kvtier: storage write failed")
@@ -365,11 +342,11 @@ class HostTier:
             with self._lock:
                 self.stats["probed"] += len(keys)
                 wanted = [k for k in keys[:present] if self._table.get(k) is None]
-                fits = min(len(wanted), self._staging_free.available_size() // self.blocks_per_key)
+                fits = min(len(wanted), self._staging.free_pages() // self.blocks_per_key)
                 self.stats["fetch_dropped"] += len(wanted) - fits
                 wanted = wanted[:fits]
                 if wanted:
-                    staging = self._staging_free.alloc(fits * self.blocks_per_key).numpy()
+                    staging = self._staging.take(fits * self.blocks_per_key)
             if wanted:
                 self._read(wanted, staging)
         except Exception:  # a bug, not a storage fault (the guard takes those): misses
@@ -377,7 +354,7 @@ class HostTier:
         finally:
             with self._lock:
                 if staging is not None:
-                    self._staging_free.free(torch.from_numpy(staging))
+                    self._staging.give(staging)
                 probe.missing.update(k for k in keys if self._table.get(k) is None)
                 if len(self._delays) < MAX_DELAYS:
                     self._delays.append(time.monotonic() - sent)
@@ -390,8 +367,7 @@ class HostTier:
         per = self.blocks_per_key
         ok = np.ones(len(keys) * per, dtype=bool)
         storage_keys = self._expand(keys)
-        for spec in self._groups:
-            pool = self._staging[spec]
+        for pool in self._staging.pools.values():
             ok &= np.array(self._guard.get(storage_keys, pool, self._slots(pool, staging)), dtype=bool)
         good = ok.reshape(len(keys), per).all(axis=1)
         with self._lock:
@@ -405,9 +381,7 @@ class HostTier:
         src = np.concatenate([staging[at[k] * per:(at[k] + 1) * per] for k, _ in filling])
         dst = np.concatenate([e.pages for _, e in filling])
         try:
-            for spec, ranks in self._groups.items():
-                for rank in ranks:
-                    copy_between(self.pools[rank], dst, self._staging[spec], src)
+            self._staging.stage_in(dst, src)
         except Exception:
             with self._lock:  # roll back: no FETCHING entry outlives its fetch
                 for k, _ in filling:
@@ -457,4 +431,4 @@ class HostTier:
             self.storage.close()
 
 
-__all__ = ["HostTier", "Lookup", "PageState", "Probe", "Reservation", "copy_between"]
+__all__ = ["HostTier", "Lookup", "PageState", "Probe", "Reservation"]
