@@ -35,6 +35,8 @@ def test_worker_and_scheduler_mappings_share_the_pages(tmp_path, geometry):
     assert torch.equal(theirs.pool.buffers["k"].view(torch.int16), src)
     theirs.pool.buffers["v"].view(torch.int16).fill_(7)
     assert bool((mine.pool.buffers["v"].view(torch.int16) == 7).all())
+    ptr, nbytes = mine.span()  # what a worker registers with the accelerator
+    assert ptr == mine.pool.buffers["k"].data_ptr() and nbytes == info.file_bytes - regions.HEADER_BYTES
     theirs.unlink()
     assert not mine.path.exists()
     assert torch.equal(theirs.pool.buffers["k"].view(torch.int16), src)  # the mapping outlives the file

@@ -200,6 +200,12 @@ class Region:
             os.close(fd)
         return cls(path, info, mm, owner=False)
 
+    def span(self) -> tuple[int, int]:
+        """``(address, bytes)`` of this mapping's pool buffers (header excluded)."""
+        first = min(b.data_ptr() for b in self.pool.buffers.values())
+        last = max(b.data_ptr() + b.numel() * b.element_size() for b in self.pool.buffers.values())
+        return first, last - first
+
     def unlink(self) -> None:
         """Remove the file (the mapping stays valid for whoever holds it)."""
         try:

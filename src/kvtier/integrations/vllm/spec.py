@@ -75,6 +75,7 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierOffloadingWorker | None = None
         self._region: Region | None = None
+        self._pinned = 0  # base address of the region's memory registered with the accelerator
         self._tier: HostTier | None = None
 
     # -- worker side ----------------------------------------------------------------------------------
@@ -91,6 +92,7 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
                                  f"least {per_rank * self.blocks_per_key}")
             info = RegionInfo(self.engine_id, par.rank, par.world_size, os.getpid(), fmt, "page_head", pages)
             self._region = Region.create(self.kvtier.host_dir, info)
+            self._pinned = _pin(self._region)
             log.info("kvtier: worker %d of %d: %d blocks of %s in %s (%.1f MiB)", par.rank, par.world_size, pages,
                      fmt.name, self._region.path, info.file_bytes / 2**20)
             self._worker = KVTierOffloadingWorker(self._region.pool, fmt, rows, blocks_per_key=self.blocks_per_key,
@@ -99,6 +101,11 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
 
     def _release_region(self) -> None:
         if self._region is not None:
+            if self._pinned:
+                from vllm.v1.kv_offload.cpu.host_register import host_unregister
+
+                host_unregister(self._pinned)
+                self._pinned = 0
             self._region.close()
 
     def geometry(self) -> Geometry:
@@ -216,6 +223,23 @@ def _check_setup(config: OffloadingConfig) -> None:
         raise UnsupportedVLLMSetupError(
             f"kvtier: {par.world_size} workers for tensor parallel size {par.tp_size}; kvtier's vLLM spec needs one "
             "worker per tensor-parallel rank")
+
+
+def _pin(region: Region) -> int:
+    """Register the worker's pool memory with the accelerator (pinned, for DMA), as vLLM's
+    own CPU offloading does with its shared region; its address, or 0 when there is no
+    accelerator or the registration failed (copies then run from pageable memory).
+
+    NOTE: shared memory cannot come from the accelerator's pinned allocator, so it is
+    registered after the fact (vLLM's host_register: cudaHostRegister on CUDA)."""
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+        return 0
+    from vllm.v1.kv_offload.cpu.host_register import host_register
+
+    ptr, nbytes = region.span()
+    return ptr if host_register(ptr, nbytes) else 0
 
 
 def _layer_rows(kv_caches: CanonicalKVCaches) -> list:
