@@ -3,12 +3,13 @@
 from .cache import (Acquired, CacheClosedError, Committed, HierarchicalCache, LoadError, LoadHandle, MatchResult,
                     PrefetchHandle)
 from .errors import UnsupportedLayoutError
+from .hybrid import Attention, HybridSpec, KVGroup
 from .layout import LAYOUTS, Layout
 from .pools import DeviceKVPool, HostKVPool
 from .spec import Component, KVSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "Acquired", "CacheClosedError", "Committed", "Component", "DeviceKVPool", "HierarchicalCache",
-           "HostKVPool", "KVSpec", "Layout", "LoadError", "LoadHandle", "MatchResult", "PrefetchHandle",
-           "UnsupportedLayoutError"]
+__all__ = ["LAYOUTS", "Acquired", "Attention", "CacheClosedError", "Committed", "Component", "DeviceKVPool",
+           "HierarchicalCache", "HostKVPool", "HybridSpec", "KVGroup", "KVSpec", "Layout", "LoadError", "LoadHandle",
+           "MatchResult", "PrefetchHandle", "UnsupportedLayoutError"]
