@@ -134,7 +134,8 @@ class HybridSpec:
                 owner[layer] = g.name
         missing = sorted(set(range(max(owner) + 1)) - set(owner))
         if missing:
-            raise ValueError(f"HybridSpec: layers {missing[:8]} are in no group; groups must cover layers 0..{max(owner)}")
+            raise ValueError(f"HybridSpec: layers {missing[:8]} are in no group; groups must cover layers "
+                             f"0..{max(owner)}")
         shards = {g.spec.shard_of is not None for g in self.groups}
         if len(shards) > 1:
             raise ValueError("HybridSpec: either every group's spec is a shard or none is (use HybridSpec.shard)")
