@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvtier.storage
-from kvtier import HostKVPool
+from kvtier import HostKVPool, KVSpec
 from helpers import SPECS
 from storage_helpers import PeakRSS, blank_host, filled_host, flat_pages, run_bounded
 
@@ -223,3 +223,24 @@ def test_bad_keyword_options_fail_at_open(tmp_path):
         kvtier.storage.open(f"file://{tmp_path}", ttl=60)
     with pytest.raises(ValueError, match="fsync must be a bool"):
         kvtier.storage.open(f"file://{tmp_path}", fsync="yes")
+
+
+def test_objects_are_owner_only_whatever_the_umask(tmp_path):
+    import stat
+
+    old = os.umask(0o000)  # the loosest umask: the store's own modes decide
+    try:
+        private = kvtier.storage.open(f"file://{tmp_path}/private")
+        shared = kvtier.storage.open(f"file://{tmp_path}/shared?shared=true")
+        for store in (private, shared):
+            pool = HostKVPool(KVSpec.mha(1, 1, 8), 8, 4)
+            assert store.batch_set(["k0", "k1"], pool, torch.arange(8)) == [True, True]
+    finally:
+        os.umask(old)
+    for name, (dirs, files) in {"private": (0o700, 0o600), "shared": (0o770, 0o660)}.items():
+        root = tmp_path / name / "kvtier-v1"
+        found = list(root.rglob("*"))
+        assert {stat.S_IMODE(p.stat().st_mode) for p in found if p.is_dir()} | {stat.S_IMODE(root.stat().st_mode)} \
+            == {dirs}
+        assert {stat.S_IMODE(p.stat().st_mode) for p in found if p.is_file()} == {files}
+        assert any(p.is_file() for p in found)

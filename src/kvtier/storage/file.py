@@ -2,7 +2,10 @@
 
     <dir>/kvtier-v1/<h[0:2]>/<h[2:]>/<field>     h = sha256(key), field = "<fingerprint>.p<page size>.<part>"
 
-Key text never becomes a path (it is hashed), so no key can leave ``dir``. Writes
+Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
+sensitive as the prompts it came from: directories are created 0700 and objects 0600
+(owner only, whatever the umask), or 0770 / 0660 with ``shared`` for a cache that a
+group of users' engines share. Writes
 go to a temporary file in the same directory and are renamed into place
 (``os.replace``), so readers see a whole object or none. With ``capacity_bytes``
 the least recently used keys are evicted; the LRU order is seeded from directory
@@ -43,16 +46,19 @@ class NotAnObject(OSError):
 
 class FileStorage(ObjectStorage):
     scheme = "file"
-    OPTIONS = {**ObjectStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool)}
+    OPTIONS = {**ObjectStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool),
+               "shared": Opt(bool)}
     CHUNK_BYTES = 4 << 20  # about a core's share of the CPU cache (see ObjectStorage.CHUNK_BYTES)
 
     def __init__(self, path: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = False,
-                 **options) -> None:
+                 shared: bool = False, **options) -> None:
         super().__init__(**options)
-        check_options(self.OPTIONS, capacity_bytes=capacity_bytes, fsync=fsync)
+        check_options(self.OPTIONS, capacity_bytes=capacity_bytes, fsync=fsync, shared=shared)
         self.root = Path(path).resolve() / _ROOT
+        self._dir_mode, self._file_mode = (0o770, 0o660) if shared else (0o700, 0o600)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdir(self.root)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(13, "not writable")
         except OSError as e:
@@ -95,11 +101,25 @@ class FileStorage(ObjectStorage):
                 ok.append(False)
         return ok
 
+    def _mkdir(self, path: Path) -> None:
+        """``path`` as a directory of this store's mode (an existing one is left as it is)."""
+        try:
+            os.mkdir(path, self._dir_mode)
+        except FileExistsError:
+            if os.path.isdir(path) and not os.path.islink(path):
+                return
+            raise
+        os.chmod(path, self._dir_mode)  # exactly: the umask may have taken bits the mode wants
+
     def _write(self, path: Path, blob: np.ndarray) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.is_dir():
+            self._mkdir(path.parent.parent)
+            self._mkdir(path.parent)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp")
         try:
-            with open(tmp, "xb", buffering=0) as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self._file_mode)
+            os.fchmod(fd, self._file_mode)
+            with open(fd, "wb", buffering=0) as f:
                 view = memoryview(blob)
                 while view:  # one raw write may take fewer bytes than offered
                     view = view[f.write(view):]
@@ -186,7 +206,7 @@ class FileStorage(ObjectStorage):
 
     def _remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._mkdir(self.root)
         with self._lock:
             self._lru.clear()
             self._total = 0
