@@ -77,6 +77,8 @@ def serve_acquire(cache: HierarchicalCache, tokens: list[int], salt=None) -> dic
     """One request through acquire/commit: check the reused KV, compute the rest."""
     got = held = cache.acquire(tokens, salt)
     try:
+        m = got.match  # one match's fields, however the tree changed meanwhile
+        assert m.device_indices.numel() == m.device_len and m.device_len + m.host_len <= len(tokens), m
         prefix = got.device_indices
         check_prefix(cache, tokens, prefix)
         full = len(tokens) - len(tokens) % PAGE

@@ -5,6 +5,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from engine import PAGE, make_cache, serve, serve_acquire
 from faults import LoadFaults
 from invariants import drained
@@ -23,7 +25,8 @@ def _run(threads, seconds=60):
     assert not any(t.is_alive() for t in threads), "a thread hung"
 
 
-def test_concurrent_requests_keep_kv_and_accounting_exact():
+@pytest.mark.parametrize("request_kind", [serve, serve_acquire], ids=["match-lock-load", "acquire-commit"])
+def test_concurrent_requests_keep_kv_and_accounting_exact(request_kind):
     cache = make_cache(device_tokens=64, host_tokens=48)
     errors, deadline = [], time.monotonic() + 30
 
@@ -33,7 +36,7 @@ def test_concurrent_requests_keep_kv_and_accounting_exact():
             for _ in range(40):
                 if time.monotonic() > deadline:
                     return
-                serve(cache, _prompt(rng))        # checks every reused page bit for bit
+                request_kind(cache, _prompt(rng))  # checks every reused page bit for bit
         except BaseException as e:
             errors.append(e)
 

@@ -215,7 +215,10 @@ class HierarchicalCache:
             # device slots for the host part, allocated as alloc_device does (it may wait for write-backs)
             reserved = self._alloc(host_len + fetched) if host_len + fetched else None
             with self._lock:
-                path, _, _ = state.match(tokens, salt)
+                # NOTE: other requests may have changed the tree since the first match: the
+                # result's fields all come from this one (device_indices has device_len entries);
+                # the per-tier counts below keep where the first match found each page
+                path, now_device, now_host = state.match(tokens, salt)
                 self._hit(path)
                 device, last = self._ends(path, salt)
                 lease = Lease(last)
@@ -224,7 +227,8 @@ class HierarchicalCache:
         finally:
             with self._lock:
                 state.unlock_node(first)
-        match = MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt)
+        now_storage = max(0, device_len + host_len + storage_len - now_device - now_host)
+        match = MatchResult(device, now_device, now_host, now_storage, last, tuple(path), tokens, salt)
         if wait:
             load.wait()
             if load.error is not None:  # the failed pages are host-only again: this request recomputes
