@@ -90,7 +90,7 @@ def test_shards_split_every_groups_heads():
      "layer 1 is in groups 'a' and 'b'"),
     (lambda: HybridSpec((KVGroup("a", (0, 2), KVSpec.mha(2, 1, 8)),)), r"layers \[1\] are in no group"),
     (lambda: HybridSpec((KVGroup("a", (0,), KVSpec.mha(1, 1, 8)), KVGroup("a", (1,), KVSpec.mha(1, 1, 8)))),
-     "duplicate group names"),
+     r"HybridSpec.groups has duplicate names \[.a.\]"),
     (lambda: HybridSpec(()), "non-empty tuple"),
 ])
 def test_bad_geometry_says_what_is_wrong(make, message):

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .spec import Component, KVSpec, _positive_int
+from .spec import Component, KVSpec, _named_tuple_field, _positive_int
 
 #: Attention kinds a group may have; a recurrent-state kind (fixed-size per-request
 #: state, e.g. Mamba or linear attention) would be a third, with no per-token pages.
@@ -115,17 +115,7 @@ class HybridSpec:
     groups: tuple[KVGroup, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.groups, list):
-            object.__setattr__(self, "groups", tuple(self.groups))
-        if not isinstance(self.groups, tuple) or not self.groups:
-            raise ValueError(f"HybridSpec.groups must be a non-empty tuple of KVGroup, got {self.groups!r}")
-        for g in self.groups:
-            if not isinstance(g, KVGroup):
-                raise ValueError(f"HybridSpec.groups must hold KVGroup, got {g!r}")
-        names = [g.name for g in self.groups]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"HybridSpec has duplicate group names {dups}")
+        _named_tuple_field(self, "groups", KVGroup)
         owner: dict[int, str] = {}
         for g in self.groups:
             for layer in g.layers:

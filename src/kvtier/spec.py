@@ -29,6 +29,24 @@ def _positive_int(owner: str, field: str, value: object) -> None:
         raise ValueError(f"{owner}.{field} must be a positive int, got {value!r}")
 
 
+def _named_tuple_field(obj: object, field: str, kind: type) -> None:
+    """Check ``obj.<field>``: a non-empty tuple (a list is converted) of ``kind`` items
+    with distinct ``.name``s; ``ValueError`` naming the owner, the field and the fault."""
+    owner, items = type(obj).__name__, getattr(obj, field)
+    if isinstance(items, list):
+        items = tuple(items)
+        object.__setattr__(obj, field, items)
+    if not isinstance(items, tuple) or not items:
+        raise ValueError(f"{owner}.{field} must be a non-empty tuple of {kind.__name__}, got {items!r}")
+    for item in items:
+        if not isinstance(item, kind):
+            raise ValueError(f"{owner}.{field} must hold {kind.__name__}, got {item!r}")
+    names = [item.name for item in items]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"{owner}.{field} has duplicate names {dups}")
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """``"bf16"`` -> ``torch.bfloat16``; ``ValueError`` listing the known names."""
     try:
@@ -81,17 +99,7 @@ class KVSpec:
 
     def __post_init__(self) -> None:
         _positive_int("KVSpec", "layer_num", self.layer_num)
-        if isinstance(self.components, list):
-            object.__setattr__(self, "components", tuple(self.components))
-        if not isinstance(self.components, tuple) or not self.components:
-            raise ValueError(f"KVSpec.components must be a non-empty tuple, got {self.components!r}")
-        for c in self.components:
-            if not isinstance(c, Component):
-                raise ValueError(f"KVSpec.components must hold Component, got {c!r}")
-        names = [c.name for c in self.components]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"KVSpec.components has duplicate names {dups}")
+        _named_tuple_field(self, "components", Component)
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.dtype not in DTYPE_NAMES:
