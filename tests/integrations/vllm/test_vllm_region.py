@@ -105,3 +105,8 @@ def test_too_little_shared_memory_fails_before_anything_is_created(tmp_path, mon
     with pytest.raises(RegionError, match="needs .* bytes in .* which has 1048576 free; lower host_bytes"):
         Region.create(tmp_path, _info(pages=4096))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_directory_is_named():
+    with pytest.raises(RegionError, match="host_dir /no/such/dir is not a directory"):
+        Region.create("/no/such/dir", _info())

@@ -145,6 +145,9 @@ class Region:
         """Create the pool file of ``info`` (mode 0600) and map it. ``RegionError`` when a
         live process already holds that name or the directory lacks the space."""
         directory = Path(directory)
+        if not directory.is_dir():
+            raise RegionError(f"kvtier: host_dir {directory} is not a directory; give host_dir, a directory on a "
+                              "memory file system (tmpfs) that the engine core's process can read too")
         path = region_path(directory, info.engine_id, info.rank)
         sweep_stale(directory)
         need = info.file_bytes
