@@ -38,8 +38,8 @@ class KVTierOffloadingManager(OffloadingManager):
     """Keyed by vLLM's ``OffloadKey`` (chained block hash + group): vLLM's hashes already
     match prefixes, so each key is looked up on its own.
 
-    ``tier`` is a callable returning the engine's :class:`HostTier`, or None once it is
-    closed: then everything misses and nothing is stored."""
+    ``tier`` is a callable returning the engine's :class:`HostTier`, or None (then
+    everything misses and nothing is stored)."""
 
     def __init__(self, tier: Callable[[], HostTier | None]) -> None:
         self._tier_fn = tier
