@@ -27,6 +27,7 @@ the header and the header against what the attaching side expects.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -39,6 +40,7 @@ import torch
 
 from ...layout import get_layout
 from ...pools import HostKVPool
+from ...pools.host import _shapes as pool_shapes
 from .blocks import BlockFormat, format_from_json, format_to_json
 
 MAGIC = b"KVTIERPOOL"
@@ -83,20 +85,21 @@ class RegionInfo:
     layout: str
     num_pages: int
 
-    def buffers(self) -> list[tuple[str, int, int]]:
-        """``(component, offset, nbytes)`` of each component's buffer in the file."""
+    def buffers(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        """``(component, offset, shape)`` of each component's buffer in the file, the
+        shape in the layout's axis order (as a host pool allocates it)."""
+        spec = self.format.spec
+        shapes = pool_shapes(spec, get_layout(self.layout), self.num_pages, self.format.page_size)
         out, offset = [], HEADER_BYTES
-        for c in self.format.spec.components:
-            nbytes = self.num_pages * self.format.page_size * self.format.spec.layer_num * c.head_num * \
-                c.head_dim * self.format.spec.element_size
-            out.append((c.name, offset, nbytes))
-            offset = _round_up(offset + nbytes, _ALIGN)
+        for c in spec.components:
+            out.append((c.name, offset, shapes[c.name]))
+            offset = _round_up(offset + math.prod(shapes[c.name]) * spec.element_size, _ALIGN)
         return out
 
     @property
     def file_bytes(self) -> int:
-        name, offset, nbytes = self.buffers()[-1]
-        return offset + nbytes
+        name, offset, shape = self.buffers()[-1]
+        return offset + math.prod(shape) * self.format.spec.element_size
 
     def to_json(self) -> bytes:
         return json.dumps({"engine_id": self.engine_id, "rank": self.rank, "world_size": self.world_size,
@@ -130,13 +133,11 @@ class Region:
         self.path, self.info, self._mmap, self.owner = path, info, mm, owner
         _populate(mm)
         base = torch.frombuffer(mm, dtype=torch.uint8)
-        lay = get_layout(info.layout)
         fmt = info.format
         buffers = {}
-        for (name, offset, nbytes), c in zip(info.buffers(), fmt.spec.components):
-            sizes = {"page": info.num_pages, "slot": fmt.page_size, "layer": fmt.spec.layer_num,
-                     "head": c.head_num, "dim": c.head_dim}
-            buffers[name] = base[offset:offset + nbytes].view(fmt.spec.dtype).view(lay.shape(sizes))
+        for name, offset, shape in info.buffers():
+            nbytes = math.prod(shape) * fmt.spec.element_size
+            buffers[name] = base[offset:offset + nbytes].view(fmt.spec.dtype).view(shape)
         self.pool = HostKVPool.from_buffers(fmt.spec, buffers, fmt.page_size, layout=info.layout)
 
     # -- the worker's side ------------------------------------------------------------------

@@ -50,12 +50,11 @@ class StagingBuffer:
             for buf in pool.buffers.values():
                 buf.view(torch.uint8).zero_()
 
-    def free_pages(self) -> int:
-        return self._free.available_size()
-
-    def take(self, n: int) -> np.ndarray:
-        """``n`` free staging pages (the caller checked :meth:`free_pages`)."""
-        return self._free.alloc(n).numpy()
+    def take(self, keys: int, per_key: int) -> np.ndarray:
+        """Staging pages for as many of ``keys`` blocks of ``per_key`` pages as are free
+        (``len(result) // per_key`` of them; none when full): the rest do not wait."""
+        fits = min(keys, self._free.available_size() // per_key)
+        return self._free.alloc(fits * per_key).numpy()
 
     def give(self, pages: np.ndarray) -> None:
         self._free.free(torch.from_numpy(pages))

@@ -104,7 +104,7 @@ class HostTier:
         self.storage, self.key_prefix, self.timeout_s = storage, key_prefix, timeout_s
         self._table = PageTable(self.num_pages, blocks_per_key, events)
         self.stats = self._table.stats
-        self.stats.update(bytes_read=0, bytes_written=0, read_time=0.0, write_time=0.0, probed=0, found=0)
+        self.stats.update(bytes_read=0, bytes_written=0, read_time=0.0, write_time=0.0, probed=0)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a probe or a write finishes
         self._inflight = 0                            # probes sent and not finished
@@ -254,11 +254,11 @@ class HostTier:
         """Staging pages for as many of ``items`` as fit (the rest are dropped, counted),
         each entry pinned until its pages are staged. Under the lock."""
         per = self.blocks_per_key
-        fits = min(len(items), self._staging.free_pages() // per)
+        staging = self._staging.take(len(items), per)
+        fits = len(staging) // per
         self.stats["write_dropped"] += len(items) - fits
         if fits == 0:
             return None
-        staging = self._staging.take(fits * per)
         job = []
         for i, (k, entry) in enumerate(items[:fits]):
             entry.copies += 1
@@ -342,11 +342,10 @@ class HostTier:
             with self._lock:
                 self.stats["probed"] += len(keys)
                 wanted = [k for k in keys[:present] if self._table.get(k) is None]
-                fits = min(len(wanted), self._staging.free_pages() // self.blocks_per_key)
+                staging = self._staging.take(len(wanted), self.blocks_per_key)
+                fits = len(staging) // self.blocks_per_key
                 self.stats["fetch_dropped"] += len(wanted) - fits
                 wanted = wanted[:fits]
-                if wanted:
-                    staging = self._staging.take(fits * self.blocks_per_key)
             if wanted:
                 self._read(wanted, staging)
         except Exception:  # a bug, not a storage fault (the guard takes those): misses
@@ -371,7 +370,6 @@ class HostTier:
             ok &= np.array(self._guard.get(storage_keys, pool, self._slots(pool, staging)), dtype=bool)
         good = ok.reshape(len(keys), per).all(axis=1)
         with self._lock:
-            self.stats["found"] += len(keys)
             self.stats["fetch_failed"] += int((~good).sum())
             self.stats["read_time"] += time.perf_counter() - t0
             filling = self._start_filling([k for k, g in zip(keys, good) if g])
