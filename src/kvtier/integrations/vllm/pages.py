@@ -82,11 +82,6 @@ class PageTable:
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
-    @property
-    def capacity(self) -> int:
-        """Offloaded blocks the pages hold."""
-        return self.num_pages // self.blocks_per_key
-
     def free_keys(self) -> int:
         return self._free.available_size() // self.blocks_per_key
 
