@@ -228,9 +228,9 @@ def _populate(mm: mmap.mmap) -> None:
     """Map every page of ``mm`` now (allocating it in the file when new), keeping its
     bytes: at start, not in the first requests' copies.
 
-    NOTE: first touches cost more than the copies they are part of (measured here: a
-    first storage read of 26 MB into fresh pages took 106 ms, 42 ms into populated
-    ones), and each process's mapping faults on its own."""
+    NOTE: first touches cost more than the copies they are part of (a storage read into
+    fresh pages is several times slower than into mapped ones: the storage rows of
+    scripts/vllm_ttft.py show it), and each process's mapping faults on its own."""
     try:
         mm.madvise(_MADV_POPULATE_WRITE)
     except (OSError, ValueError):  # an older kernel: touch a byte of each page, unchanged
