@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier import Component, DeviceKVPool, KVSpec
+from kvtier import Attention, Component, DeviceKVPool, HybridSpec, KVGroup, KVSpec
 
 SPECS = {
     "mha": KVSpec.mha(3, 2, 8),
@@ -13,6 +13,24 @@ SPECS = {
     "mla": KVSpec.mla(2, kv_lora_rank=16, qk_rope_head_dim=4),
     "k_only": KVSpec.k_only(2, 2, 8, dtype=torch.float32),
     "three": KVSpec(2, (Component("k", 2, 8), Component("v", 2, 4), Component("idx", 1, 6)), torch.float32),
+}
+
+def _hybrid(full_layers, swa_layers, full_spec, swa_spec, window):
+    groups = [KVGroup("swa", tuple(swa_layers), swa_spec, Attention.sliding(window))]
+    if full_layers:
+        groups.insert(0, KVGroup("full", tuple(full_layers), full_spec))
+    return HybridSpec(tuple(groups))
+
+
+#: Small hybrid geometries (layer group x attention), restated from the real models'
+#: patterns: MiMo-V2-Flash (full 0 and 5 of 6, twice the heads on sliding layers, K != V),
+#: gpt-oss (alternating), an all-sliding model (Mistral), and windows that are smaller
+#: than a page, not a multiple of it, or several pages long (for page sizes 1..8).
+HYBRID_SPECS = {
+    "mimo": _hybrid((0, 5), (1, 2, 3, 4), KVSpec.mha(2, 2, 12, 8), KVSpec.mha(4, 4, 12, 8), window=6),
+    "oss": _hybrid((1, 3), (0, 2), KVSpec.mha(2, 2, 8), KVSpec.mha(2, 2, 8), window=8),
+    "all_swa": _hybrid((), (0, 1, 2), None, KVSpec.mha(3, 2, 8, dtype=torch.float16), window=3),
+    "long_window": _hybrid((0,), (1, 2), KVSpec.mha(1, 1, 16), KVSpec.mha(2, 2, 4), window=20),
 }
 
 LAYOUT_ORDERS = {  # the contract's table, restated independently of kvtier.layout

@@ -102,3 +102,35 @@ def test_needed_tokens_of_a_resume_point():
     assert Attention().needed_tokens(300) == range(0, 300)
     assert Attention.sliding(128).needed_tokens(300) == range(172, 300)
     assert Attention.sliding(128).needed_tokens(50) == range(0, 50)
+
+
+@pytest.mark.parametrize("window,page_size", [(3, 4), (6, 4), (8, 4), (20, 4), (1, 1), (5, 1), (129, 64)])
+def test_reusable_pages_is_the_rule_token_by_token(window, page_size):
+    """Against the rule written out per token: a resume after ``p`` pages needs every
+    token before it from the full group and the last ``window`` tokens from the
+    sliding group, each in a page that is held."""
+    import random
+
+    spec = HybridSpec((KVGroup("full", (0,), KVSpec.mha(1, 1, 8)),
+                       KVGroup("swa", (1,), KVSpec.mha(1, 2, 8), Attention.sliding(window))))
+    rng = random.Random(window * 100 + page_size)
+    for _ in range(300):
+        n = rng.randint(0, 12)
+        present = {"full": [rng.random() < 0.9 for _ in range(n)], "swa": [rng.random() < 0.6 for _ in range(n)]}
+
+        def ok(p):
+            tokens_full = range(p * page_size)
+            tokens_swa = range(max(0, p * page_size - window), p * page_size)
+            return all(present["full"][t // page_size] for t in tokens_full) and \
+                all(present["swa"][t // page_size] for t in tokens_swa)
+
+        want = max(p for p in range(n + 1) if ok(p))
+        assert spec.reusable_pages(page_size, present) == want, (present, window, page_size)
+    with pytest.raises(ValueError, match=r"present must name exactly the groups \['full', 'swa'\]"):
+        spec.reusable_pages(page_size, {"full": []})
+
+
+def test_needed_pages_cover_the_window_in_whole_pages():
+    a = Attention.sliding(6)
+    assert list(a.needed_pages(16, 4)) == [2, 3] and list(a.needed_pages(4, 4)) == [0]
+    assert list(a.needed_pages(0, 4)) == [] and list(Attention().needed_pages(9, 4)) == [0, 1, 2]

@@ -19,7 +19,8 @@ takes a ``KVSpec`` keeps working.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from functools import partial
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -63,6 +64,12 @@ class Attention:
         """Token positions of ``[0, prefix)`` whose KV a request resuming after
         ``prefix`` tokens needs from this group."""
         return range(0, prefix) if self.is_full else range(max(0, prefix - self.window), prefix)
+
+    def needed_pages(self, prefix: int, page_size: int) -> range:
+        """The pages (of ``page_size`` tokens) holding :meth:`needed_tokens`: whole
+        pages, so a sliding group keeps the page the window starts in."""
+        tokens = self.needed_tokens(prefix)
+        return range(tokens.start // page_size, -(-tokens.stop // page_size)) if tokens else range(0)
 
 
 FULL = Attention()
@@ -226,6 +233,25 @@ class HybridSpec:
                 out += min(tokens, g.attention.window * resume_points) * g.bytes_per_token
         return out
 
+    def reusable_pages(self, page_size: int, present: Mapping[str, Sequence[bool]]) -> int:
+        """The longest prefix, in whole pages, a request can resume after: the largest
+        ``p`` such that every full group has pages ``[0, p)`` and every sliding group
+        the pages of its window before ``p * page_size`` (DESIGN 5c). ``present[name][i]``
+        says whether group ``name`` holds page ``i`` in some tier; every group is named,
+        and a group's missing page is never made up for by another's."""
+        if set(present) != set(self.names):
+            raise ValueError(f"present must name exactly the groups {list(self.names)}, got {sorted(present)}")
+        best = min(len(v) for v in present.values())
+        for g in self.groups:
+            if g.attention.is_full:
+                held = present[g.name]
+                best = min(best, next((i for i in range(best) if not held[i]), best))
+        sliding = [(g.attention, _runs(present[g.name], best)) for g in self.groups if not g.attention.is_full]
+        for p in range(best, 0, -1):
+            if all(run[p - 1] >= p - a.needed_pages(p * page_size, page_size).start for a, run in sliding):
+                return p
+        return 0
+
     def fingerprint(self) -> str:
         """Short, stable text naming every group (name, attention, layers, geometry);
         a one-group full spec gives its ``KVSpec``'s fingerprint, so keys of uniform
@@ -246,6 +272,15 @@ class HybridSpec:
         if self.groups[0].spec.shard_of is None:
             return self
         return HybridSpec(tuple(KVGroup(g.name, g.layers, g.spec.full, g.attention) for g in self.groups))
+
+
+def _runs(held: Sequence[bool], n: int) -> list[int]:
+    """``out[i]``: how many pages up to and including page ``i`` are held in a row."""
+    out, run = [], 0
+    for i in range(n):
+        run = run + 1 if held[i] else 0
+        out.append(run)
+    return out
 
 
 def _ranges(ids: Iterable[int]) -> str:
@@ -289,8 +324,9 @@ def gemma3_27b(dtype: torch.dtype = torch.bfloat16) -> HybridSpec:
                        KVGroup("swa", swa, KVSpec.mha(len(swa), 16, 128, dtype=dtype), Attention.sliding(1024))))
 
 
-#: The hybrid presets by name (``kvtier simulate --spec``, ``kvtier inspect``).
-PRESETS = {"mimo-v2-flash": mimo_v2_flash, "gpt-oss-120b": lambda: gpt_oss(36), "gpt-oss-20b": lambda: gpt_oss(24),
+#: The hybrid presets by name (``kvtier simulate --spec``, ``kvtier inspect``), each
+#: taking the KV dtype (default bf16).
+PRESETS = {"mimo-v2-flash": mimo_v2_flash, "gpt-oss-120b": partial(gpt_oss, 36), "gpt-oss-20b": partial(gpt_oss, 24),
            "gemma3-27b": gemma3_27b}
 
 

@@ -1,5 +1,9 @@
-import pytest
 import os
+import uuid
+
+import pytest
+
+import kvtier.storage
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every fault at INFO/WARNING
 
@@ -26,3 +30,32 @@ def mooncake_master():
     master = MooncakeMaster().start()
     yield master
     master.stop()
+
+
+BACKENDS = ["file", "redis", "mooncake"]
+ZERO_COPY = {"mooncake"}  # raw objects in the writer's page format: readers use the same layout
+
+
+@pytest.fixture(params=BACKENDS)
+def open_store(request, tmp_path):
+    """``open_store(**options)`` opens the backend under test, isolated per test.
+    ``open_store.zero_copy`` tells whether readers must share the writer's layout."""
+    opened, prefix = [], f"t{uuid.uuid4().hex[:8]}:"
+
+    def _open(**options):
+        if request.param == "file":
+            store = kvtier.storage.open(f"file://{tmp_path}/store", **options)
+        elif request.param == "redis":
+            server = request.getfixturevalue("redis_server")
+            store = kvtier.storage.open(server.url, prefix=prefix, **options)
+        else:
+            master = request.getfixturevalue("mooncake_master")
+            store = kvtier.storage.open(master.url, prefix=prefix, **options)
+        opened.append(store)
+        return store
+
+    _open.zero_copy = request.param in ZERO_COPY
+    yield _open
+    for store in opened:
+        store.clear()
+        store.close()

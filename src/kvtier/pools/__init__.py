@@ -3,5 +3,6 @@
 from .allocator import PageAllocator
 from .device import DeviceKVPool
 from .host import HostKVPool
+from .hybrid import HybridDevicePool, HybridHostPool
 
-__all__ = ["DeviceKVPool", "HostKVPool", "PageAllocator"]
+__all__ = ["DeviceKVPool", "HostKVPool", "HybridDevicePool", "HybridHostPool", "PageAllocator"]

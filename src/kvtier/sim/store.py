@@ -23,6 +23,10 @@ class SimStorage(Storage):
         with self._lock:
             return next((i for i, k in enumerate(keys) if k not in self._keys), len(keys))
 
+    def exists_each(self, keys) -> list[bool]:
+        with self._lock:
+            return [k in self._keys for k in keys]
+
     # NOTE: without a capacity nothing is ever evicted, so the LRU order is not kept up
     # (a replay with unlimited storage writes and reads every stored page).
     def batch_get(self, keys, host_pool, host_indices) -> list[bool]:

@@ -112,6 +112,13 @@ class Storage(ABC):
     def batch_exists(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are present (for the bound geometry, else any)."""
 
+    def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether it is present (as :meth:`batch_exists` counts it); a fault is
+        ``False``. Hybrid lookups need it: a sliding group's pages exist only in windows,
+        not as a leading run. Backends answer it in one round trip; this default asks
+        key by key."""
+        return [self.batch_exists([k]) == 1 for k in _check_keys(keys)]
+
     @abstractmethod
     def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
         """Fill host page ``i`` of ``host_indices`` from ``keys[i]``; ``False`` = miss."""

@@ -243,10 +243,14 @@ class MooncakeStorage(Storage):
         return loaded
 
     def batch_exists(self, keys) -> int:
+        present = self.exists_each(keys)
+        return next((i for i, p in enumerate(present) if not p), len(present))
+
+    def exists_each(self, keys) -> list[bool]:
         keys = _check_keys(keys)
         store = self._client()
         if store is None or not keys:
-            return 0
+            return [False] * len(keys)
         t0 = time.perf_counter()
         names = [self._marker_name(k) for k in keys]  # markers: any geometry
         per_key = 1
@@ -258,13 +262,12 @@ class MooncakeStorage(Storage):
             rcs = store.batch_is_exist(names)
         except Exception as e:
             self._failed("exists", e)
-            return 0
+            return [False] * len(keys)
         finally:
             self._stats.timed("exists", time.perf_counter() - t0)
         if any(rc < 0 for rc in rcs):
             self._failed("exists", f"batch_is_exist codes {sorted({rc for rc in rcs if rc < 0})}")
-        present = [all(rc == 1 for rc in rcs[i * per_key:(i + 1) * per_key]) for i in range(len(keys))]
-        return next((i for i, p in enumerate(present) if not p), len(keys))
+        return [all(rc == 1 for rc in rcs[i * per_key:(i + 1) * per_key]) for i in range(len(keys))]
 
     def delete(self, keys) -> None:
         keys = _check_keys(keys)

@@ -96,23 +96,25 @@ class ObjectStorage(Storage):
 
     # -- the contract ----------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[str]) -> int:
+        present = self.exists_each(keys)
+        return next((i for i, p in enumerate(present) if not p), len(present))
+
+    def exists_each(self, keys: Sequence[str]) -> list[bool]:
         keys = _check_keys(keys)
         if not keys:
-            return 0
+            return []
         t0 = time.perf_counter()
         try:
             if self._bound is None:
-                present = self._has_any(keys)
-            else:
-                fields = [p.field for p in self._bound.read_parts]
-                found = self._has([(k, f) for k in keys for f in fields])
-                present = [all(found[i * len(fields):(i + 1) * len(fields)]) for i in range(len(keys))]
+                return [p is True for p in self._has_any(keys)]
+            fields = [p.field for p in self._bound.read_parts]
+            found = self._has([(k, f) for k in keys for f in fields])
+            return [all(found[i * len(fields):(i + 1) * len(fields)]) for i in range(len(keys))]
         except Exception as e:  # a storage fault is a miss, never an exception for the caller
             self._fault("exists", e)
-            return 0
+            return [False] * len(keys)
         finally:
             self._stats.timed("exists", time.perf_counter() - t0)
-        return next((i for i, p in enumerate(present) if not p), len(keys))
 
     def _checked(self, keys, host_pool, host_indices, writing: bool):
         keys, pages = self._check_pages(keys, host_pool, host_indices, writing=writing)

@@ -1,0 +1,149 @@
+"""One L3 store for a hybrid model: objects per (layer group, page).
+
+A hybrid model's page key (``page_keys``: the chained hash of its tokens) stands for
+a page of every group, but groups are stored apart: a sliding-window group keeps
+only the pages some window needs, and groups of one geometry (gpt-oss's full and
+sliding layers) must never read each other's bytes. So each group writes under its
+own key, the page key with the group's name and a digest of its fingerprint
+(attention, layer ids, geometry) appended; a plain ``KVSpec`` is one group whose
+keys are the page keys themselves, so uniform models keep the objects they have.
+
+A lookup (:meth:`GroupedStorage.reusable`) answers with DESIGN 5c's rule: a prefix
+counts only when every full group holds all its pages and every sliding group the
+pages of its window; one group's missing page is never a hit for the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping, Sequence
+
+import torch
+
+from ..hybrid import HybridSpec
+from ..pools.hybrid import HybridHostPool, as_hybrid
+from ..spec import KVSpec
+from .base import _check_keys
+
+
+def group_tag(spec: HybridSpec, name: str) -> str:
+    """``"~<group name>.<16 hex digits of its fingerprint>"``; empty for a uniform spec."""
+    if spec.is_uniform:
+        return ""
+    group = spec.group(name)
+    return f"~{group.name}.{hashlib.sha256(group.fingerprint().encode()).hexdigest()[:16]}"
+
+
+class GroupedStorage:
+    """A store (any :class:`~kvtier.storage.base.Storage`) seen as per-group objects.
+
+    Every call takes the page keys of one sequence (``keys[i]`` for page ``i``) and,
+    per group, which of those pages it concerns (``pages[name]``, indices into
+    ``keys``; default: all of them) and the host slots of those pages
+    (``host_indices[name]``, ``len(pages[name]) * page_size`` slots). Answers come per
+    group as lists of ``bool`` in ``pages[name]`` order; a storage fault is ``False``.
+    """
+
+    def __init__(self, storage, spec: KVSpec | HybridSpec, page_size: int) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.storage, self.page_size = storage, page_size
+        self.spec = as_hybrid(spec).full
+        self._tags = {name: group_tag(self.spec, name) for name in self.spec.names}
+
+    def keys(self, name: str, keys: Sequence[str]) -> list[str]:
+        """Group ``name``'s object keys for the page keys ``keys``."""
+        tag = self._tags.get(name)
+        if tag is None:
+            raise ValueError(f"unknown group {name!r}; this spec has {list(self.spec.names)}")
+        return list(keys) if not tag else [k + tag for k in keys]
+
+    def _pages(self, keys: list[str], pages: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
+        if pages is None:
+            return {name: list(range(len(keys))) for name in self.spec.names}
+        if not isinstance(pages, Mapping):
+            raise ValueError(f"pages must map group names to page numbers, got {type(pages).__name__}")
+        out = {}
+        for name, picked in pages.items():
+            self.keys(name, [])  # the name is a group's
+            picked = list(picked)
+            bad = [i for i in picked if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(keys)]
+            if bad:
+                raise ValueError(f"pages[{name!r}] holds {bad[:4]}, not page numbers in [0, {len(keys)})")
+            out[name] = picked
+        return out
+
+    def _group_keys(self, keys, pages) -> dict[str, list[str]]:
+        keys = _check_keys(keys)
+        return {name: self.keys(name, [keys[i] for i in picked]) for name, picked in self._pages(keys, pages).items()}
+
+    def present(self, keys: Sequence[str], pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:
+        """Per group, whether storage holds each of its pages."""
+        each = getattr(self.storage, "exists_each", None)
+        out = {}
+        for name, group_keys in self._group_keys(keys, pages).items():
+            if each is not None:
+                out[name] = [x is True for x in each(group_keys)]
+            else:  # a backend without per-key answers: one leading-run question per key
+                out[name] = [self.storage.batch_exists([k]) == 1 for k in group_keys]
+        return out
+
+    def reusable(self, keys: Sequence[str], held: Mapping[str, Sequence[bool]] | None = None) -> int:
+        """How many leading pages of ``keys`` a request can resume after, with what
+        storage holds and, per group, what the caller holds elsewhere
+        (``held[name][i]``: page ``i`` is on the device or the host)."""
+        keys = _check_keys(keys)
+        have = {}
+        for name in self.spec.names:
+            mine = [x is True for x in (held or {}).get(name, ())][:len(keys)]
+            have[name] = mine + [False] * (len(keys) - len(mine))
+        # NOTE: a full group is a leading run, so one batch_exists from its first gap
+        # answers it; sliding groups are then asked only about pages below that run.
+        limit = len(keys)
+        for g in self.spec.groups:
+            if g.attention.is_full:
+                gap = next((i for i in range(limit) if not have[g.name][i]), limit)
+                if gap < limit:
+                    limit = gap + self._leading(self.keys(g.name, keys[gap:limit]))
+        ask = {g.name: [i for i in range(limit) if not have[g.name][i]]
+               for g in self.spec.groups if not g.attention.is_full}
+        for name, got in self.present(keys, ask).items():
+            for i, ok in zip(ask[name], got):
+                have[name][i] = ok
+        for g in self.spec.groups:
+            if g.attention.is_full:
+                have[g.name][:limit] = [True] * limit
+        return self.spec.reusable_pages(self.page_size, {name: v[:limit] for name, v in have.items()})
+
+    def _leading(self, keys: list[str]) -> int:
+        """``batch_exists``, with an answer of the wrong kind read as none."""
+        n = self.storage.batch_exists(keys)
+        return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= len(keys) else 0
+
+    def batch_set(self, keys: Sequence[str], host_pool: HybridHostPool, host_indices: Mapping[str, torch.Tensor],
+                  pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:
+        """Store each group's pages from its host pool."""
+        return self._move("batch_set", keys, host_pool, host_indices, pages)
+
+    def batch_get(self, keys: Sequence[str], host_pool: HybridHostPool, host_indices: Mapping[str, torch.Tensor],
+                  pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:
+        """Fill each group's host pages; ``False`` = miss."""
+        return self._move("batch_get", keys, host_pool, host_indices, pages)
+
+    def _move(self, op, keys, host_pool, host_indices, pages) -> dict[str, list[bool]]:
+        if not isinstance(host_pool, HybridHostPool) or host_pool.spec.full != self.spec \
+                or host_pool.page_size != self.page_size:
+            raise ValueError(f"host_pool must be a HybridHostPool of spec {self.spec.fingerprint()} with page_size "
+                             f"{self.page_size}")
+        group_keys = self._group_keys(keys, pages)
+        if not isinstance(host_indices, Mapping) or set(host_indices) != set(group_keys):
+            got = sorted(host_indices) if isinstance(host_indices, Mapping) else type(host_indices).__name__
+            raise ValueError(f"host_indices must name the groups {sorted(group_keys)}, got {got}")
+        for name, gk in group_keys.items():  # every group's numbers before any group's bytes move
+            idx = host_indices[name]
+            if not isinstance(idx, torch.Tensor) or idx.numel() != len(gk) * host_pool.page_size:
+                n = idx.numel() if isinstance(idx, torch.Tensor) else idx
+                raise ValueError(f"host_indices[{name!r}] must hold {len(gk)} pages of {host_pool.page_size} slots, "
+                                 f"got {n}")
+        return {name: list(getattr(self.storage, op)(gk, host_pool[name], host_indices[name]))
+                for name, gk in group_keys.items()}
