@@ -5,6 +5,7 @@ import json
 import pytest
 
 from kvtier.cli import main
+from kvtier.hybrid import mimo_v2_flash
 
 
 def run(capsys, *argv):
@@ -138,7 +139,7 @@ def test_demo_small_runs_identical_and_plots(capsys, tmp_path):
 
 @pytest.mark.parametrize("spec, fingerprint", [
     ("deepseek-v3", "L61-bf16-kv=1x576"),
-    ("mimo-v2-flash", "L48-bf16-k=4x192-v=4x128"),
+    ("mimo-v2-flash", mimo_v2_flash().fingerprint()),
     ("mha:layers=61,heads=8,head_dim=192,v_head_dim=128", "L61-bf16-k=8x192-v=8x128"),
     ("k-only:layers=2,heads=1,head_dim=64", "L2-bf16-k=1x64"),
     ("components:2:k=2x8,v=2x4", "L2-bf16-k=2x8-v=2x4"),

@@ -18,7 +18,7 @@ from ..spec import KVSpec
 from ..transfer import IO_BACKENDS
 from ..transfer.copy import int_view as _bits
 from .preflight import check_host_memory
-from .spec import add_spec_arguments, has_spec, spec_from_args
+from .spec import add_spec_arguments, has_spec, uniform_spec_from_args
 from .table import print_table
 from .types import positive_int
 
@@ -39,7 +39,7 @@ def default_spec() -> KVSpec:
 
 
 def command(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args) if has_spec(args) else default_spec()
+    spec = uniform_spec_from_args(args, "selfcheck") if has_spec(args) else default_spec()
     check_host_memory(memory_bytes(spec, args.page_size, args.pages),
                       f"{args.pages} pages of {args.page_size} tokens of {spec.fingerprint()}",
                       "use fewer or smaller pages")

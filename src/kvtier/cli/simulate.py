@@ -5,16 +5,22 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
+from ..hybrid import HybridSpec
 from ..sim.parallel import Oracle, Replay, cpu_count, run_task, run_tasks
 from ..sim.simulator import CostModel, SimConfig
 from ..sim.traces import read_mooncake, repeat, synthetic
+from ..spec import KVSpec
 from .preflight import check_host_memory, check_input_file, check_output_path, require_module
-from .spec import add_spec_arguments, has_spec, spec_from_args
+from .spec import add_spec_arguments, bytes_fields, bytes_line, describe_groups, has_spec, spec_from_args
 from .table import json_text, print_table
-from .types import capacity, capacity_type, positive_float, positive_int
+from .types import capacity, capacity_type, parse_bytes, positive_float, positive_int
 
 SWEEPABLE = ("device-tokens", "host-tokens", "storage-tokens")
+TIERS = ("device", "host", "storage")
+#: Token capacities when neither ``--TIER-tokens`` nor ``--TIER-bytes`` is given.
+DEFAULT_TOKENS = {"device": 1_000_000, "host": 4_000_000, "storage": 0}
 # NOTE: the meta-device pools hold no KV, but their free lists and ownership flags are real:
 # an int64 page id plus flags per block (about 9 bytes measured), with room for transient copies.
 _BYTES_PER_BLOCK = 16
@@ -27,10 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=positive_int, default=512,
                    help="tokens per hash_ids block (default 512); each trace line must carry "
                         "ceil(input_length / block_tokens) hash_ids")
-    p.add_argument("--device-tokens", type=capacity_type(), default=1_000_000, help="N (default 1e6)")
-    p.add_argument("--host-tokens", type=capacity_type(), default=4_000_000, help="N (default 4e6)")
-    p.add_argument("--storage-tokens", type=capacity_type(unlimited=True), default=0,
+    p.add_argument("--device-tokens", type=capacity_type(), help="N (default 1e6)")
+    p.add_argument("--host-tokens", type=capacity_type(), help="N (default 4e6)")
+    p.add_argument("--storage-tokens", type=capacity_type(unlimited=True),
                    help="N, or inf; 0 for no storage (default)")
+    p.add_argument("--device-bytes", metavar="SIZE",
+                   help="the device tier in bytes instead of tokens: N, or with a unit KiB, MiB, GiB, TiB "
+                        "(1024-based) or KB, MB, GB, TB (1000-based), e.g. 80GiB; it holds the whole tokens of "
+                        "--spec that fit (rounded down)")
+    p.add_argument("--host-bytes", metavar="SIZE", help="the host tier in bytes, as --device-bytes")
+    p.add_argument("--storage-bytes", metavar="SIZE", help="the storage tier in bytes, as --device-bytes, or inf")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--sweep", default=None, help="e.g. host-tokens=1e6,4e6,16e6")
@@ -84,7 +96,8 @@ def command(args: argparse.Namespace) -> int:
         results.append((c, result))
     if args.json:
         print(json_text([{"device_tokens": _count(c.device_tokens), "host_tokens": _count(c.host_tokens),
-                          "storage_tokens": _count(c.storage_tokens), **r.as_dict()} for c, r in results]))
+                          "storage_tokens": _count(c.storage_tokens), **bytes_fields(c.spec), **r.as_dict()}
+                         for c, r in results]))
     else:
         _print(requests, results, args.sweep)
     if args.plot:
@@ -102,17 +115,67 @@ def _jobs(text: str) -> int:
     return value
 
 
+class SimCapacities(NamedTuple):
+    """What a replay holds: the geometry it prices copies by and each tier's capacity in tokens."""
+
+    spec: KVSpec
+    device_tokens: float
+    host_tokens: float
+    storage_tokens: float  # 0: no storage; inf: unlimited
+
+
+def sim_capacities(spec: KVSpec | HybridSpec | None, args: argparse.Namespace) -> SimCapacities:
+    """Each tier's tokens from ``--TIER-tokens`` or ``--TIER-bytes`` (whole tokens of
+    ``spec.bytes_per_token``, rounded down), for ``spec`` or, when ``None``,
+    :class:`SimConfig`'s default. ``ValueError`` for both options on one tier, a bad size,
+    and a hybrid spec.
+
+    NOTE: the one place simulate meets a hybrid spec: the replay models one geometry
+    whose every token costs the same, so a hybrid spec (sliding groups keep a window per
+    resume point) is refused here until the simulator runs the hybrid cache."""
+    if spec is None:
+        spec = SimConfig(0, 0).spec
+    if isinstance(spec, HybridSpec):
+        if not spec.is_uniform:
+            raise ValueError(f"simulate does not model hybrid (sliding-window) residency yet: {describe_groups(spec)};"
+                             " give a uniform geometry (--mha, --mla, a uniform preset)")
+        spec = spec.uniform_spec
+    tokens = {}
+    for tier in TIERS:
+        given_tokens, given_bytes = getattr(args, f"{tier}_tokens"), getattr(args, f"{tier}_bytes")
+        if given_tokens is not None and given_bytes is not None:
+            raise ValueError(f"--{tier}-tokens and --{tier}-bytes both size the {tier} tier; give one")
+        if given_bytes is None:
+            tokens[tier] = DEFAULT_TOKENS[tier] if given_tokens is None else given_tokens
+            continue
+        size = parse_bytes(given_bytes, f"--{tier}-bytes", unlimited=tier == "storage")
+        tokens[tier] = size if math.isinf(size) else size // spec.bytes_per_token
+    return SimCapacities(spec, tokens["device"], tokens["host"], tokens["storage"])
+
+
+def _capacity_text(args: argparse.Namespace, tier: str, tokens: float, spec: KVSpec) -> str:
+    """How the user gave a tier's capacity, for an error: ``--host-tokens 100`` or
+    ``--host-bytes 1MiB (8 tokens of 131,072 B)``."""
+    given = getattr(args, f"{tier}_bytes")
+    if given is None:
+        return f"--{tier}-tokens {_fmt(tokens)}"
+    return f"--{tier}-bytes {given} ({_fmt(tokens)} tokens of {spec.bytes_per_token:,} B)"
+
+
 def _configs(args: argparse.Namespace) -> list[SimConfig]:
     """Every configuration to replay, checked: ``ValueError`` before anything is read or built."""
-    base = SimConfig(device_tokens=args.device_tokens, host_tokens=args.host_tokens,
-                     storage_tokens=args.storage_tokens, block_tokens=args.block_tokens, write_policy=args.policy,
-                     cost=CostModel(args.prefill_tokens_per_s, args.host_gbps, args.storage_gbps),
-                     **({"spec": spec_from_args(args)} if has_spec(args) else {}))
+    caps = sim_capacities(spec_from_args(args) if has_spec(args) else None, args)
+    base = SimConfig(device_tokens=caps.device_tokens, host_tokens=caps.host_tokens,
+                     storage_tokens=caps.storage_tokens, block_tokens=args.block_tokens, write_policy=args.policy,
+                     cost=CostModel(args.prefill_tokens_per_s, args.host_gbps, args.storage_gbps), spec=caps.spec)
     configs = [base]
     if args.sweep:
         name, sep, values = args.sweep.partition("=")
         if not sep or name not in SWEEPABLE:
             raise ValueError(f"--sweep {args.sweep!r}: expected NAME=A,B,... with NAME one of {', '.join(SWEEPABLE)}")
+        tier = name.partition("-")[0]
+        if getattr(args, f"{tier}_bytes") is not None:
+            raise ValueError(f"--sweep {name} and --{tier}-bytes both size the {tier} tier; give one")
         field = name.replace("-", "_")
         configs = []
         for text in values.split(","):
@@ -122,10 +185,13 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
                 raise ValueError(f"--sweep {name}={text}: {e}") from None
             configs.append(replace(base, **{field: value}))
     for c in configs:
-        for flag, tokens in (("--device-tokens", c.device_tokens), ("--host-tokens", c.host_tokens)):
+        for tier, tokens in (("device", c.device_tokens), ("host", c.host_tokens)):
             if tokens < c.block_tokens:
-                raise ValueError(f"{flag} {_fmt(tokens)} is less than one {c.block_tokens}-token block; the device "
-                                 "and host tiers need at least one block each")
+                raise ValueError(f"{_capacity_text(args, tier, tokens, c.spec)} is less than one {c.block_tokens}-token"
+                                 " block; the device and host tiers need at least one block each")
+        if args.storage_bytes is not None and 0 < c.storage_tokens < c.block_tokens:
+            raise ValueError(f"{_capacity_text(args, 'storage', c.storage_tokens, c.spec)} is less than one "
+                             f"{c.block_tokens}-token block; give 0 for no storage")
     return configs
 
 
@@ -226,6 +292,7 @@ def _print(requests, results, sweep) -> None:
     r0 = results[0][1]
     print(f"{r0.requests:,} requests, {r0.prompt_tokens:,} prompt tokens; hits as a share of prompt tokens; "
           f"prefill saved by the cost model (--prefill-tokens-per-s, --host-gbps, --storage-gbps)")
+    print(bytes_line(results[0][0].spec))
     print_table("kvtier simulate", columns, rows)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import Callable
 
 
@@ -87,3 +88,30 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+#: Byte units: binary (KiB = 1024) and decimal (KB = 1000); a bare number is bytes.
+BYTE_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+              "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNIT_BY_LOWER = {u.lower(): n for u, n in BYTE_UNITS.items()}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str, flag: str, *, unlimited: bool = False) -> int | float:
+    """Bytes as ``N``, ``64GiB``, ``1.5 TiB`` or ``500GB`` (a unit of :data:`BYTE_UNITS`,
+    in any case), rounded down to whole bytes; ``inf`` (a float) only where ``unlimited``.
+    ``ValueError`` starting ``FLAG 'TEXT':``."""
+    if text.strip().lower() in ("inf", "infinite", "unlimited"):
+        if unlimited:
+            return math.inf
+        raise ValueError(f"{flag} {text!r}: must be a finite size (only the storage tier may be inf)")
+    match = _BYTES.match(text)
+    if match is None:
+        raise ValueError(f"{flag} {text!r}: expected a size such as 4096, 64GiB or 500GB")
+    number, unit = match.groups()
+    scale = _UNIT_BY_LOWER.get(unit.lower())
+    if scale is None:
+        raise ValueError(f"{flag} {text!r}: unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
+    # NOTE: exact decimal arithmetic, so "1.1GB" is 1,100,000,000 bytes, not a float's one less
+    whole, _, frac = number.partition(".")
+    return (int(whole or 0) * 10 ** len(frac) + int(frac or 0)) * scale // 10 ** len(frac)
