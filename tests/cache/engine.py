@@ -50,7 +50,7 @@ def check_prefix(cache: HierarchicalCache, tokens: list[int], slots: torch.Tenso
 def serve(cache: HierarchicalCache, tokens: list[int], salt=None, check=True) -> dict:
     """One request: match, lock, load back, check the reused KV, compute the rest, insert."""
     match = cache.match_prefix(tokens, salt)
-    cache.lock(match)
+    lease = cache.lock(match)
     try:
         handle = cache.load_back(match)
         handle.wait()
@@ -70,7 +70,7 @@ def serve(cache: HierarchicalCache, tokens: list[int], salt=None, check=True) ->
             cache.free_device(slots[prefix.numel():already])
         return {"match": match, "reused": prefix.numel(), "inserted": True}
     finally:
-        cache.unlock(match)
+        cache.unlock(lease)
 
 
 def serve_acquire(cache: HierarchicalCache, tokens: list[int], salt=None) -> dict:

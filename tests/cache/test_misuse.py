@@ -45,23 +45,65 @@ def test_an_acquisition_is_released_only_by_its_own_cache():
     assert cache.evict_device(64) == 12
 
 
-def test_unlock_without_lock_raises_before_any_count_moves():
+def test_unlock_takes_the_lease_and_releases_it_exactly_once():
+    cache, other = make_cache(), make_cache()
+    serve(cache, A)
+    serve(other, A)
+    m = cache.match_prefix(A)
+    before = snapshot(cache)
+    first, second = cache.lock(m), cache.lock(m)               # one lease per lock
+    assert first is not second and not first.released
+    with pytest.raises(ValueError, match="not the MatchResult"):
+        cache.unlock(m)
+    with pytest.raises(ValueError, match="got str"):
+        cache.unlock("not a lease")
+    with pytest.raises(ValueError, match="unlock: this lease comes from another cache"):
+        other.unlock(first)
+    cache.unlock(first)
+    assert first.released and not second.released
+    with pytest.raises(ValueError, match="unlock: this lease was already released"):
+        cache.unlock(first)
+    assert cache.evict_device(64) == 0                        # the second lock still holds
+    cache.unlock(second)
+    assert snapshot(cache) == before
+    with pytest.raises(ValueError, match="another cache"):
+        make_cache().lock(m)
+
+
+def test_a_refused_unlock_changes_no_count():
+    cache, other = make_cache(), make_cache()
+    serve(cache, A)
+    lease = cache.lock(cache.match_prefix(A))
+    held = snapshot(cache)
+    for bad in (cache.match_prefix(A), other.lock(other.match_prefix(A)), None):
+        with pytest.raises(ValueError):
+            cache.unlock(bad)
+        assert snapshot(cache) == held
+    cache.unlock(lease)
+    assert cache.evict_device(64) == 12
+
+
+def test_locked_yields_the_match_and_unlocks_on_error():
     cache = make_cache()
     serve(cache, A)
     m = cache.match_prefix(A)
-    before = snapshot(cache)
-    with pytest.raises(ValueError, match="not locked"):
-        cache.unlock(m)
-    assert snapshot(cache) == before
-    cache.lock(m)
-    cache.unlock(m)
-    with pytest.raises(ValueError, match="not locked"):
-        cache.unlock(m)                                       # once per lock
-    assert snapshot(cache) == before
-    with pytest.raises(ValueError, match="MatchResult"):
-        cache.unlock("not a match")
-    with pytest.raises(ValueError, match="another cache"):
-        make_cache().lock(m)
+    with pytest.raises(KeyError):
+        with cache.locked(m) as got:
+            assert got is m
+            assert cache.evict_device(64) == 0
+            raise KeyError("the request failed")
+    assert cache.evict_device(64) == 12
+
+
+def test_an_acquired_lease_is_released_once_whichever_call_releases_it():
+    cache = make_cache()
+    serve(cache, A)
+    got = cache.acquire(A)
+    cache.unlock(got.lease)
+    assert got.released
+    with pytest.raises(ValueError, match="release: this Acquired was already released"):
+        cache.release(got)
+    assert cache.evict_device(64) == 12
 
 
 def test_insert_rejects_slots_of_another_cached_prefix():

@@ -31,7 +31,7 @@ class CacheMachine(RuleBasedStateMachine):
                                 prefetch_policy="wait_complete", storage_timeout=0.05)
         self.loads = LoadFaults(self.cache)
         self.inserted: set[tuple[int, ...]] = set()   # reference model: every cached page chain
-        self.locked = []                              # (match, {node: (device, host)} at lock time)
+        self.locked = []                              # (lease, {node: (device, host)} at lock time)
         self.closed = False
 
     def teardown(self):
@@ -70,14 +70,14 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(tokens=prompts)
     def lock(self, tokens):
         m = self.cache.match_prefix(tokens)
-        self.cache.lock(m)
-        self.locked.append((m, {id(n): (n, n.dev_pages, n.host) for n in m.path}))
+        lease = self.cache.lock(m)
+        self.locked.append((lease, {id(n): (n, n.dev_pages, n.host) for n in m.path}))
 
     @precondition(lambda self: self.locked and not self.closed)
     @rule(i=st.integers(0, 10))
     def unlock(self, i):
-        m, _ = self.locked.pop(i % len(self.locked))
-        self.cache.unlock(m)
+        lease, _ = self.locked.pop(i % len(self.locked))
+        self.cache.unlock(lease)
 
     @precondition(lambda self: not self.closed)
     @rule(tokens=prompts)
@@ -130,7 +130,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.cache.flush()
         self.cache.check_integrity(engine_device_slots=0)
-        for m, snapshot in self.locked:   # locked pages keep every copy they had
+        for _, snapshot in self.locked:   # locked pages keep every copy they had
             for node, device, host in snapshot.values():
                 assert self.cache.tree.attached(node)
                 if device is not None:

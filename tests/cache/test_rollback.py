@@ -74,14 +74,14 @@ def test_a_failed_load_surfaces_on_the_handle_and_on_requests_that_waited_for_it
 def test_a_split_during_a_load_leaks_nothing():
     cache, faults = on_host_only(gate=threading.Event())
     m = cache.match_prefix(A)
-    cache.lock(m)
+    lease = cache.lock(m)
     handle = cache.load_back(m)
     faults.started.wait(10)
     assert hits(cache.match_prefix(A[:8])) == (8, 0, 0)     # splits the node being loaded
     faults.gate.set()
     assert handle.wait(10) and handle.error is None
     check_prefix(cache, A, handle.device_indices)
-    cache.unlock(m)
+    cache.unlock(lease)
     assert settled(cache)
 
 

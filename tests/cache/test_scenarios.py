@@ -120,11 +120,11 @@ def test_locked_pages_are_never_evicted():
     serve(cache, A)
     serve(cache, B)
     m = cache.match_prefix(A)
-    cache.lock(m)
+    lease = cache.lock(m)
     assert cache.evict_device(64) == 8             # only B could go
     assert cache.evict_host(64) == 8               # B's host copy (a host-only leaf); A is locked
     assert hits(cache.match_prefix(A)) == (12, 0, 0)
-    cache.unlock(m)
+    cache.unlock(lease)
     assert cache.evict_device(64) == 12
     assert cache.evict_host(64) == 12
     assert hits(cache.match_prefix(A)) == (0, 0, 0)

@@ -104,12 +104,11 @@ class _Bench:
         self.cache.flush()  # write_through: the host copies land
 
     def _host_hit(self):
-        """Demote the prompt to the host and lock its match."""
+        """Demote the prompt to the host and lock its match: ``(match, lease)``."""
         self.cache.evict_device(len(self.prompt))
         match = self.cache.match_prefix(self.prompt)
         assert match.host_len == len(self.prompt), f"host hit {match.host_len} of {len(self.prompt)} tokens"
-        self.cache.lock(match)
-        return match
+        return match, self.cache.lock(match)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -117,7 +116,7 @@ class _Bench:
 
     def load(self, compute=None) -> float:
         """Seconds of a load of the whole prompt; with ``compute``, of the engine loop."""
-        match = self._host_hit()
+        match, lease = self._host_hit()
         try:
             self._sync()
             t = time.perf_counter()
@@ -132,7 +131,7 @@ class _Bench:
                 raise RuntimeError(f"load_back failed: {handle.error}")
             return seconds
         finally:
-            self.cache.unlock(match)
+            self.cache.unlock(lease)
 
     def compute(self, attention: _Attention) -> float:
         self._sync()

@@ -1,8 +1,9 @@
 """The hierarchical prefix cache: radix tree, page states, policies and background workers."""
 
+from ..errors import IntegrityError
 from .cache import PREFETCH_POLICIES, WRITE_POLICIES, HierarchicalCache
-from .handles import (Acquired, CacheClosedError, Committed, LoadError, LoadHandle, MatchResult,
+from .handles import (Acquired, CacheClosedError, Committed, Lease, LoadError, LoadHandle, MatchResult,
                       PrefetchHandle)
 
-__all__ = ["Acquired", "CacheClosedError", "Committed", "PREFETCH_POLICIES", "WRITE_POLICIES", "HierarchicalCache",
-           "LoadError", "LoadHandle", "MatchResult", "PrefetchHandle"]
+__all__ = ["Acquired", "CacheClosedError", "Committed", "IntegrityError", "Lease", "PREFETCH_POLICIES",
+           "WRITE_POLICIES", "HierarchicalCache", "LoadError", "LoadHandle", "MatchResult", "PrefetchHandle"]

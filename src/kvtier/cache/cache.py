@@ -10,6 +10,8 @@ public method checks its arguments before any state moves.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from typing import Sequence
 
 import torch
@@ -43,6 +45,27 @@ def _check_count(what: str, n) -> int:
     return n
 
 
+def _checks_on(check: bool | None) -> bool:
+    """``check``, or when it is ``None`` whether ``KVTIER_CHECK=1`` is set (read once, here)."""
+    if check is None:
+        return os.environ.get("KVTIER_CHECK") == "1"
+    if not isinstance(check, bool):
+        raise ValueError(f"check must be a bool or None, got {check!r}")
+    return check
+
+
+def _checked(method):
+    """Mark a public method that changes state: with checks on, the cache's invariants
+    are checked after each call that returns."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        if self._check:
+            self._check_now()
+        return out
+    return call
+
+
 class HierarchicalCache:
     """Prefix cache over a device pool (L1), a host pool (L2) and optional storage (L3).
 
@@ -56,13 +79,21 @@ class HierarchicalCache:
     A tenant ``salt`` is ``None``, ``str`` or ``bytes``, compared as bytes
     (``None`` == ``""`` == ``b""``). After :meth:`close`, every call raises
     :class:`CacheClosedError`.
+
+    Debug checks: with ``check=True``, or by default when the environment variable
+    ``KVTIER_CHECK=1`` is set at construction, every public call that changes state
+    (match_prefix, acquire/release/commit, lock/unlock, insert, allocation, eviction,
+    load_back, prefetch, flush) runs :meth:`check_integrity` before it returns and
+    raises :class:`~kvtier.errors.IntegrityError` on a broken invariant. It walks
+    the whole tree: for tests and debugging, not for serving. Work finishing on the
+    worker threads is checked by the next such call.
     """
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, storage: Storage | None = None, *,
                  write_policy: str = "write_through", prefetch_policy: str = "best_effort",
                  namespace: str | None = None, prefetch_timeout: float = 1.0, storage_timeout: float = 5.0,
                  io_backend: str = "direct", allocator: DeviceAllocator | None = None, hash: str = "sha256",
-                 synchronous: bool = False) -> None:
+                 synchronous: bool = False, check: bool | None = None) -> None:
         _check_choice("write_policy", write_policy, WRITE_POLICIES)
         _check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
         check_io_backend(io_backend)
@@ -96,7 +127,7 @@ class HierarchicalCache:
         guard = StorageGuard(storage, self._stats, storage_timeout, synchronous) if storage is not None else None
         self._mover = Mover(self._state, guard, io_backend=io_backend, synchronous=synchronous)
         self._lock = self._state.lock
-        self._match_locks: dict[int, list] = {}  # id(match) -> [match, times locked]
+        self._check = _checks_on(check)
         self._closed = False
 
     @property
@@ -105,6 +136,7 @@ class HierarchicalCache:
         return self._state.tree
 
     # -- matching ----------------------------------------------------------------------------------------
+    @_checked
     def match_prefix(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
         """The longest cached prefix of ``token_ids`` (whole pages), tier by tier.
         Counts as one request in the statistics and the pages' hit counts."""
@@ -119,6 +151,23 @@ class HierarchicalCache:
         self._stats.matched(device_len, host_len, storage_len)
         return MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt)
 
+    def peek(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
+        """The lengths :meth:`match_prefix` would return now (storage probed the same
+        way), changing nothing: no node split, no LRU stamp, no hit count, no
+        statistic, no selective backup. A storage fault during the probe is still
+        counted as an error. The result is marked ``peeked``: :meth:`lock` and
+        :meth:`load_back` refuse it (its last node may be matched only in part);
+        ``last_node`` is ``None`` when the tenant has no tree yet."""
+        tokens, salt = token_array(token_ids), canonical_salt(salt)
+        self._check_open()
+        with self._lock:
+            path, device_len, host_len, used = self._state.peek(tokens, salt)
+            parent_key = self._parent_key(path, used)
+            device = self._state.device_slots(path)[:device_len]  # a last node on the device may have more
+            last = path[-1] if path else self._state.tree.roots.get(salt)  # no new root for a new tenant
+        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
+        return MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt, peeked=True)
+
     def _ends(self, path, salt: bytes):
         """``(device slots, last node)`` of a matched path (lock held)."""
         return self._state.device_slots(path), (path[-1] if path else self._state.tree.root(salt))
@@ -132,10 +181,13 @@ class HierarchicalCache:
             if node.hits >= SELECTIVE_HITS:
                 self._state.begin_backup(node)
 
-    def _parent_key(self, path) -> str | None:
+    def _parent_key(self, path, used: int | None = None) -> str | None:
+        """The storage key of the last matched page: the last of ``path[-1]``, or with
+        ``used`` the last of its first ``used`` tokens."""
         if self.storage is None or not path:
             return None
-        return self._state.store_keys(path[-1])[-1]
+        keys = self._state.store_keys(path[-1])
+        return keys[-1] if used is None else keys[used // self.page_size - 1]
 
     def _storage_hit(self, tokens, resident: int, parent_key, salt: bytes) -> int:
         if self.storage is None:
@@ -147,39 +199,54 @@ class HierarchicalCache:
         return self._mover.guard.exists(keys) * self.page_size
 
     # -- locking -----------------------------------------------------------------------------------------------
-    def lock(self, match: MatchResult) -> None:
-        """Keep the matched pages from eviction until :meth:`unlock` (once per lock)."""
+    @_checked
+    def lock(self, match: MatchResult) -> Lease:
+        """Keep the matched pages from eviction until :meth:`unlock` of the returned
+        lease. Each call takes a lock of its own (and returns its own lease)."""
         self._check_match(match)
         with self._lock:
-            entry = self._match_locks.setdefault(id(match), [match, 0])
-            entry[1] += 1
-            self._state.lock_node(match.last_node)
+            lease = Lease(match.last_node, self._state)
+            self._state.lock_node(lease.node)
+        return lease
 
-    def unlock(self, match: MatchResult) -> None:
-        """Undo one :meth:`lock` of ``match``; ``ValueError`` (and no change) if it holds none."""
-        self._check_match(match)
+    @_checked
+    def unlock(self, lease: Lease) -> None:
+        """Release the lock :meth:`lock` returned ``lease`` for, exactly once; a lease
+        already released, one from another cache, or anything else is a
+        ``ValueError`` and changes nothing."""
+        self._check_open()
+        if isinstance(lease, MatchResult):
+            raise ValueError("unlock takes the Lease that lock(match) returned, not the MatchResult")
+        if not isinstance(lease, Lease):
+            raise ValueError(f"unlock takes the Lease that lock(match) returned, got {type(lease).__name__}")
         with self._lock:
-            entry = self._match_locks.get(id(match))
-            if entry is None or entry[0] is not match:
-                raise ValueError("unlock: this match is not locked (lock it first, and unlock once per lock)")
-            self._state.unlock_node(match.last_node)
-            entry[1] -= 1
-            if not entry[1]:
-                del self._match_locks[id(match)]
+            self._end_lease(lease, "unlock", "lease")
 
     @contextlib.contextmanager
     def locked(self, match: MatchResult):
-        """``with cache.locked(match): ...``"""
-        self.lock(match)
+        """``with cache.locked(match): ...``: locked for the block, which gets ``match``."""
+        lease = self.lock(match)
         try:
             yield match
         finally:
-            self.unlock(match)
+            self.unlock(lease)
+
+    def _end_lease(self, lease: Lease, call: str, what: str) -> None:
+        """Release ``lease`` (lock held), checked first: ``what`` names its holder."""
+        if lease.owner is not self._state:
+            raise ValueError(f"{call}: this {what} comes from another cache")
+        if lease.released:
+            raise ValueError(f"{call}: this {what} was already released (by unlock, release or commit)")
+        self._state.unlock_node(lease.node)
+        lease.released = True
 
     def _check_match(self, match) -> None:
         self._check_open()
         if not isinstance(match, MatchResult):
             raise ValueError(f"expected a MatchResult from match_prefix, got {type(match).__name__}")
+        if match.peeked:
+            raise ValueError("a peek() result cannot be locked or loaded (it may end inside a node); "
+                             "use match_prefix")
         if not self._owns(match.last_node, match.salt):
             raise ValueError("this MatchResult comes from another cache")
 
@@ -190,6 +257,7 @@ class HierarchicalCache:
         return self._state.tree.roots.get(salt) is node
 
     # -- one request's prefix, from whichever tier holds it -----------------------------------------------------
+    @_checked
     def acquire(self, token_ids: Sequence[int] | torch.Tensor, salt=None, wait: bool = True) -> Acquired:
         """Match ``token_ids``, prefetch a storage hit to the host (per ``prefetch_policy``),
         lock the prefix and load its host part to the device: the usual start of a
@@ -221,7 +289,7 @@ class HierarchicalCache:
                 path, now_device, now_host = state.match(tokens, salt)
                 self._hit(path)
                 device, last = self._ends(path, salt)
-                lease = Lease(last)
+                lease = Lease(last, state)
                 state.lock_node(last)
                 load, _ = state.begin_load(path, self.device_pool.spec.layer_num, reserved)
         finally:
@@ -234,7 +302,7 @@ class HierarchicalCache:
             if load.error is not None:  # the failed pages are host-only again: this request recomputes
                 with self._lock:
                     state.unlock_node(lease.node)
-                    lease = Lease(state.tree.root(salt))
+                    lease = Lease(state.tree.root(salt), state)
                     state.lock_node(lease.node)
                 self._stats.matched(0, 0, 0)
                 empty = LoadHandle(state.device_slots([]), self.device_pool.spec.layer_num)
@@ -246,6 +314,7 @@ class HierarchicalCache:
         self._stats.matched(device_hit, host_hit, reused - device_hit - host_hit)
         return Acquired(match, load, device_hit, host_hit, reused - device_hit - host_hit, lease)
 
+    @_checked
     def release(self, acquired: Acquired) -> None:
         """Unlock what :meth:`acquire` locked; a second release is a ``ValueError``."""
         self._check_open()
@@ -255,13 +324,9 @@ class HierarchicalCache:
             self._release(acquired)
 
     def _release(self, acquired: Acquired) -> None:
-        if not self._owns(acquired.lease.node, acquired.match.salt):
-            raise ValueError("this Acquired comes from another cache")
-        if acquired.lease.released:
-            raise ValueError("release: this Acquired was already released (or committed)")
-        self._state.unlock_node(acquired.lease.node)
-        acquired.lease.released = True
+        self._end_lease(acquired.lease, "release", "Acquired")
 
+    @_checked
     def commit(self, acquired: Acquired, token_ids: Sequence[int] | torch.Tensor, slots: torch.Tensor) -> Committed:
         """Cache what the forward computed and move the request's lock onto it.
 
@@ -292,7 +357,7 @@ class HierarchicalCache:
         pages = self._check_slots(all_slots)
         salt, state = acquired.match.salt, self._state
         with self._lock:
-            if not self._owns(acquired.lease.node, salt):
+            if acquired.lease.owner is not state:
                 raise ValueError("commit: this Acquired comes from another cache")
             if acquired.lease.released:
                 raise ValueError("commit: this Acquired was already released (or committed)")
@@ -302,7 +367,7 @@ class HierarchicalCache:
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
             path, _, _ = state.match(tokens, salt)
-            lease = Lease(path[-1] if path else state.tree.root(salt))
+            lease = Lease(path[-1] if path else state.tree.root(salt), state)
             state.lock_node(lease.node)
             self._release(acquired)
             device = state.device_slots(path)
@@ -316,6 +381,7 @@ class HierarchicalCache:
         return Committed(renewed, new, max(already - reused, 0))
 
     # -- host -> device -------------------------------------------------------------------------------------------
+    @_checked
     def load_back(self, match: MatchResult) -> LoadHandle:
         """Bring the host hit of ``match`` to the device, layer by layer, in the background.
 
@@ -330,6 +396,7 @@ class HierarchicalCache:
         return handle
 
     # -- storage -> host ------------------------------------------------------------------------------------------
+    @_checked
     def prefetch(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> PrefetchHandle:
         """Fetch the pages after the device/host hit of ``token_ids`` from storage to the
         host in the background; they become host hits as each chunk lands."""
@@ -351,6 +418,7 @@ class HierarchicalCache:
         return self.storage_timeout if self.prefetch_policy == "wait_complete" else self.prefetch_timeout
 
     # -- inserting ------------------------------------------------------------------------------------------------
+    @_checked
     def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: torch.Tensor, salt=None) -> int:
         """Record KV the engine computed: ``device_indices[i]`` holds token ``i``.
 
@@ -385,6 +453,7 @@ class HierarchicalCache:
                             allowed_devices=(self.device_pool.index_device,), unique=True)
 
     # -- allocation and eviction -----------------------------------------------------------------------------------
+    @_checked
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Device slots for new KV (whole pages), evicting unlocked cached pages (LRU)
         as needed; ``None`` if even that leaves too few."""
@@ -408,6 +477,7 @@ class HierarchicalCache:
                 return slots
             self._wait(pending)  # write-back: the pages go once their host copies land
 
+    @_checked
     def free_device(self, indices: torch.Tensor) -> None:
         """Return slots the caller owns (e.g. duplicates reported by :meth:`insert`);
         ``ValueError`` for slots a cached page holds."""
@@ -420,11 +490,13 @@ class HierarchicalCache:
                 raise ValueError(f"free_device: slot {slot} holds a cached page; only free slots you own")
             self.allocator.free(indices)
 
+    @_checked
     def evict_device(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots (least recently used first, whole
         pages) if unlocked pages allow; a page with a host copy is demoted, not lost."""
         return self._evict("device", num_tokens)
 
+    @_checked
     def evict_host(self, num_tokens: int) -> int:
         return self._evict("host", num_tokens)
 
@@ -448,6 +520,7 @@ class HierarchicalCache:
             mark.done.wait(self.storage_timeout)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
+    @_checked
     def flush(self) -> None:
         """Wait until every queued load, backup, storage write and prefetch has finished."""
         self._check_open()
@@ -469,12 +542,18 @@ class HierarchicalCache:
         return out
 
     def check_integrity(self, engine_device_slots: int | None = None) -> None:
-        """Assert the cache's invariants (see ``CacheState.check_integrity``);
-        ``engine_device_slots``: device slots the engine holds outside the cache,
-        to check that none leaked."""
+        """Raise :class:`~kvtier.errors.IntegrityError` unless the cache's invariants
+        hold (see ``CacheState.check_integrity``); ``engine_device_slots``: device
+        slots the engine holds outside the cache, to check that none leaked."""
         self._check_open()
         with self._lock:
             self._state.check_integrity(engine_device_slots)
+
+    def _check_now(self) -> None:
+        """The debug check after a call (a concurrent :meth:`close` skips it)."""
+        with self._lock:
+            if not self._closed:
+                self._state.check_integrity()
 
     def close(self) -> None:
         """Finish queued work and join every thread; later calls raise ``CacheClosedError``."""

@@ -27,6 +27,8 @@ class MatchResult:
     :meth:`HierarchicalCache.load_back` and wait on its handle before reading them.
     The next ``host_len`` tokens are on the host, the ``storage_len`` after those in
     storage. Only safe to act on while locked (:meth:`HierarchicalCache.lock`).
+    ``peeked``: from :meth:`HierarchicalCache.peek`, which changes nothing; such a
+    result cannot be locked or loaded (its last node may be matched only in part).
     """
 
     device_indices: torch.Tensor
@@ -37,6 +39,7 @@ class MatchResult:
     path: tuple = field(repr=False, default=())
     tokens: array = field(repr=False, default_factory=lambda: array("q"))
     salt: bytes = field(repr=False, default=b"")
+    peeked: bool = field(repr=False, default=False)
 
     @property
     def cached_len(self) -> int:
@@ -45,12 +48,18 @@ class MatchResult:
 
 
 class Lease:
-    """One lock on a prefix (its deepest node), released exactly once."""
+    """One lock on a prefix (its deepest node), released exactly once: what
+    :meth:`HierarchicalCache.lock` returns and :meth:`~HierarchicalCache.unlock`
+    takes (an :class:`Acquired` holds one too). ``owner``: the state of the cache
+    that took it."""
 
-    __slots__ = ("node", "released")
+    __slots__ = ("node", "owner", "released")
 
-    def __init__(self, node) -> None:
-        self.node, self.released = node, False
+    def __init__(self, node, owner) -> None:
+        self.node, self.owner, self.released = node, owner, False
+
+    def __repr__(self) -> str:
+        return f"Lease({self.node}, {'released' if self.released else 'held'})"
 
 
 class LoadHandle:

@@ -154,10 +154,10 @@ class Mover:
         ending at node ``last``) into the host pool, in the background."""
         state, ps = self.state, self.state.page_size
         with state.lock:
-            host = state.alloc("host", pages * ps) if pages else None
+            host = state.alloc_fetch(pages * ps) if pages else None
             while host is None and pages:
                 pages //= 2  # settle for a shorter prefix when the host is full of locked pages
-                host = state.alloc("host", pages * ps) if pages else None
+                host = state.alloc_fetch(pages * ps) if pages else None
             if pages:
                 state.lock_node(last)
         handle = PrefetchHandle(pages * ps, policy, timeout)
@@ -167,7 +167,7 @@ class Mover:
             self.prefetcher.submit(lambda: self._prefetch(handle, tokens, salt, last, start, host, parent_key))
         except CacheClosedError:
             with state.lock:
-                state.host_pool.free(host)
+                state.free_fetch(host)
                 state.unlock_node(last)
             raise
         return handle
@@ -197,7 +197,7 @@ class Mover:
         finally:
             with state.lock:
                 if done < host.numel():
-                    state.host_pool.free(host[done:])
+                    state.free_fetch(host[done:])
                 state.unlock_node(last)
             handle._done.set()
 

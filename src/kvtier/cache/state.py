@@ -16,6 +16,9 @@ What each state pins against eviction:
 - ``backup``: the device copy being read, until its copy lands;
 - ``storing``: the host copy, and only while the write runs (a queued write is
   dropped if its host copy is evicted first); never the device copy or ancestors.
+
+A prefetch holds host slots outside the tree while it fills them: ``fetching``
+counts them, so that :meth:`CacheState.check_integrity` tells them from a leak.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import IntegrityError
 from ..pools.indices import page_token_slots
 from ..storage.keys import extend_keys
 from .handles import LoadHandle
@@ -52,6 +56,22 @@ def _device_count(path) -> int:
     return lo
 
 
+def _tier_lens(path, matched: int, inner: int) -> tuple[int, int]:
+    """``(device_len, host_len)`` of a walked ``path`` (``matched`` tokens, ``inner`` of
+    them in its last node); cuts ``path`` before its first node with no ready copy."""
+    k = _device_count(path)
+    if k == len(path):
+        return matched, 0
+    device_len = matched - inner - sum(len(node.key) for node in path[k:-1])  # not a scan of the device part
+    host_len, last = 0, len(path) - 1
+    for i in range(k, len(path)):
+        if not path[i].host_ready:  # neither copy is ready: the match ends
+            del path[i:]
+            break
+        host_len += inner if i == last else len(path[i].key)
+    return device_len, host_len
+
+
 class CacheState:
     def __init__(self, device_pool, host_pool, allocator, *, write_policy: str, stats: CacheStats,
                  namespace: str | None, hash: str, has_storage: bool) -> None:
@@ -69,6 +89,7 @@ class CacheState:
         index_device = device_pool.index_device
         self._offsets = None if index_device.type == "cpu" else torch.arange(self.page_size, device=index_device)
         self.backups: set[InFlight] = set()  # device -> host copies in flight
+        self.fetching = 0  # host slots prefetches hold outside the tree (fetched, not yet adopted)
         self.schedule: Callable[[InFlight], None] = lambda mark: None  # the mover's; set by the cache
 
     # -- matching ---------------------------------------------------------------------------
@@ -77,16 +98,19 @@ class CacheState:
         path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
-        k = _device_count(path)
-        device_len = matched - sum(len(node.key) for node in path[k:])  # not a scan of the device part
-        host_len = 0
-        for i in range(k, len(path)):
-            node = path[i]
-            if node.host is None or node.backup is not None:  # neither copy is ready: the match ends
-                del path[i:]
-                break
-            host_len += len(node.key)
+        device_len, host_len = _tier_lens(path, matched, len(path[-1].key) if path else 0)
         return path, device_len, host_len
+
+    def peek(self, tokens: array, salt: bytes) -> tuple[list[Node], int, int, int]:
+        """``(path, device_len, host_len, used)``: what :meth:`match` would find, with
+        no split and no LRU stamp. The last node of ``path`` may be matched only in
+        part: ``used`` of its tokens."""
+        path, matched, inner = self.tree.walk(tokens, salt)
+        walked = len(path)
+        device_len, host_len = _tier_lens(path, matched, inner)
+        if len(path) < walked:  # cut: it ends with a whole node (or is empty)
+            inner = len(path[-1].key) if path else 0
+        return path, device_len, host_len, inner
 
     def device_slots(self, path) -> torch.Tensor:
         """The device slots of ``path`` (its device nodes come first), in a new tensor."""
@@ -384,10 +408,22 @@ class CacheState:
         return todo[0].store_keys if todo else node.store_keys
 
     # -- storage -> host -------------------------------------------------------------------------------------
+    def alloc_fetch(self, n: int) -> torch.Tensor | None:
+        """``n`` host slots for a prefetch to fill; they count in ``fetching`` until
+        :meth:`adopt_host` takes them or :meth:`free_fetch` returns them."""
+        host = self.alloc("host", n)
+        if host is not None:
+            self.fetching += n
+        return host
+
+    def free_fetch(self, host_slots: torch.Tensor) -> None:
+        self.host_pool.free(host_slots)
+        self.fetching -= host_slots.numel()
+
     def adopt_host(self, tokens: array, host_slots: torch.Tensor, start: int, salt: bytes, keys: list[str]) -> bool:
         """Insert ``tokens[start:]`` as host-resident pages in ``host_slots`` (fetched
-        from storage). False, taking nothing, when the pages before ``start`` left
-        the tree meanwhile."""
+        from storage, from :meth:`alloc_fetch`). False, taking nothing, when the pages
+        before ``start`` left the tree meanwhile."""
         path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
@@ -401,6 +437,7 @@ class CacheState:
             node.stored = True
             node.store_keys = keys[(matched - start) // self.page_size:]
             self._added(node)
+        self.fetching -= host_slots.numel()  # adopted, or freed above
         return True
 
     # -- inserting ------------------------------------------------------------------------------------------
@@ -464,34 +501,54 @@ class CacheState:
         (what :meth:`device_slots` relies on)."""
         up, at = node.parent, node.dev_at
         while not up.is_root and up.dev_base is node.dev_base:
-            assert up.dev_at + len(up.key) // self.page_size == at, f"{up}: not adjacent to the next piece of its base"
+            if up.dev_at + len(up.key) // self.page_size != at:
+                raise IntegrityError(f"{up}: not adjacent to the next piece of its base")
             at, up = up.dev_at, up.parent
         while not up.is_root:
-            assert up.dev_base is not node.dev_base, f"{node}: its base reappears above a gap"
+            if up.dev_base is node.dev_base:
+                raise IntegrityError(f"{node}: its base reappears above a gap")
             up = up.parent
 
+    def _check_node(self, node: Node) -> None:
+        """One node's own invariants: whole pages, device pages a prefix-closed run of
+        their base, indexed for LRU if evictable."""
+        pages = len(node.key) // self.page_size
+        if len(node.key) % self.page_size or not pages:
+            raise IntegrityError(f"{node}: its key is not a positive number of whole pages")
+        if node.dev_pages is not None:
+            if not (node.parent.is_root or node.parent.dev_pages is not None):
+                raise IntegrityError(f"{node}: device not prefix-closed")
+            if node.dev_pages.dtype != np.int64 or node.dev_pages.shape != (pages,):
+                raise IntegrityError(f"{node}: device pages {node.dev_pages.dtype} {node.dev_pages.shape}, "
+                                     f"not int64 ({pages},)")
+            if not np.array_equal(node.dev_base[node.dev_at:node.dev_at + pages], node.dev_pages):
+                raise IntegrityError(f"{node}: device pages are not its base's run")
+            self._check_base_run(node)
+        for tier, ok in (("device", self._device_evictable), ("host", self._host_evictable)):
+            if ok(node) and not self.lru.contains(tier, node):
+                raise IntegrityError(f"{node}: evictable but not in the {tier} LRU")
+
     def check_integrity(self, engine_device_slots: int | None = None) -> None:
-        """Assert the structural invariants (tests call it after every step):
+        """Raise :class:`~kvtier.errors.IntegrityError` unless the structural invariants
+        hold (tests call it after every step; ``KVTIER_CHECK=1`` after every call):
         slots owned once, ownership map exact, device copies prefix-closed, no slot
         leaked, every evictable node indexed for LRU."""
         dev_pages, host_slots = [], []
         for node in self.tree.nodes():
-            assert len(node.key) % self.page_size == 0 and len(node.key), node
+            self._check_node(node)
             if node.dev_pages is not None:
-                assert node.parent.is_root or node.parent.dev_pages is not None, f"{node}: device not prefix-closed"
-                assert node.dev_pages.dtype == np.int64 and node.dev_pages.shape == (len(node.key) // self.page_size,)
                 dev_pages += node.dev_pages.tolist()
-                view = node.dev_base[node.dev_at:node.dev_at + len(node.key) // self.page_size]
-                assert np.array_equal(view, node.dev_pages), f"{node}: device pages are not its base's run"
-                self._check_base_run(node)
             if node.host is not None:
                 host_slots += node.host.tolist()
-            for tier, ok in (("device", self._device_evictable), ("host", self._host_evictable)):
-                assert not ok(node) or self.lru.contains(tier, node), f"{node}: evictable but not in the {tier} LRU"
-        assert len(dev_pages) == len(set(dev_pages)), "a device page is held by two nodes"
-        assert len(host_slots) == len(set(host_slots)), "a host slot is held by two nodes"
-        assert sorted(np.flatnonzero(self._owned).tolist()) == sorted(dev_pages), "ownership map is stale"
-        assert self.host_pool.available_size() + len(host_slots) == self.host_pool.size, "host slots leaked"
+        if len(dev_pages) != len(set(dev_pages)):
+            raise IntegrityError("a device page is held by two nodes")
+        if len(host_slots) != len(set(host_slots)):
+            raise IntegrityError("a host slot is held by two nodes")
+        if sorted(np.flatnonzero(self._owned).tolist()) != sorted(dev_pages):
+            raise IntegrityError("ownership map is stale")
+        if self.host_pool.available_size() + len(host_slots) + self.fetching != self.host_pool.size:
+            raise IntegrityError("host slots leaked")
         if engine_device_slots is not None:
             held = len(dev_pages) * self.page_size + engine_device_slots
-            assert self.allocator.available_size() + held == self.device_pool.size, "device slots leaked"
+            if self.allocator.available_size() + held != self.device_pool.size:
+                raise IntegrityError("device slots leaked")

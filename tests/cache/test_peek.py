@@ -1,0 +1,130 @@
+"""``peek``: match_prefix's lengths without touching anything (no split, no LRU stamp,
+no hit count, no statistic, no backup)."""
+
+import pytest
+import torch
+
+import kvtier.storage
+from engine import make_cache, serve
+from kvtier import CacheClosedError
+
+A = list(range(100, 112))            # 3 pages
+B = list(range(200, 208))            # 2 pages
+C = list(range(300, 308))            # 2 pages
+
+
+def hits(m):
+    return (m.device_len, m.host_len, m.storage_len)
+
+
+def snapshot(cache):
+    """Everything a match may change: the cache's counters, the tree's nodes (LRU
+    stamps and hit counts included) and its tenants."""
+    cache.flush()
+    stats = {k: v for k, v in cache.stats().items() if k != "storage"}  # the backend counts the probe itself
+    nodes = sorted((n.serial, tuple(n.key), n.last_access, n.hits, n.lock_ref, n.dev_pages is not None,
+                    n.host_ready, n.stored) for n in cache.tree.nodes())
+    return stats, nodes, sorted(cache.tree.roots)
+
+
+def peek_then_match(cache, tokens, salt=None):
+    """Peek (checking it changed nothing), then match: both results."""
+    before = snapshot(cache)
+    peeked = cache.peek(tokens, salt)
+    assert snapshot(cache) == before
+    matched = cache.match_prefix(tokens, salt)
+    assert peeked.peeked and not matched.peeked
+    assert torch.equal(peeked.device_indices, matched.device_indices)
+    return hits(peeked), hits(matched)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = kvtier.storage.open(f"file://{tmp_path}")
+    yield s
+    s.close()
+
+
+def test_peek_of_an_empty_cache_is_a_miss_and_makes_no_tenant():
+    cache = make_cache()
+    before = snapshot(cache)
+    m = cache.peek(A, salt="tenant")
+    assert hits(m) == (0, 0, 0) and m.device_indices.numel() == 0 and m.last_node is None
+    assert snapshot(cache) == before
+
+
+def test_peek_inside_a_device_node_does_not_split_it():
+    cache = make_cache()
+    serve(cache, A)                                       # one node of 3 pages
+    assert len(list(cache.tree.nodes())) == 1
+    m = cache.peek(A[:8] + [1, 2, 3, 4])
+    assert hits(m) == (8, 0, 0) and m.device_indices.numel() == 8
+    assert m.last_node.key.tolist() == A                   # the walked node, whole
+    assert len(list(cache.tree.nodes())) == 1
+    assert peek_then_match(cache, A[:8] + [1, 2, 3, 4]) == ((8, 0, 0), (8, 0, 0))
+    assert len(list(cache.tree.nodes())) == 2              # match_prefix split it
+
+
+def test_peek_agrees_with_match_prefix_across_tiers():
+    cache = make_cache()
+    serve(cache, A[:4])
+    serve(cache, A)                                        # nodes of 1 and 2 pages
+    serve(cache, B)
+    cache.flush()                                          # write_through: every page has its host copy
+    cache.evict_device(8)                                  # A's 2-page leaf (least recent) goes to the host
+    assert peek_then_match(cache, A) == ((4, 8, 0), (4, 8, 0))
+    assert peek_then_match(cache, A[:8]) == ((4, 4, 0), (4, 4, 0))      # ends inside a host-only node
+    assert peek_then_match(cache, B + A) == ((8, 0, 0), (8, 0, 0))
+    assert peek_then_match(cache, C) == ((0, 0, 0), (0, 0, 0))
+    assert peek_then_match(cache, A, salt="other") == ((0, 0, 0), (0, 0, 0))
+    cache.evict_device(64)
+    assert peek_then_match(cache, B) == ((0, 8, 0), (0, 8, 0))
+    assert peek_then_match(cache, A + [9]) == ((0, 12, 0), (0, 12, 0))
+    assert cache.evict_host(8) == 8                        # B, now the least recent host leaf
+    assert peek_then_match(cache, B) == ((0, 0, 0), (0, 0, 0))
+    assert peek_then_match(cache, A) == ((0, 12, 0), (0, 12, 0))
+
+
+def test_peek_probes_storage_after_a_match_that_ends_inside_a_node(store):
+    first = make_cache(storage=store)
+    serve(first, A[:8] + C)
+    first.flush()
+    second = make_cache(storage=store)
+    serve(second, A)                                       # one node of 3 pages; the prompt leaves it after 2
+    assert peek_then_match(second, A[:8] + C) == ((8, 0, 8), (8, 0, 8))
+    assert peek_then_match(second, A + C) == ((12, 0, 0), (12, 0, 0))
+    fresh = make_cache(storage=store)
+    assert peek_then_match(fresh, A[:8] + C + [5]) == ((0, 0, 16), (0, 0, 16))
+    for cache in (first, second, fresh):
+        cache.close()
+
+
+def test_peek_counts_no_hit_for_selective_backups():
+    cache = make_cache(write_policy="write_through_selective")
+    serve(cache, A)
+    for _ in range(3):
+        cache.peek(A)
+    cache.flush()
+    assert [n.hits for n in cache.tree.nodes()] == [0] and cache.stats()["host_tokens"] == 0
+    cache.match_prefix(A)
+    cache.match_prefix(A)                                  # the second hit backs it up
+    cache.flush()
+    assert [n.hits for n in cache.tree.nodes()] == [2] and cache.stats()["host_tokens"] == 12
+
+
+def test_a_peek_result_cannot_be_locked_or_loaded():
+    cache = make_cache()
+    serve(cache, A)
+    m = cache.peek(A[:8])
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="use match_prefix"):
+        cache.lock(m)
+    with pytest.raises(ValueError, match="use match_prefix"):
+        with cache.locked(m):
+            pass
+    with pytest.raises(ValueError, match="use match_prefix"):
+        cache.load_back(m)
+    assert snapshot(cache) == before
+    cache.close()
+    with pytest.raises(CacheClosedError):
+        cache.peek(A)
