@@ -12,6 +12,7 @@ import kvtier
 import kvtier.storage
 from engine import make_cache, serve
 from kvtier.cache import IntegrityError
+from kvtier.cache.residency import DeviceCopy, HostCopy
 from kvtier.cache.state import CacheState
 
 A = list(range(100, 112))            # 3 pages
@@ -32,16 +33,16 @@ def node_of(cache, first_token):
 
 def share_a_device_page(cache):
     a, b = node_of(cache, A[0]), node_of(cache, B[0])
-    b.dev_pages = b.dev_base = a.dev_pages[:2].copy()
+    b.device = DeviceCopy(a.device.pages[:2].copy())
 
 
 def share_a_host_slot(cache):
-    node_of(cache, B[0]).host = node_of(cache, A[0]).host[:8]
+    node_of(cache, B[0]).host = HostCopy(node_of(cache, A[0]).host.slots[:8])
 
 
 def drop_a_parent_device_copy(cache):
     serve(cache, A + B)                                   # a child below A's node
-    node_of(cache, A[0]).dev_pages = None
+    node_of(cache, A[0]).device = None
 
 
 def leak_a_host_slot(cache):

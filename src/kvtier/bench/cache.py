@@ -198,15 +198,18 @@ def tree_bytes(cache: HierarchicalCache) -> int:
     total, storages, buffers = 0, set(), {}
     for node in state.tree.nodes():
         total += sys.getsizeof(node) + sys.getsizeof(node.children) + sys.getsizeof(node.key)
-        if node.dev_pages is not None:  # a numpy view of its base: the base's buffer counted once
-            total += sys.getsizeof(node.dev_pages)
-            owner = node.dev_pages if node.dev_pages.base is None else node.dev_pages.base
+        if node.device is not None:  # a numpy view of its base: the base's buffer counted once
+            pages = node.device.pages
+            total += sys.getsizeof(node.device) + sys.getsizeof(pages)
+            owner = pages if pages.base is None else pages.base
             if id(owner) not in buffers:
                 buffers[id(owner)] = owner
                 total += owner.nbytes
+        if node.storage is not None:
+            total += sys.getsizeof(node.storage)
         if node.host is not None:
-            total += sys.getsizeof(node.host)
-            storage = node.host.untyped_storage()
+            total += sys.getsizeof(node.host) + sys.getsizeof(node.host.slots)
+            storage = node.host.slots.untyped_storage()
             if storage.data_ptr() not in storages:
                 storages.add(storage.data_ptr())
                 total += storage.nbytes()

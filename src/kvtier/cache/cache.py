@@ -530,7 +530,7 @@ class HierarchicalCache:
         self._check_open()
         with self._lock:
             nodes = list(self._state.tree.nodes())
-            tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.dev_pages is not None),
+            tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.device is not None),
                      "host_tokens": sum(len(n.key) for n in nodes if n.host_ready)}
         queues = {w.name: w.depth() for w in self._mover.workers}
         out = {**self._stats.snapshot(), **tiers, "queue_depths": queues}

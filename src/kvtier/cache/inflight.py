@@ -10,6 +10,8 @@ import threading
 
 import torch
 
+from .residency import mark_of, set_mark
+
 KINDS = ("load", "backup", "store")
 
 
@@ -35,14 +37,11 @@ class InFlight:
 
     def holders(self) -> list:
         """The nodes still carrying this mark."""
-        return [n for n in self.nodes if getattr(n, _ATTR[self.kind]) is self]
+        return [n for n in self.nodes if mark_of(n, self.kind) is self]
 
     def clear(self) -> list:
         """Take the mark off every node that carries it; returns those nodes."""
         held = self.holders()
         for node in held:
-            setattr(node, _ATTR[self.kind], None)
+            set_mark(node, self.kind, None)
         return held
-
-
-_ATTR = {"load": "loading", "backup": "backup", "store": "storing"}

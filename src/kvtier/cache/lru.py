@@ -38,7 +38,7 @@ class LruIndex:
         # no copy in its tier: such entries would never surface there (a tier with no
         # evictions never pops), and would keep evicted nodes and their keys alive.
         entry = (node.last_access, node.serial, next(self._seq), node)
-        if node.dev_pages is not None:
+        if node.device is not None:
             _heappush(self._device, entry)
         if node.host is not None:
             _heappush(self._host, entry)
@@ -61,7 +61,7 @@ class LruIndex:
     def rebuild(self, nodes: Iterable) -> None:
         """Drop every entry and index ``nodes`` afresh (compaction)."""
         entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes]
-        self._device = [e for e in entries if e[-1].dev_pages is not None]
+        self._device = [e for e in entries if e[-1].device is not None]
         self._host = [e for e in entries if e[-1].host is not None]
         for heap in (self._device, self._host):
             heapq.heapify(heap)

@@ -20,7 +20,8 @@ from array import array
 from typing import Iterator
 
 import numpy as np
-import torch
+
+from .residency import DeviceCopy, HostCopy, StorageCopy
 
 _tick = itertools.count(1)
 _serial = itertools.count(1)
@@ -32,18 +33,19 @@ def now() -> int:
 
 
 class Node:
-    """One run of cached pages. Per tier (see ``kvtier.cache.state`` for the rules):
+    """One run of cached pages. Per tier a copy (``kvtier.cache.residency``) or
+    ``None``; see ``kvtier.cache.state`` for the rules:
 
-    - ``dev_pages``: the device copy's page numbers, ``(len(key) // page_size,)`` int64
-      numpy, or ``None``; ``host``: ``(len(key),)`` host slots, or ``None``;
-      ``stored``: written to L3;
-    - ``loading``: host -> device copy in flight (the device slots are being filled);
-    - ``backup``: device -> host copy in flight (the host slots are being filled);
-    - ``storing``: host -> storage write queued or running.
+    - ``device``: a :class:`DeviceCopy` (page numbers; ``loading`` while a host ->
+      device copy fills them);
+    - ``host``: a :class:`HostCopy` (``(len(key),)`` token slots; ``backup`` while a
+      device -> host copy fills them);
+    - ``storage``: a :class:`StorageCopy` (``stored`` in L3; ``writing`` while a write
+      is queued or running).
     """
 
-    __slots__ = ("key", "children", "parent", "edge", "collisions", "dev_pages", "dev_base", "dev_at", "host", "stored",
-                 "store_keys", "lock_ref", "last_access", "hits", "loading", "backup", "storing", "serial")
+    __slots__ = ("key", "children", "parent", "edge", "collisions", "device", "host", "storage", "store_keys",
+                 "lock_ref", "last_access", "hits", "serial")
 
     def __init__(self, key: array, parent: "Node | None") -> None:
         self.key = key
@@ -55,35 +57,54 @@ class Node:
         self.collisions = 0
         self.parent = parent
         self.edge: int | bytes = key[0] if key else 0  # this node's key in ``parent.children``
-        # NOTE: page numbers, not token slots: 1/page_size of the memory, and the slots
-        # are a cheap expansion when a match hands them out. ``dev_pages`` is
-        # ``dev_base[dev_at:dev_at + len(key) // page_size]``: the pieces of a split stay
-        # views of one array, so a path's device pages are gathered a run at a time
-        self.dev_pages: np.ndarray | None = None
-        self.dev_base: np.ndarray | None = None
-        self.dev_at = 0
-        self.host: torch.Tensor | None = None
-        self.stored = False
+        # NOTE: page numbers on the device, not token slots: 1/page_size of the memory,
+        # and the slots are a cheap expansion when a match hands them out
+        self.device: DeviceCopy | None = None
+        self.host: HostCopy | None = None
+        self.storage: StorageCopy | None = None
         self.store_keys: list[str] | None = None  # per page, chained storage keys (lazy)
         self.lock_ref = 0
         self.last_access = now()
         self.hits = 0
-        self.loading = self.backup = self.storing = None  # InFlight marks
         self.serial = next(_serial)  # creation order: breaks LRU ties the same way in every replay
 
     def __repr__(self) -> str:
-        tiers = "".join(t for t, on in (("D", self.dev_pages is not None), ("H", self.host_ready),
+        tiers = "".join(t for t, on in (("D", self.device is not None), ("H", self.host_ready),
                                         ("S", self.stored)) if on)
         return f"Node({len(self.key)} tokens, {tiers or '-'}, lock={self.lock_ref})"
 
     @property
+    def dev_pages(self) -> np.ndarray | None:
+        """The device copy's page numbers, ``(len(key) // page_size,)`` int64, or ``None``."""
+        return None if self.device is None else self.device.pages
+
+    @property
     def host_ready(self) -> bool:
         """Whether the host copy exists and is filled (not still being backed up)."""
-        return self.host is not None and self.backup is None
+        return self.host is not None and self.host.backup is None
+
+    @property
+    def stored(self) -> bool:
+        return self.storage is not None and self.storage.stored
+
+    @property
+    def loading(self):
+        """The host -> device copy filling the device copy, or ``None``."""
+        return None if self.device is None else self.device.loading
+
+    @property
+    def backup(self):
+        """The device -> host copy filling the host copy, or ``None``."""
+        return None if self.host is None else self.host.backup
+
+    @property
+    def storing(self):
+        """The storage write of the host copy, queued or running, or ``None``."""
+        return None if self.storage is None else self.storage.writing
 
     @property
     def resident(self) -> bool:
-        return self.dev_pages is not None or self.host_ready
+        return self.device is not None or self.host_ready
 
     @property
     def is_root(self) -> bool:
@@ -202,25 +223,20 @@ class RadixTree:
         assert 0 < n < len(node.key) and n % self.page_size == 0, (n, len(node.key))
         top = Node(node.key[:n], node.parent)
         pages = n // self.page_size
-        top.dev_pages = None if node.dev_pages is None else node.dev_pages[:pages]
-        top.dev_base, top.dev_at = node.dev_base, node.dev_at
-        top.host = None if node.host is None else node.host[:n]
-        top.stored = node.stored
+        for tier, cut in (("device", pages), ("host", n), ("storage", n)):
+            copy = getattr(node, tier)
+            if copy is not None:
+                setattr(top, tier, copy.split(cut))
+        for mark in (top.loading, top.backup, top.storing):
+            if mark is not None:
+                mark.nodes.append(top)
         if node.store_keys is not None:
             top.store_keys = node.store_keys[:pages]
             node.store_keys = node.store_keys[pages:]
         top.lock_ref, top.last_access, top.hits = node.lock_ref, node.last_access, node.hits
-        for attr in ("loading", "backup", "storing"):
-            mark = getattr(node, attr)
-            if mark is not None:
-                setattr(top, attr, mark)
-                mark.nodes.append(top)
         top.edge = node.edge
         node.parent.children[node.edge] = top  # same first page: ``top`` takes ``node``'s place
         node.key = node.key[n:]
-        node.dev_pages = None if node.dev_pages is None else node.dev_pages[pages:]
-        node.dev_at += pages
-        node.host = None if node.host is None else node.host[n:]
         node.parent = top
         node.edge = node.key[0]
         top.children[node.edge] = node

@@ -37,6 +37,7 @@ from .handles import LoadHandle
 from .inflight import InFlight
 from .lru import LruIndex
 from .radix import Node, RadixTree
+from .residency import DeviceCopy, HostCopy, StorageCopy
 from .stats import CacheStats
 
 
@@ -49,7 +50,7 @@ def _device_count(path) -> int:
     lo, hi = 0, len(path)
     while lo < hi:
         mid = (lo + hi) // 2
-        if path[mid].dev_pages is None:
+        if path[mid].device is None:
             hi = mid
         else:
             lo = mid + 1
@@ -117,18 +118,19 @@ class CacheState:
         k = _device_count(path)
         if not k:
             return self.slots_of(_NO_PAGES)
-        first, last, ps = path[0], path[k - 1], self.page_size
-        if first.dev_base is last.dev_base:
+        first, last = path[0].device, path[k - 1].device
+        if first.base is last.base:
             # NOTE: the nodes of a path that share a base are one run of it, in order
             # (only a split shares a base, and its pieces stay parent and child; a piece
             # leaves the device only after the pieces below it): one slice, no loop
-            return self.slots_of(first.dev_base[first.dev_at:last.dev_at + len(last.key) // ps])
-        runs, base, start, end = [], first.dev_base, first.dev_at, first.dev_at
+            return self.slots_of(first.base[first.at:last.at + len(last.pages)])
+        runs, base, start, end = [], first.base, first.at, first.at
         for n in path[:k]:  # pieces of one split node are adjacent views: one slice per run
-            if n.dev_base is not base or n.dev_at != end:
+            d = n.device
+            if d.base is not base or d.at != end:
                 runs.append(base[start:end])
-                base, start, end = n.dev_base, n.dev_at, n.dev_at
-            end += len(n.key) // ps
+                base, start, end = d.base, d.at, d.at
+            end += len(d.pages)
         runs.append(base[start:end])
         return self.slots_of(np.concatenate(runs))
 
@@ -160,21 +162,22 @@ class CacheState:
 
     def _set_device(self, node: Node, pages: np.ndarray) -> None:
         """Give ``node`` the device pages ``pages`` (an array the node may keep)."""
-        node.dev_pages = node.dev_base = pages
-        node.dev_at = 0
+        node.device = DeviceCopy(pages)
         self._owned[pages] = True
 
     def _drop_device(self, node: Node) -> None:
-        self._owned[node.dev_pages] = False
-        self.allocator.free(self.slots_of(node.dev_pages))
-        node.dev_pages = node.dev_base = None
+        self._owned[node.device.pages] = False
+        self.allocator.free(self.slots_of(node.device.pages))
+        node.device = None
         if not node.parent.is_root:
             self.lru.push(node.parent)  # it may now be a device leaf
 
     def _drop_host(self, node: Node) -> None:
         if node.storing is not None:  # a queued write of this copy is dropped with it
-            node.storing = None
-        self.host_pool.free(node.host)
+            node.storage.writing = None
+            if not node.storage.stored:
+                node.storage = None
+        self.host_pool.free(node.host.slots)
         node.host = None
 
     def _settle(self, node: Node) -> None:
@@ -241,9 +244,9 @@ class CacheState:
 
     @staticmethod
     def _device_evictable(node: Node) -> bool:
-        if node.dev_pages is None or node.lock_ref or node.loading is not None or node.backup is not None:
+        if node.device is None or node.lock_ref or node.device.loading is not None or node.backup is not None:
             return False
-        return not node.children or all(c.dev_pages is None for c in node.children.values())  # children leave first
+        return not node.children or all(c.device is None for c in node.children.values())  # children leave first
 
     @staticmethod
     def _host_evictable(node: Node) -> bool:
@@ -251,7 +254,7 @@ class CacheState:
             return False
         if node.storing is not None and node.storing.started:
             return False
-        return node.dev_pages is not None or not node.children  # a host-only node goes with its leaf
+        return node.device is not None or not node.children  # a host-only node goes with its leaf
 
     # -- host -> device -----------------------------------------------------------------------------------
     def begin_load(self, path: list[Node], layer_num: int, reserved: torch.Tensor | None = None):
@@ -269,7 +272,7 @@ class CacheState:
         self.tree.lock(pin)  # our own path is not evicted to make room for it
         depends, nodes, pages = {}, [], []
         for node in path:
-            if node.dev_pages is None:
+            if node.device is None:
                 if not node.host_ready:
                     break
                 n = len(node.key)
@@ -281,9 +284,9 @@ class CacheState:
                     break
                 self._set_device(node, self._pages(got))
                 nodes.append(node)
-            elif node.loading is not None:
-                depends[id(node.loading)] = node.loading.handle
-            pages.append(node.dev_pages)
+            elif node.device.loading is not None:
+                depends[id(node.device.loading)] = node.device.loading.handle
+            pages.append(node.device.pages)
         if reserved is not None and reserved.numel():
             self.allocator.free(reserved)
         handle = LoadHandle(self.slots_of(np.concatenate(pages) if pages else _NO_PAGES), layer_num,
@@ -292,11 +295,11 @@ class CacheState:
             self.unlock_node(pin)
             handle._finish()
             return handle, None
-        mark = InFlight("load", nodes, device=self.slots_of(np.concatenate([n.dev_pages for n in nodes])),
-                        host=torch.cat([n.host for n in nodes]))
+        mark = InFlight("load", nodes, device=self.slots_of(np.concatenate([n.device.pages for n in nodes])),
+                        host=torch.cat([n.host.slots for n in nodes]))
         mark.handle, mark.pin = handle, pin
         for node in nodes:
-            node.loading = mark
+            node.device.loading = mark
         self.schedule(mark)
         return handle, mark
 
@@ -318,13 +321,13 @@ class CacheState:
 
     def _drop_device_subtree(self, node: Node) -> None:
         for child in list(node.children.values()):
-            if child.dev_pages is not None:
+            if child.device is not None:
                 self._drop_device_subtree(child)
-        if node.dev_pages is None:
+        if node.device is None:
             return
-        if node.loading is not None:
-            node.loading.cancelled = True
-            node.loading = None
+        if node.device.loading is not None:
+            node.device.loading.cancelled = True
+            node.device.loading = None
         if node.backup is not None:  # a copy of KV computed on a failed prefix: discard it
             node.backup.cancelled = True
         self._drop_device(node)
@@ -337,15 +340,15 @@ class CacheState:
         if node.host_ready:
             self.queue_store(node)
             return True
-        if node.dev_pages is None or node.loading is not None or node.backup is not None:
+        if node.device is None or node.device.loading is not None or node.backup is not None:
             return node.backup is not None
         host = self.alloc("host", len(node.key))
         if host is None:
             return False
-        node.host = host
-        node.backup = InFlight("backup", [node], device=self.slots_of(node.dev_pages), host=host)
-        self.backups.add(node.backup)
-        self.schedule(node.backup)
+        node.host = HostCopy(host)
+        mark = node.host.backup = InFlight("backup", [node], device=self.slots_of(node.device.pages), host=host)
+        self.backups.add(mark)
+        self.schedule(mark)
         return True
 
     def finish_backup(self, mark: InFlight, ok: bool) -> None:
@@ -368,8 +371,10 @@ class CacheState:
     def queue_store(self, node: Node) -> None:
         if not self.has_storage or node.stored or node.storing is not None or not node.host_ready:
             return
-        node.storing = InFlight("store", [node])
-        self.schedule(node.storing)
+        if node.storage is None:
+            node.storage = StorageCopy()
+        mark = node.storage.writing = InFlight("store", [node])
+        self.schedule(mark)
 
     def start_store(self, mark: InFlight) -> tuple[list[str], torch.Tensor] | None:
         """The keys and host slots to write, pinning them; ``None`` if every node of
@@ -379,7 +384,7 @@ class CacheState:
             return None
         mark.started = True
         keys = [k for node in holders for k in self.store_keys(node)]
-        return keys, torch.cat([node.host for node in holders])
+        return keys, torch.cat([node.host.slots for node in holders])
 
     def finish_store(self, mark: InFlight, ok: bool) -> None:
         holders = mark.clear()
@@ -388,7 +393,10 @@ class CacheState:
         elif holders:
             self.stats.error("store")
         for node in holders:
-            node.stored = node.stored or ok
+            if ok:
+                node.storage.stored = True
+            elif not node.storage.stored:
+                node.storage = None
             self.lru.push(node)
 
     def store_keys(self, node: Node) -> list[str]:
@@ -433,8 +441,8 @@ class CacheState:
             self.host_pool.free(host_slots[:matched - start])
         if matched < len(tokens):
             node = self.tree.add_child(path[-1] if path else self.tree.root(salt), tokens[matched:])
-            node.host = host_slots[matched - start:]
-            node.stored = True
+            node.host = HostCopy(host_slots[matched - start:])
+            node.storage = StorageCopy(stored=True)
             node.store_keys = keys[(matched - start) // self.page_size:]
             self._added(node)
         self.fetching -= host_slots.numel()  # adopted, or freed above
@@ -449,10 +457,10 @@ class CacheState:
         walked = path, _, inner = self.tree.walk(tokens, salt)
         ps, held, theirs = self.page_size, 0, []
         for i, node in enumerate(path):  # the prompt's pages the path holds on the device
-            if node.dev_pages is None:
+            if node.device is None:
                 break
             n = (inner if i == len(path) - 1 else len(node.key)) // ps
-            theirs.append(node.dev_pages[:n])
+            theirs.append(node.device.pages[:n])
             held += n
         bad = self._owned[pages]  # a page some node holds may only be that node's own
         if np.count_nonzero(bad):
@@ -478,7 +486,7 @@ class CacheState:
             self._added(node)
         already, offset, ps = 0, 0, self.page_size
         for node in path:
-            if node.dev_pages is None:  # host-only (or empty): adopt the caller's freshly computed pages
+            if node.device is None:  # host-only (or empty): adopt the caller's freshly computed pages
                 self._set_device(node, pages[offset // ps:(offset + len(node.key)) // ps])
                 self.lru.push(node)
             elif already == offset:
@@ -499,13 +507,13 @@ class CacheState:
         """The ancestors of ``node`` that share its device base are its parent, its
         parent's parent, ... with adjacent offsets, and no higher ancestor shares it
         (what :meth:`device_slots` relies on)."""
-        up, at = node.parent, node.dev_at
-        while not up.is_root and up.dev_base is node.dev_base:
-            if up.dev_at + len(up.key) // self.page_size != at:
+        up, at, base = node.parent, node.device.at, node.device.base
+        while not up.is_root and up.device.base is base:
+            if up.device.at + len(up.device.pages) != at:
                 raise IntegrityError(f"{up}: not adjacent to the next piece of its base")
-            at, up = up.dev_at, up.parent
+            at, up = up.device.at, up.parent
         while not up.is_root:
-            if up.dev_base is node.dev_base:
+            if up.device.base is base:
                 raise IntegrityError(f"{node}: its base reappears above a gap")
             up = up.parent
 
@@ -515,15 +523,20 @@ class CacheState:
         pages = len(node.key) // self.page_size
         if len(node.key) % self.page_size or not pages:
             raise IntegrityError(f"{node}: its key is not a positive number of whole pages")
-        if node.dev_pages is not None:
-            if not (node.parent.is_root or node.parent.dev_pages is not None):
+        dev = node.device
+        if dev is not None:
+            if not (node.parent.is_root or node.parent.device is not None):
                 raise IntegrityError(f"{node}: device not prefix-closed")
-            if node.dev_pages.dtype != np.int64 or node.dev_pages.shape != (pages,):
-                raise IntegrityError(f"{node}: device pages {node.dev_pages.dtype} {node.dev_pages.shape}, "
+            if dev.pages.dtype != np.int64 or dev.pages.shape != (pages,):
+                raise IntegrityError(f"{node}: device pages {dev.pages.dtype} {dev.pages.shape}, "
                                      f"not int64 ({pages},)")
-            if not np.array_equal(node.dev_base[node.dev_at:node.dev_at + pages], node.dev_pages):
+            if not np.array_equal(dev.base[dev.at:dev.at + pages], dev.pages):
                 raise IntegrityError(f"{node}: device pages are not its base's run")
             self._check_base_run(node)
+        if node.host is not None and tuple(node.host.slots.shape) != (len(node.key),):
+            raise IntegrityError(f"{node}: host slots {tuple(node.host.slots.shape)}, not ({len(node.key)},)")
+        if node.storage is not None and not node.storage.stored and node.storage.writing is None:
+            raise IntegrityError(f"{node}: an empty storage copy (no object, no write)")
         for tier, ok in (("device", self._device_evictable), ("host", self._host_evictable)):
             if ok(node) and not self.lru.contains(tier, node):
                 raise IntegrityError(f"{node}: evictable but not in the {tier} LRU")
@@ -536,10 +549,10 @@ class CacheState:
         dev_pages, host_slots = [], []
         for node in self.tree.nodes():
             self._check_node(node)
-            if node.dev_pages is not None:
-                dev_pages += node.dev_pages.tolist()
+            if node.device is not None:
+                dev_pages += node.device.pages.tolist()
             if node.host is not None:
-                host_slots += node.host.tolist()
+                host_slots += node.host.slots.tolist()
         if len(dev_pages) != len(set(dev_pages)):
             raise IntegrityError("a device page is held by two nodes")
         if len(host_slots) != len(set(host_slots)):
