@@ -14,7 +14,8 @@ from kvtier.cli import main
 
 WORK = ["kvtier.sim.parallel.simulate", "kvtier.sim.parallel.belady_hits", "kvtier.sim.parallel.run_tasks",
         "kvtier.cli.simulate.synthetic", "kvtier.demo.run",
-        "kvtier.integrations.tiny_models.build", "kvtier.bench.transfer.run", "kvtier.bench.storage.run",
+        "kvtier.integrations.tiny_models.build", "kvtier.bench.transfer.run", "kvtier.bench.transfer.run_uniform",
+        "kvtier.bench.transfer_hybrid.run_hybrid", "kvtier.bench.storage.run",
         "kvtier.bench.cache.run", "kvtier.bench.overlap.run", "kvtier.bench.replay.run",
         "kvtier.cli.inspect.layout_reports", "kvtier.cli.selfcheck.run"]
 LINE = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n'
@@ -80,6 +81,20 @@ def trace(tmp_path, text, mode="w") -> Path:
     (["bench", "transfer", "--backends", "direct,direct"], "'direct,direct' names an item twice"),
     (["bench", "transfer", "--device", "tpu"], "device 'tpu': expected cpu, cuda or cuda:N"),
     (["bench", "transfer", "--pages", "10000000000"], "10000000000 pages of 64 tokens needs about"),
+    (["bench", "transfer", "--spec", "mimo-v2-flash", "--layers", "4"], "--layers is for the default geometries; a "),
+    (["bench", "transfer", "--mha", "layers=2,heads=2,head_dim=8", "--heads", "2", "--dims", "8"],
+     "--heads, --dims are for the default geometries"),
+    (["bench", "transfer", "--dtype", "fp16"], "--dtype fp16 applies to --spec, --mha, --mla, --k-only or "),
+    (["bench", "transfer", "--spec", "mimo-v2-flash", "--meta-pages", "8"], "a hybrid spec's run times its transfers "
+                                                                           "only: drop --meta-pages"),
+    (["bench", "transfer", "--spec", "mimo-v2-flash", "--page-size", "256"],
+     "page size 256 does not divide the 128-token window of group 'swa': whole pages would move 256 of its tokens"),
+    (["bench", "transfer", "--spec", "gpt-oss-120b", "--page-size", "32,48", "--pages", "1"],
+     "page size 32: the prefix of 48 tokens (1 x 48) is not a whole number of 32-token pages"),
+    (["bench", "transfer", "--spec", "mimo-v2-flash", "--pages", "10000000000"],
+     "a prefix of 640,000,000,000 tokens (10000000000 pages of 64) in every layer group needs about"),
+    (["bench", "transfer", "--spec", "llama3-8b", "--pages", "10000000000"],
+     "10000000000 pages of 64 tokens of L32-bf16-k=8x128-v=8x128 needs about"),
     (["bench", "cache", "--prompt-tokens", "0"], "--prompt-tokens: must be a positive integer, got '0'"),
     (["bench", "cache", "--prompt-tokens", "100"], "prompt_tokens 100 must be at least 2 and a multiple of every"),
     (["bench", "cache", "--tree-pages", "10000000000000"], "--tree-pages 10000000000000 needs about"),

@@ -5,6 +5,9 @@ pages one layer per call, for every layer. Page order is randomly permuted on
 both sides, so no two pages coalesce. Each GB/s figure is reported as a ratio to
 a contiguous memcpy of the same number of bytes between the same two pools, in the
 same direction, measured in the same process.
+
+A hybrid spec's copies (one pool per layer group, one resume point) are in
+:mod:`kvtier.bench.transfer_hybrid`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from ..layout import LAYOUTS
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
 from ..pools.indices import page_slots
-from ..spec import KVSpec
+from ..spec import DTYPE_NAMES, KVSpec
 from ..transfer import native
 from .timing import best_seconds, memcpy_gbps
 
@@ -49,6 +52,24 @@ def _permuted_slots(pages: int, page_size: int, gen: torch.Generator) -> torch.T
     return page_slots(torch.randperm(pages, generator=gen), page_size)
 
 
+def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
+    """``(backup, load)`` between a host and a device pool (plain or hybrid): every layer of
+    the pages device -> host in one call; host -> device one layer per call, ``layers`` calls."""
+    def backup():
+        host.backup_from_device_all_layer(dev, host_idx, dev_idx, backend)
+
+    def load():
+        for layer in range(layers):
+            host.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
+
+    return backup, load
+
+
+def time_copies(backup, load, repeat: int, cuda: bool) -> tuple[float, float]:
+    """Best seconds of ``backup``, then of ``load``."""
+    return best_seconds(backup, repeat, cuda=cuda), best_seconds(load, repeat, cuda=cuda)
+
+
 def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, repeat: int,
                seed: int, device: str = "cpu") -> tuple[list[TransferRow], dict[str, float]]:
     """Transfer rows for one spec, and the best memcpy GB/s per direction seen meanwhile
@@ -74,18 +95,11 @@ def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, r
                "load": memcpy_gbps(dev.raw, host.raw, nbytes, repeat)}
         limit = {d: max(limit[d], own[d]) for d in limit}
         for backend in backends:
-            def backup(h=host, backend=backend):
-                h.backup_from_device_all_layer(dev, host_idx, dev_idx, backend)
-
-            def load_all_layers(h=host, backend=backend):
-                for layer in range(spec.layer_num):
-                    h.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
-
-            t_backup = best_seconds(backup, repeat, cuda=cuda)
-
-            t_load = best_seconds(load_all_layers, repeat, cuda=cuda)
+            t_backup, t_load = time_copies(*copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
             timed += [(layout, backend, d, t, own[d]) for d, t in (("backup", t_backup), ("load", t_load))]
-        del host  # free this layout's pool before the next one is allocated
+        # NOTE: the copies close over ``host`` only inside time_copies' call, so this frees
+        # the layout's pool before the next one is allocated
+        del host
     fp = spec.fingerprint()
     rows = [TransferRow(fp, page_size, lay, be, direction, nbytes / 1e9, nbytes / t / 1e9, memcpy,
                         nbytes / t / 1e9 / memcpy)
@@ -102,8 +116,10 @@ def bench_meta(spec: KVSpec, *, page_size: int, pages: int, repeat: int, seed: i
     for name in LAYOUTS:
         host = HostKVPool(spec, pages * page_size, page_size, layout=name, device="meta")
         calls = [("page", lambda: host.get_page_buffer_meta(idx))]
-        if host.supports_split_heads:
+        if host.supports_split_heads:  # factors 2 and the fewest heads, where they split every component's heads
             for f in (2, min(c.head_num for c in spec.components)):
+                if f < 2 or any(c.head_num % f for c in spec.components):
+                    continue
                 calls.append((f"split_heads/{f}", lambda f=f: host.get_split_heads_page_buffer_meta(idx, f)))
         for kind, fn in calls:
             spans = len(fn()[0])
@@ -111,43 +127,78 @@ def bench_meta(spec: KVSpec, *, page_size: int, pages: int, repeat: int, seed: i
     return rows
 
 
-def memory_bytes(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_sizes=(64,),
-                 pages: int = 256, meta_pages: int = 4096) -> tuple[int, int]:
-    """``(host, device)`` bytes :func:`run` takes at its peak: one device and one host pool
-    of the largest spec, and the span metadata's indices and Python lists."""
-    pool = max(pages * max(page_sizes) // ps * ps * KVSpec.mha(layers, heads, k, v).bytes_per_token
-               for ps in page_sizes for k, v in dims)
-    meta = meta_pages * (4 * 8 * page_sizes[0] + 2 * 2 * layers * 64)  # (ptr, size) per layer and component
+DIMS = ((128, 128), (192, 128))
+
+
+def mha_specs(layers: int = 32, heads: int = 8, dims=DIMS) -> tuple[KVSpec, ...]:
+    """The default geometries: one bf16 MHA spec per ``(K, V)`` head dims."""
+    return tuple(KVSpec.mha(layers, heads, k, v) for k, v in dims)
+
+
+def memory_bytes(*, layers: int = 32, heads: int = 8, dims=DIMS, page_sizes=(64,), pages: int = 256,
+                 meta_pages: int = 4096) -> tuple[int, int]:
+    """``(host, device)`` bytes :func:`run` takes at its peak."""
+    return uniform_memory_bytes(mha_specs(layers, heads, dims), page_sizes=page_sizes, pages=pages,
+                                meta_pages=meta_pages)
+
+
+def uniform_memory_bytes(specs, *, page_sizes=(64,), pages: int = 256, meta_pages: int = 4096) -> tuple[int, int]:
+    """``(host, device)`` bytes :func:`run_uniform` takes at its peak: one device and one
+    host pool of the largest spec, and the span metadata's indices and Python lists."""
+    pool = max(pages * max(page_sizes) // ps * ps * spec.bytes_per_token for ps in page_sizes for spec in specs)
+    last = specs[-1]  # (ptr, size) per layer and component
+    meta = meta_pages * (4 * 8 * page_sizes[0] + 2 * len(last.components) * last.layer_num * 64)
     return pool + meta, pool
 
 
-def run(*, layers: int = 32, heads: int = 8, dims=((128, 128), (192, 128)), page_sizes=(64,),
-        pages: int = 256, layouts=tuple(LAYOUTS), backends=("direct", "kernel"), repeat: int = 3,
-        meta_pages: int = 4096, seed: int = 0, device: str = "cpu") -> dict:
-    """The whole benchmark as a JSON-ready dict. ``pages`` is for the largest page
-    size; smaller pages keep the same bytes (more pages)."""
-    check_device(device)
-    for name, value in (("pages", pages), ("repeat", repeat), ("meta_pages", meta_pages),
-                        *(("page_size", p) for p in page_sizes)):
+def check_counts(*named: tuple[str, object]) -> None:
+    """Each ``(name, value)``'s value a positive int, else ``ValueError`` naming it."""
+    for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def run_fields(specs, *, repeat: int, device: str) -> dict:
+    """The config fields every run reports about how it ran: repeats, threads, dtype(s),
+    device and CPU copy path."""
+    return {"repeat": repeat, "torch_threads": torch.get_num_threads(),
+            "dtype": ",".join(sorted({DTYPE_NAMES[s.dtype] for s in specs})), "device": device,
+            "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "copy_path": native.path_name()}
+
+
+def run(*, layers: int = 32, heads: int = 8, dims=DIMS, page_sizes=(64,), pages: int = 256,
+        layouts=tuple(LAYOUTS), backends=("direct", "kernel"), repeat: int = 3, meta_pages: int = 4096,
+        seed: int = 0, device: str = "cpu") -> dict:
+    """The whole benchmark over :func:`mha_specs` as a JSON-ready dict (see :func:`run_uniform`)."""
+    return run_uniform(mha_specs(layers, heads, dims), {"layers": layers, "heads": heads,
+                                                        "dims": [list(d) for d in dims]},
+                       page_sizes=page_sizes, pages=pages, layouts=layouts, backends=backends, repeat=repeat,
+                       meta_pages=meta_pages, seed=seed, device=device)
+
+
+def run_uniform(specs, geometry: dict, *, page_sizes=(64,), pages: int = 256, layouts=tuple(LAYOUTS),
+                backends=("direct", "kernel"), repeat: int = 3, meta_pages: int = 4096, seed: int = 0,
+                device: str = "cpu") -> dict:
+    """The benchmark over each of ``specs`` (plain ``KVSpec``s) as a JSON-ready dict whose
+    config starts with ``geometry``. ``pages`` is for the largest page size; smaller pages
+    keep the same bytes (more pages). Span metadata is timed for the last spec."""
+    check_device(device)
+    check_counts(("pages", pages), ("repeat", repeat), ("meta_pages", meta_pages),
+                 *(("page_size", p) for p in page_sizes))
     started = time.time()
     rows, limits = [], {}
     for page_size in page_sizes:
         n_pages = pages * max(page_sizes) // page_size
-        for k_dim, v_dim in dims:
-            spec = KVSpec.mha(layers, heads, k_dim, v_dim)
+        for spec in specs:
             spec_rows, limit = bench_spec(spec, page_size=page_size, pages=n_pages, layouts=layouts,
                                           backends=backends, repeat=repeat, seed=seed, device=device)
             limits[f"{spec.fingerprint()}/p{page_size}"] = limit
             rows += spec_rows
-    meta = bench_meta(KVSpec.mha(layers, heads, *dims[-1]), page_size=page_sizes[0], pages=meta_pages,
-                      repeat=max(repeat, 5), seed=seed)
+    meta = bench_meta(specs[-1], page_size=page_sizes[0], pages=meta_pages, repeat=max(repeat, 5), seed=seed)
     return {
-        "config": {"layers": layers, "heads": heads, "dims": [list(d) for d in dims], "page_sizes": list(page_sizes),
-                   "pages": pages, "repeat": repeat, "torch_threads": torch.get_num_threads(), "dtype": "bf16",
-                   "device": device, "device_name": torch.cuda.get_device_name() if device.startswith("cuda")
-                   else "cpu", "copy_path": native.path_name()},
+        "config": {**geometry, "page_sizes": list(page_sizes), "pages": pages,
+                   **run_fields(specs, repeat=repeat, device=device)},
         "memcpy_gbps": limits,
         "transfer": [asdict(r) for r in rows],
         "meta": [asdict(r) for r in meta],
