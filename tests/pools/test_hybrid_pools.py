@@ -122,7 +122,8 @@ def test_bad_input_is_refused_before_any_byte_moves():
     before = {(name, n): bits(b).clone() for name, p in host for n, b in p.buffers.items()}
     with pytest.raises(ValueError, match=r"groups \['nope'\]"):
         host.backup_from_device_all_layer(src, {"nope": slots([0], PAGE)}, {"nope": slots([0], PAGE)})
-    with pytest.raises(ValueError, match="outside the pool"):  # the second group's slots are bad: the first moves nothing
+    # the second group's slots are bad: the first group moves nothing either
+    with pytest.raises(ValueError, match="outside the pool"):
         host.backup_from_device_all_layer(src, {"full": slots([0], PAGE), "swa": slots([9], PAGE)},
                                           {"full": slots([0], PAGE), "swa": slots([0], PAGE)})
     with pytest.raises(ValueError, match=r"host_indices names groups \['full'\], device_indices \['swa'\]"):
