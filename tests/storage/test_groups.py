@@ -129,3 +129,32 @@ def test_bad_calls_raise_before_any_io(open_store):
     with pytest.raises(ValueError, match="HybridHostPool of spec"):
         store.batch_get(keys, filled(HYBRID_SPECS["oss"], 2), {"full": slots([0, 1])}, {"full": [0, 1]})
     assert raw.batch_exists(store.keys("full", keys)) == 0
+
+
+class _Broken:
+    """A backend whose every answer is a fault or nonsense."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def batch_exists(self, keys):
+        if self.mode == "raise":
+            raise ConnectionError("down")
+        return "yes"
+
+    def exists_each(self, keys):
+        if self.mode == "raise":
+            raise ConnectionError("down")
+        return [True]  # the wrong length
+
+
+@pytest.mark.parametrize("mode", ["raise", "nonsense"])
+def test_a_faulty_backend_is_a_miss_never_an_exception(mode):
+    spec = HYBRID_SPECS["mimo"]
+    store, keys = GroupedStorage(_Broken(mode), spec, PAGE), keys_for(4)
+    assert store.present(keys) == {"full": [False] * 4, "swa": [False] * 4}
+    assert store.reusable(keys) == 0
+    assert store.reusable(keys, {"full": [True] * 4}) == 0       # the sliding window is nowhere
+    assert store.reusable(keys, {"full": [True] * 4, "swa": [True] * 4}) == 4
+    with pytest.raises(ValueError, match=r"held names groups \['sw'\]"):
+        store.reusable(keys, {"sw": [True]})

@@ -78,21 +78,32 @@ class GroupedStorage:
         return {name: self.keys(name, [keys[i] for i in picked]) for name, picked in self._pages(keys, pages).items()}
 
     def present(self, keys: Sequence[str], pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:
-        """Per group, whether storage holds each of its pages."""
+        """Per group, whether storage holds each of its pages; a fault, or an answer
+        of the wrong shape, is all ``False`` for that group (never an exception)."""
+        return {name: self._each(group_keys) for name, group_keys in self._group_keys(keys, pages).items()}
+
+    def _each(self, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
         each = getattr(self.storage, "exists_each", None)
-        out = {}
-        for name, group_keys in self._group_keys(keys, pages).items():
-            if each is not None:
-                out[name] = [x is True for x in each(group_keys)]
-            else:  # a backend without per-key answers: one leading-run question per key
-                out[name] = [self.storage.batch_exists([k]) == 1 for k in group_keys]
-        return out
+        try:
+            if each is None:  # a backend without per-key answers: one leading-run question per key
+                return [self.storage.batch_exists([k]) == 1 for k in keys]
+            got = each(keys)
+        except Exception:  # the backend counts and logs its own faults
+            return [False] * len(keys)
+        if not isinstance(got, (list, tuple)) or len(got) != len(keys):
+            return [False] * len(keys)
+        return [x is True for x in got]
 
     def reusable(self, keys: Sequence[str], held: Mapping[str, Sequence[bool]] | None = None) -> int:
         """How many leading pages of ``keys`` a request can resume after, with what
         storage holds and, per group, what the caller holds elsewhere
         (``held[name][i]``: page ``i`` is on the device or the host)."""
         keys = _check_keys(keys)
+        unknown = sorted(set(held or {}) - set(self.spec.names))
+        if unknown:
+            raise ValueError(f"held names groups {unknown}; this spec has {list(self.spec.names)}")
         have = {}
         for name in self.spec.names:
             mine = [x is True for x in (held or {}).get(name, ())][:len(keys)]
@@ -117,7 +128,10 @@ class GroupedStorage:
 
     def _leading(self, keys: list[str]) -> int:
         """``batch_exists``, with an answer of the wrong kind read as none."""
-        n = self.storage.batch_exists(keys)
+        try:
+            n = self.storage.batch_exists(keys)
+        except Exception:  # the backend counts and logs its own faults
+            return 0
         return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= len(keys) else 0
 
     def batch_set(self, keys: Sequence[str], host_pool: HybridHostPool, host_indices: Mapping[str, torch.Tensor],
