@@ -4,7 +4,6 @@ no hit count, no statistic, no backup)."""
 import pytest
 import torch
 
-import kvtier.storage
 from engine import make_cache, serve
 from kvtier import CacheClosedError
 
@@ -36,13 +35,6 @@ def peek_then_match(cache, tokens, salt=None):
     assert peeked.peeked and not matched.peeked
     assert torch.equal(peeked.device_indices, matched.device_indices)
     return hits(peeked), hits(matched)
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = kvtier.storage.open(f"file://{tmp_path}")
-    yield s
-    s.close()
 
 
 def test_peek_of_an_empty_cache_is_a_miss_and_makes_no_tenant():

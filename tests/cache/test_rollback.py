@@ -34,13 +34,6 @@ def settled(cache) -> bool:
     return drained(cache)
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = kvtier.storage.open(f"file://{tmp_path}")
-    yield s
-    s.close()
-
-
 def test_a_failed_load_leaves_no_device_hit():
     cache, _ = on_host_only(fail=1)
     got = cache.acquire(A)                                   # the load fails: nothing is reused

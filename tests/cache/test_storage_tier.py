@@ -14,13 +14,6 @@ def hits(m):
     return (m.device_len, m.host_len, m.storage_len)
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = kvtier.storage.open(f"file://{tmp_path}")
-    yield s
-    s.close()
-
-
 def test_pages_survive_into_a_fresh_cache_through_storage(store):
     first = make_cache(storage=store, namespace="m")
     serve(first, A)
