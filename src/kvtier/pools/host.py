@@ -166,6 +166,10 @@ class HostKVPool:
         """Copy whole pages, every layer and component, device -> host."""
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=True)
+        self._backup_pages(device_pool, host_pages, dev_pages, io_backend)
+
+    def _backup_pages(self, device_pool: DeviceKVPool, host_pages, dev_pages, io_backend: str) -> None:
+        """The copy of :meth:`backup_from_device_all_layer`, on pages it checked."""
         views = [(self.page_views[n], device_pool.page_views[n]) for n in self.spec.names]
         copy_pages(views, host_pages, dev_pages, layer=None, nbytes=len(host_pages) * self.page_bytes,
                    io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)

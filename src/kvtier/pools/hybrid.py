@@ -158,9 +158,14 @@ class HybridHostPool(_GroupPools):
 
     def backup_from_device_all_layer(self, device_pool: HybridDevicePool, host_indices: Mapping[str, torch.Tensor],
                                      device_indices: Mapping[str, torch.Tensor], io_backend: str = "direct") -> None:
-        """Copy whole pages of every group in ``host_indices`` (every layer), device -> host."""
-        for name, host, dev in self._pairs(device_pool, host_indices, device_indices, dst_is_host=True):
-            self.pools[name].backup_from_device_all_layer(device_pool.pools[name], host, dev, io_backend)
+        """Copy whole pages of every group in ``host_indices`` (every layer), device -> host.
+        Every group's numbers are checked before any group's bytes move."""
+        host, dev = self._named(device_pool, host_indices, device_indices)
+        checked = [(name, self.pools[name]._check_transfer(device_pool.pools[name], host[name], dev[name],
+                                                           io_backend, dst_is_host=True))
+                   for name in self.spec.names if name in host]
+        for name, (host_pages, dev_pages) in checked:
+            self.pools[name]._backup_pages(device_pool.pools[name], host_pages, dev_pages, io_backend)
 
     def load_to_device_per_layer(self, device_pool: HybridDevicePool, host_indices: Mapping[str, torch.Tensor],
                                  device_indices: Mapping[str, torch.Tensor], layer_id: int,
@@ -184,14 +189,6 @@ class HybridHostPool(_GroupPools):
         if set(host) != set(dev):
             raise ValueError(f"host_indices names groups {sorted(host)}, device_indices {sorted(dev)}")
         return host, dev
-
-    def _pairs(self, device_pool, host_indices, device_indices, *, dst_is_host: bool):
-        """``(group, host slots, device slots)`` per group named, checked before any copy."""
-        host, dev = self._named(device_pool, host_indices, device_indices)
-        for name in host:  # every group's numbers, before any group's bytes move
-            self.pools[name]._check_transfer(device_pool.pools[name], host[name], dev[name], "direct",
-                                             dst_is_host=dst_is_host)
-        return [(name, host[name], dev[name]) for name in self.spec.names if name in host]
 
 
 __all__ = ["HybridDevicePool", "HybridHostPool", "as_hybrid"]
