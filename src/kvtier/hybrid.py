@@ -19,7 +19,7 @@ takes a ``KVSpec`` keeps working.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -197,11 +197,16 @@ class HybridSpec:
         raise ValueError(f"unknown group {name!r}; this spec has {list(self.names)}")
 
     def group_of(self, layer: int) -> tuple[KVGroup, int]:
-        """The group holding model layer ``layer`` and the layer's index inside it."""
-        for g in self.groups:
-            if layer in g.layers:
-                return g, g.layers.index(layer)
-        raise ValueError(f"layer {layer!r} is out of range [0, {self.layer_num})")
+        """The group holding model layer ``layer`` and the layer's index inside it (one
+        lookup: per-layer loads ask it for every layer)."""
+        where = self._layer_table.get(layer) if isinstance(layer, int) and not isinstance(layer, bool) else None
+        if where is None:
+            raise ValueError(f"layer {layer!r} is out of range [0, {self.layer_num})")
+        return where
+
+    @cached_property
+    def _layer_table(self) -> dict[int, tuple[KVGroup, int]]:
+        return {layer: (g, i) for g in self.groups for i, layer in enumerate(g.layers)}
 
     def bytes_per_token(self) -> dict[str, int]:
         """Bytes of one token, per group."""
