@@ -87,5 +87,10 @@ def mark_of(node, kind: str):
 
 
 def set_mark(node, kind: str, mark) -> None:
+    """Put ``mark`` on ``node``'s copy (``None`` takes it off). A storage copy with
+    neither an object nor a write is no copy: taking its write off removes it."""
     tier, attr = MARKS[kind]
-    setattr(getattr(node, tier), attr, mark)
+    copy = getattr(node, tier)
+    setattr(copy, attr, mark)
+    if mark is None and kind == "store" and not copy.stored:
+        node.storage = None

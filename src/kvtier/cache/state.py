@@ -37,7 +37,7 @@ from .handles import LoadHandle
 from .inflight import InFlight
 from .lru import LruIndex
 from .radix import Node, RadixTree
-from .residency import DeviceCopy, HostCopy, StorageCopy
+from .residency import DeviceCopy, HostCopy, StorageCopy, set_mark
 from .stats import CacheStats
 
 
@@ -174,9 +174,7 @@ class CacheState:
 
     def _drop_host(self, node: Node) -> None:
         if node.storing is not None:  # a queued write of this copy is dropped with it
-            node.storage.writing = None
-            if not node.storage.stored:
-                node.storage = None
+            set_mark(node, "store", None)
         self.host_pool.free(node.host.slots)
         node.host = None
 
@@ -393,10 +391,10 @@ class CacheState:
         elif holders:
             self.stats.error("store")
         for node in holders:
-            if ok:
+            if ok and node.storage is None:  # its write was taken off: the copy went with it
+                node.storage = StorageCopy(stored=True)
+            elif ok:
                 node.storage.stored = True
-            elif not node.storage.stored:
-                node.storage = None
             self.lru.push(node)
 
     def store_keys(self, node: Node) -> list[str]:
