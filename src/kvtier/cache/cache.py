@@ -14,16 +14,20 @@ import functools
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from ..pools import DeviceKVPool, HostKVPool
+from ..errors import UnsupportedSpecError
+from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..pools.indices import page_numbers
+from ..storage.groups import GroupedStorage
 from ..storage.keys import extend_keys
 from ..transfer import check_io_backend
 from .guard import StorageGuard
 from .handles import Acquired, CacheClosedError, Committed, Lease, LoadHandle, MatchResult, PrefetchHandle
 from .mover import Mover
 from .protocols import DeviceAllocator, Storage
+from .sides import Sides
 from .state import CacheState
 from .stats import CacheStats
 from .tokens import canonical_salt, token_array
@@ -54,6 +58,35 @@ def _checks_on(check: bool | None) -> bool:
     return check
 
 
+def _hybrid_pools(device_pool, host_pool, page_size: int, retention_interval):
+    """``(device pool, host pool, sides)`` the cache state runs on: for a hybrid spec
+    the first full group's pools (every full group shares their slots) and the
+    sliding groups; a uniform one's single pools and ``None``."""
+    if not isinstance(device_pool, HybridDevicePool) or not isinstance(host_pool, HybridHostPool):
+        raise ValueError("a hybrid cache takes a HybridDevicePool and a HybridHostPool, got "
+                         f"{type(device_pool).__name__} and {type(host_pool).__name__}")
+    spec = device_pool.spec
+    if spec != host_pool.spec:
+        raise ValueError(f"device pool ({spec.fingerprint()}) and host pool ({host_pool.spec.fingerprint()}) differ")
+    full = [g.name for g in spec.groups if g.attention.is_full]
+    if spec.is_uniform:
+        return device_pool[full[0]], host_pool[full[0]], None
+    if not full:
+        raise UnsupportedSpecError(f"the cache needs a full-attention group, and {spec.fingerprint()} is all sliding "
+                                   "window; serve it through HybridHostPool and GroupedStorage directly")
+    for what, pools in (("device", device_pool), ("host", host_pool)):
+        sizes = {name: pools[name].size for name in full}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"the full groups share the cache's {what} slots, so their {what} pools need one size; "
+                             f"got {sizes}")
+    if retention_interval is not None and (isinstance(retention_interval, bool) or not isinstance(
+            retention_interval, int) or retention_interval <= 0 or retention_interval % page_size):
+        raise ValueError(f"retention_interval must be a positive multiple of page_size {page_size} or None, "
+                         f"got {retention_interval!r}")
+    sides = Sides(spec, device_pool, host_pool, page_size, retention_interval)
+    return device_pool[full[0]], host_pool[full[0]], sides
+
+
 def _checked(method):
     """Mark a public method that changes state: with checks on, the cache's invariants
     are checked after each call that returns."""
@@ -80,6 +113,16 @@ class HierarchicalCache:
     (``None`` == ``""`` == ``b""``). After :meth:`close`, every call raises
     :class:`CacheClosedError`.
 
+    Hybrid models (a :class:`~kvtier.hybrid.HybridSpec` with sliding-window groups,
+    DESIGN 5c): pass a :class:`HybridDevicePool` and a :class:`HybridHostPool`. The
+    full groups share every slot this API names (``device_indices``, ``alloc_device``);
+    each sliding group has its own, passed and returned per group (``groups=``), a
+    page of ``-1`` where a group holds nothing. A prefix is a hit only when the full
+    groups hold all of it and every sliding group its window; sliding pages in no
+    resume point's window (the end of each committed sequence, every
+    ``retention_interval`` tokens, branch points) are freed when they are committed
+    and never reach the host or storage.
+
     Debug checks: with ``check=True``, or by default when the environment variable
     ``KVTIER_CHECK=1`` is set at construction, every public call that changes state
     (match_prefix, acquire/release/commit, lock/unlock, insert, allocation, eviction,
@@ -93,10 +136,18 @@ class HierarchicalCache:
                  write_policy: str = "write_through", prefetch_policy: str = "best_effort",
                  namespace: str | None = None, prefetch_timeout: float = 1.0, storage_timeout: float = 5.0,
                  io_backend: str = "direct", allocator: DeviceAllocator | None = None, hash: str = "sha256",
-                 synchronous: bool = False, check: bool | None = None) -> None:
+                 synchronous: bool = False, check: bool | None = None,
+                 retention_interval: int | None = None) -> None:
         _check_choice("write_policy", write_policy, WRITE_POLICIES)
         _check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
         check_io_backend(io_backend)
+        sides, user_device, user_host = None, device_pool, host_pool
+        if isinstance(device_pool, HybridDevicePool) or isinstance(host_pool, HybridHostPool):
+            device_pool, host_pool, sides = _hybrid_pools(device_pool, host_pool, host_pool.page_size,
+                                                          retention_interval)
+        elif retention_interval is not None:
+            raise ValueError("retention_interval keeps sliding-window pages: it needs hybrid pools "
+                             "(HybridDevicePool, HybridHostPool)")
         if not isinstance(device_pool, DeviceKVPool) or not isinstance(host_pool, HostKVPool):
             raise ValueError("device_pool must be a DeviceKVPool and host_pool a HostKVPool")
         if device_pool.spec != host_pool.spec or device_pool.page_size != host_pool.page_size:
@@ -115,17 +166,25 @@ class HierarchicalCache:
         for what, t in (("prefetch_timeout", prefetch_timeout), ("storage_timeout", storage_timeout)):
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
                 raise ValueError(f"{what} must be a positive number of seconds, got {t!r}")
-        self.device_pool, self.host_pool, self.storage = device_pool, host_pool, storage
+        self.device_pool, self.host_pool, self.storage = user_device, user_host, storage
+        self._device, self._sides = device_pool, sides
+        self._layer_num = user_device.spec.layer_num  # the model's layers (a hybrid load goes over every group)
+        self.retention_interval = retention_interval
         self.allocator = allocator or device_pool
         self.page_size = host_pool.page_size
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
         self.prefetch_timeout, self.storage_timeout, self.io_backend = prefetch_timeout, storage_timeout, io_backend
         self.namespace, self.hash = namespace, hash
-        self._stats = CacheStats(device_pool.spec.bytes_per_token)
+        bpt = device_pool.spec.bytes_per_token if sides is None else user_device.spec.full_bytes_per_token
+        self._stats = CacheStats(bpt)
         self._state = CacheState(device_pool, host_pool, self.allocator, write_policy=write_policy,
-                                 stats=self._stats, namespace=namespace, hash=hash, has_storage=storage is not None)
+                                 stats=self._stats, namespace=namespace, hash=hash, has_storage=storage is not None,
+                                 sides=sides)
         guard = StorageGuard(storage, self._stats, storage_timeout, synchronous) if storage is not None else None
-        self._mover = Mover(self._state, guard, io_backend=io_backend, synchronous=synchronous)
+        grouped = GroupedStorage(storage, user_device.spec, self.page_size) \
+            if sides is not None and storage is not None else None
+        self._mover = Mover(self._state, guard, io_backend=io_backend, synchronous=synchronous,
+                            layer_num=self._layer_num, grouped=grouped)
         self._lock = self._state.lock
         self._check = _checks_on(check)
         self._closed = False
@@ -142,14 +201,18 @@ class HierarchicalCache:
         Counts as one request in the statistics and the pages' hit counts."""
         tokens, salt = token_array(token_ids), canonical_salt(salt)
         self._check_open()
+        probe = [] if self._sides is not None else None
         with self._lock:
-            path, device_len, host_len = self._state.match(tokens, salt)
+            path, device_len, host_len = self._state.match(tokens, salt, probe)
             self._hit(path)
             parent_key = self._parent_key(path)
             device, last = self._ends(path, salt)
-        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
+            groups = self._groups(path, device_len)
+            asked = self._probe_keys(tokens, probe, salt)
+        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0]
         self._stats.matched(device_len, host_len, storage_len)
-        return MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt)
+        return MatchResult(device[:device_len], device_len, host_len, storage_len, last, tuple(path), tokens, salt,
+                           groups=groups)
 
     def peek(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
         """The lengths :meth:`match_prefix` would return now (storage probed the same
@@ -160,17 +223,25 @@ class HierarchicalCache:
         ``last_node`` is ``None`` when the tenant has no tree yet."""
         tokens, salt = token_array(token_ids), canonical_salt(salt)
         self._check_open()
+        probe = [] if self._sides is not None else None
         with self._lock:
-            path, device_len, host_len, used = self._state.peek(tokens, salt)
+            path, device_len, host_len, used = self._state.peek(tokens, salt, probe)
             parent_key = self._parent_key(path, used)
             device = self._state.device_slots(path)[:device_len]  # a last node on the device may have more
             last = path[-1] if path else self._state.tree.roots.get(salt)  # no new root for a new tenant
-        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
-        return MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt, peeked=True)
+            groups = self._groups(path, device_len)
+            asked = self._probe_keys(tokens, probe, salt)
+        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0]
+        return MatchResult(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt, peeked=True,
+                           groups=groups)
 
     def _ends(self, path, salt: bytes):
         """``(device slots, last node)`` of a matched path (lock held)."""
         return self._state.device_slots(path), (path[-1] if path else self._state.tree.root(salt))
+
+    def _groups(self, path, device_len: int) -> dict | None:
+        """Hybrid: the sliding groups' slots of the device hit (lock held)."""
+        return None if self._sides is None else self._state.side_slots(path, device_len)
 
     def _hit(self, path) -> None:
         """One request's reuse of ``path`` (lock held): hit counts, selective backups."""
@@ -189,14 +260,57 @@ class HierarchicalCache:
         keys = self._state.store_keys(path[-1])
         return keys[-1] if used is None else keys[used // self.page_size - 1]
 
-    def _storage_hit(self, tokens, resident: int, parent_key, salt: bytes) -> int:
+    def _storage_hit(self, tokens, resident: int, parent_key, salt: bytes, asked=None) -> tuple[int, tuple | None]:
+        """``(storage_len, fetch)``: tokens storage adds after the ``resident`` ones
+        and, hybrid, what a prefetch of them takes (``_storage_groups``)."""
         if self.storage is None:
-            return 0
+            return 0, None
+        if self._sides is not None:
+            return self._storage_groups(asked, resident)
         usable = len(tokens) - len(tokens) % self.page_size
         if usable <= resident:
-            return 0
+            return 0, None
         keys = extend_keys(parent_key, tokens[resident:usable], self.page_size, self.namespace, salt, self.hash)
-        return self._mover.guard.exists(keys) * self.page_size
+        return self._mover.guard.exists(keys) * self.page_size, None
+
+    def _probe_keys(self, tokens, probe, salt: bytes):
+        """Hybrid, lock held: what the storage lookup after a match needs, or ``None``
+        when storage cannot add to it: ``(every page key of the prompt, the node at
+        the end of the resident full pages, their count, pages held per group)``."""
+        if self.storage is None or self._sides is None:
+            return None
+        found, ps = probe[0], self.page_size
+        usable = len(tokens) // ps
+        if usable <= found.pages:
+            return None
+        state = self._state
+        nodes, _, _ = state.tree.walk(tokens[:found.pages * ps], salt)  # whole nodes: it ends at a node's end
+        keys = [k for node in nodes for k in state.store_keys(node)]
+        parent = keys[-1] if keys else None
+        keys += extend_keys(parent, tokens[found.pages * ps:usable * ps], ps, self.namespace, salt, self.hash)
+        last = nodes[-1] if nodes else state.tree.root(salt)
+        return keys, last, found.pages, found.held
+
+    def _storage_groups(self, asked, resident: int) -> tuple[int, tuple | None]:
+        """Hybrid: the storage hit after ``resident`` resumable tokens, as
+        :meth:`GroupedStorage.reusable` finds it with what the tiers hold. It counts
+        only when the window it ends with lies in storage or resident pages, and
+        beyond the resident full pages (what a prefetch brings):
+        ``(tokens, (keys, last node, first page, pages, target tokens))``."""
+        if asked is None:
+            return 0, None
+        keys, last, pages, held = asked
+        full = {name: [True] * pages for name in self._sides.full}
+        total = self._mover.guard.reusable(self._mover.grouped, keys, {**full, **{g: h.tolist()
+                                                                                 for g, h in held.items()}})
+        ps = self.page_size
+        if total <= pages or total * ps <= resident:
+            return 0, None
+        for g in self._sides.names:
+            window = self._sides.window_pages(g, total * ps)
+            if window.start < pages and not held[g][window.start:pages].all():
+                return 0, None  # the window reaches below the resident full pages, into a hole
+        return total * ps - resident, (keys, last, pages, total - pages, total * ps)
 
     # -- locking -----------------------------------------------------------------------------------------------
     @_checked
@@ -268,15 +382,22 @@ class HierarchicalCache:
         tokens, salt = token_array(token_ids), canonical_salt(salt)
         self._check_open()
         state = self._state
+        probe = [] if self._sides is not None else None
         with self._lock:
-            path, device_len, host_len = state.match(tokens, salt)
+            path, device_len, host_len = state.match(tokens, salt, probe)
             parent_key = self._parent_key(path)
             first = path[-1] if path else state.tree.root(salt)
             state.lock_node(first)  # until the final lock: nothing of the hit is evicted meanwhile
+            asked = self._probe_keys(tokens, probe, salt)
         try:
-            storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
+            storage_len, fetch = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)
             fetched = 0
-            if storage_len:  # storage -> host, then it is a host hit like any other
+            if storage_len and fetch is not None:  # hybrid: the full pages and the window it ends with
+                keys, at, pages, count, target = fetch
+                fetched = self._mover.prefetch_groups(tokens, salt, at, pages * self.page_size, count,
+                                                      keys[pages - 1] if pages else None, target,
+                                                      self.prefetch_policy, self._prefetch_wait).wait()
+            elif storage_len:  # storage -> host, then it is a host hit like any other
                 fetched = self._mover.prefetch(tokens, salt, first, device_len + host_len,
                                                storage_len // self.page_size, parent_key, self.prefetch_policy,
                                                self._prefetch_wait).wait()
@@ -289,14 +410,16 @@ class HierarchicalCache:
                 path, now_device, now_host = state.match(tokens, salt)
                 self._hit(path)
                 device, last = self._ends(path, salt)
+                groups = self._groups(path, now_device)
                 lease = Lease(last, state)
                 state.lock_node(last)
-                load, _ = state.begin_load(path, self.device_pool.spec.layer_num, reserved)
+                load, _ = state.begin_load(path, self._layer_num, reserved, now_device)
         finally:
             with self._lock:
                 state.unlock_node(first)
         now_storage = max(0, device_len + host_len + storage_len - now_device - now_host)
-        match = MatchResult(device, now_device, now_host, now_storage, last, tuple(path), tokens, salt)
+        match = MatchResult(device[:now_device], now_device, now_host, now_storage, last, tuple(path), tokens, salt,
+                            groups=groups)
         if wait:
             load.wait()
             if load.error is not None:  # the failed pages are host-only again: this request recomputes
@@ -305,7 +428,8 @@ class HierarchicalCache:
                     lease = Lease(state.tree.root(salt), state)
                     state.lock_node(lease.node)
                 self._stats.matched(0, 0, 0)
-                empty = LoadHandle(state.device_slots([]), self.device_pool.spec.layer_num)
+                empty = LoadHandle(state.device_slots([]), self._layer_num,
+                                   groups=None if self._sides is None else state.side_slots([], 0))
                 empty._finish()
                 return Acquired(match, empty, 0, 0, 0, lease)
         reused = len(load)
@@ -327,7 +451,8 @@ class HierarchicalCache:
         self._end_lease(acquired.lease, "release", "Acquired")
 
     @_checked
-    def commit(self, acquired: Acquired, token_ids: Sequence[int] | torch.Tensor, slots: torch.Tensor) -> Committed:
+    def commit(self, acquired: Acquired, token_ids: Sequence[int] | torch.Tensor, slots: torch.Tensor,
+               groups: dict | None = None) -> Committed:
         """Cache what the forward computed and move the request's lock onto it.
 
         ``token_ids`` starts with the acquired prefix; ``slots`` are the device slots
@@ -337,7 +462,13 @@ class HierarchicalCache:
         afterwards: pages another request cached first are freed as duplicates.
         ``acquired`` is consumed; the result's ``acquired`` is the new lease
         (release it when the request ends); wait on its ``load`` before reading
-        pages that another request cached first, and check its ``error``."""
+        pages that another request cached first, and check its ``error``.
+
+        Hybrid specs: ``groups`` maps sliding groups to their device slots of the same
+        tokens as ``slots`` (from ``alloc_device(n, group=...)``; a page of ``-1``
+        where the engine kept nothing). The cache keeps the pages some resume
+        point's window needs and frees the others; the lease covers the whole
+        sequence, and the result's ``groups`` hold the window before its end."""
         self._check_open()
         if not isinstance(acquired, Acquired) or acquired.lease is None:
             raise ValueError(f"commit takes the Acquired from acquire, got {type(acquired).__name__}")
@@ -355,6 +486,7 @@ class HierarchicalCache:
                              f"{len(tokens)} tokens after the {reused}-token prefix), got {got}")
         all_slots = torch.cat([prefix, slots.to(prefix.device)])
         pages = self._check_slots(all_slots)
+        side = self._given(groups, full, reused, "commit")
         salt, state = acquired.match.salt, self._state
         with self._lock:
             if acquired.lease.owner is not state:
@@ -363,20 +495,23 @@ class HierarchicalCache:
                 raise ValueError("commit: this Acquired was already released (or committed)")
             del tokens[full:]  # our own copy: whole pages only, without copying again
             walked = state.check_insert(tokens, pages, salt)
-            already, new = state.insert(tokens, pages, salt, walked)
+            if side is not None:
+                state.check_sides(side, walked)
+            already, new = state.insert(tokens, pages, salt, walked, side)
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
-            path, _, _ = state.match(tokens, salt)
+            path = state.match_all(tokens, salt)  # the whole sequence: the engine goes on using its slots
             lease = Lease(path[-1] if path else state.tree.root(salt), state)
             state.lock_node(lease.node)
             self._release(acquired)
             device = state.device_slots(path)
+            groups = self._groups(path, full)
             # pages another request cached first may still be arriving from its host copy
             depends = {id(n.loading): n.loading.handle for n in path if n.loading is not None}
         self._stats.add(inserted_tokens=new)
-        load = LoadHandle(device, self.device_pool.spec.layer_num, tuple(depends.values()))
+        load = LoadHandle(device, self._layer_num, tuple(depends.values()), groups=groups)
         load._finish()
-        match = MatchResult(device, full, 0, 0, lease.node, tuple(path), tokens[:full], salt)
+        match = MatchResult(device, full, 0, 0, lease.node, tuple(path), tokens[:full], salt, groups=groups)
         renewed = Acquired(match, load, acquired.device_hit, acquired.host_hit, acquired.storage_hit, lease)
         return Committed(renewed, new, max(already - reused, 0))
 
@@ -392,7 +527,7 @@ class HierarchicalCache:
         with self._lock:
             path = match.last_node.path()
             cut = next((i for i, n in enumerate(path) if not n.resident), len(path))
-            handle, _ = self._state.begin_load(path[:cut], self.device_pool.spec.layer_num)
+            handle, _ = self._state.begin_load(path[:cut], self._layer_num, None, match.device_len)
         return handle
 
     # -- storage -> host ------------------------------------------------------------------------------------------
@@ -404,11 +539,20 @@ class HierarchicalCache:
         self._check_open()
         if self.storage is None:
             return PrefetchHandle(0, self.prefetch_policy, self.prefetch_timeout)
+        probe = [] if self._sides is not None else None
         with self._lock:
-            path, device_len, host_len = self._state.match(tokens, salt)
+            path, device_len, host_len = self._state.match(tokens, salt, probe)
             parent_key = self._parent_key(path)
             last = path[-1] if path else self._state.tree.root(salt)
-        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt)
+            asked = self._probe_keys(tokens, probe, salt)
+        storage_len, fetch = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)
+        if self._sides is not None:
+            if not storage_len:
+                return PrefetchHandle(0, self.prefetch_policy, self.prefetch_timeout)
+            keys, at, pages, count, target = fetch
+            return self._mover.prefetch_groups(tokens, salt, at, pages * self.page_size, count,
+                                               keys[pages - 1] if pages else None, target, self.prefetch_policy,
+                                               self._prefetch_wait)
         return self._mover.prefetch(tokens, salt, last, device_len + host_len, storage_len // self.page_size,
                                     parent_key, self.prefetch_policy, self._prefetch_wait)
 
@@ -419,7 +563,8 @@ class HierarchicalCache:
 
     # -- inserting ------------------------------------------------------------------------------------------------
     @_checked
-    def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: torch.Tensor, salt=None) -> int:
+    def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: torch.Tensor, salt=None,
+               groups: dict | None = None) -> int:
         """Record KV the engine computed: ``device_indices[i]`` holds token ``i``.
 
         Only full pages are cached. Returns how many leading tokens were already cached
@@ -427,7 +572,9 @@ class HierarchicalCache:
         ``device_indices[:returned]`` that the caller allocated itself (rather than got
         from :meth:`match_prefix` / :meth:`load_back`) are duplicates for it to free.
         Every slot is checked first (range, alignment, dtype, not held by another
-        cached page); a bad one is a ``ValueError`` and nothing changes.
+        cached page); a bad one is a ``ValueError`` and nothing changes. Hybrid
+        specs: ``groups`` as in :meth:`commit`, covering the same tokens as
+        ``device_indices`` (at least its full pages).
         """
         tokens, salt = token_array(token_ids), canonical_salt(salt)
         self._check_open()
@@ -439,27 +586,51 @@ class HierarchicalCache:
                              f"{len(tokens)} tokens), got {n}")
         slots = device_indices[:usable]
         pages = self._check_slots(slots)
+        if groups is not None and hasattr(groups, "items"):
+            groups = {g: t[:usable] if isinstance(t, torch.Tensor) and t.dim() == 1 else t for g, t in groups.items()}
+        side = self._given(groups, usable, 0, "insert")
         del tokens[usable:]  # our own copy: whole pages only, without copying again
         with self._lock:
             walked = self._state.check_insert(tokens, pages, salt)
-            already, new = self._state.insert(tokens, pages, salt, walked)
+            if side is not None:
+                self._state.check_sides(side, walked)
+            already, new = self._state.insert(tokens, pages, salt, walked, side)
         self._stats.add(inserted_tokens=new)
         return already
+
+    def _given(self, groups, tokens: int, skip: int, what: str) -> dict | None:
+        """Hybrid: the engine's sliding pages for ``tokens`` tokens, checked, the first
+        ``skip`` (the cache's own prefix) none; ``ValueError`` for groups on a
+        uniform cache."""
+        if self._sides is None:
+            if groups is not None:
+                raise ValueError(f"{what}: groups= is for hybrid (sliding-window) specs; this cache is uniform")
+            return None
+        given = self._sides.check_given(groups, tokens - skip, what)
+        hole = np.full(skip // self.page_size, -1, dtype=np.int64)
+        return {g: np.concatenate([hole, pages]) for g, pages in given.items()}
 
     def _check_slots(self, slots: torch.Tensor):
         """The page numbers (numpy) of ``slots``; ``ValueError`` unless they are whole,
         distinct pages of this device pool."""
-        return page_numbers(slots, page_size=self.page_size, size=self.device_pool.size, what="device_indices",
-                            allowed_devices=(self.device_pool.index_device,), unique=True)
+        return page_numbers(slots, page_size=self.page_size, size=self._device.size, what="device_indices",
+                            allowed_devices=(self._device.index_device,), unique=True)
 
     # -- allocation and eviction -----------------------------------------------------------------------------------
     @_checked
-    def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+    def alloc_device(self, num_tokens: int, group: str | None = None) -> torch.Tensor | None:
         """Device slots for new KV (whole pages), evicting unlocked cached pages (LRU)
-        as needed; ``None`` if even that leaves too few."""
+        as needed; ``None`` if even that leaves too few. Hybrid specs: ``group``
+        names a sliding group for slots of its pool (the full groups share the
+        slots of ``group=None``)."""
         _check_count("alloc_device", num_tokens)
         self._check_open()
-        slots = self._alloc(num_tokens)
+        if group is not None:
+            self._check_group("alloc_device", group)
+            with self._lock:
+                slots = self._state.alloc("device", num_tokens, group)
+        else:
+            slots = self._alloc(num_tokens)
         if slots is None:
             self._stats.add(device_alloc_failures=1)
         return slots
@@ -478,10 +649,23 @@ class HierarchicalCache:
             self._wait(pending)  # write-back: the pages go once their host copies land
 
     @_checked
-    def free_device(self, indices: torch.Tensor) -> None:
+    def free_device(self, indices: torch.Tensor, group: str | None = None) -> None:
         """Return slots the caller owns (e.g. duplicates reported by :meth:`insert`);
-        ``ValueError`` for slots a cached page holds."""
+        ``ValueError`` for slots a cached page holds. ``group``: a sliding group's
+        slots (hybrid specs)."""
         self._check_open()
+        if group is not None:
+            self._check_group("free_device", group)
+            pool = self._sides.device[group]
+            pages = page_numbers(indices, page_size=self.page_size, size=pool.size, what="free_device indices",
+                                 allowed_devices=(pool.index_device,), unique=True)
+            with self._lock:
+                held = self._sides.owned[group][pages]
+                if held.any():
+                    raise ValueError(f"free_device: slot {int(pages[held][0]) * self.page_size} of group {group!r} "
+                                     "holds a cached page; only free slots you own")
+                pool.free(indices)
+            return
         self._check_slots(indices)
         with self._lock:
             owned = self._state.owned(indices)
@@ -489,6 +673,14 @@ class HierarchicalCache:
                 slot = int(indices[int(owned.argmax()) * self.page_size])
                 raise ValueError(f"free_device: slot {slot} holds a cached page; only free slots you own")
             self.allocator.free(indices)
+
+    @_checked
+    def _check_group(self, call: str, group) -> None:
+        names = () if self._sides is None else self._sides.names
+        if group not in names:
+            full = "" if self._sides is None else f"; the full groups {list(self._sides.full)} share group=None's"
+            raise ValueError(f"{call}: group={group!r} is not a sliding group of this cache "
+                             f"(sliding groups: {list(names)}){full}")
 
     @_checked
     def evict_device(self, num_tokens: int) -> int:
@@ -532,6 +724,10 @@ class HierarchicalCache:
             nodes = list(self._state.tree.nodes())
             tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.device is not None),
                      "host_tokens": sum(len(n.key) for n in nodes if n.host_ready)}
+            if self._sides is not None:  # pages held per sliding group and tier
+                tiers["sliding_pages"] = {g: {t: sum(int((getattr(n, t).side[g] >= 0).sum()) for n in nodes
+                                                     if getattr(n, t) is not None) for t in ("device", "host")}
+                                          for g in self._sides.names}
         queues = {w.name: w.depth() for w in self._mover.workers}
         out = {**self._stats.snapshot(), **tiers, "queue_depths": queues}
         if self.storage is not None:

@@ -47,14 +47,32 @@ class StorageGuard:
         """How many leading ``keys`` storage holds; 0 on any fault or after ``timeout``."""
         if not keys:
             return 0
+        n = self._ask(lambda: self.storage.batch_exists(keys), "batch_exists")
+        if n is None:
+            return 0
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
+            return self._fault("storage_exists", "answer", f"batch_exists answered {n!r} for {len(keys)} keys")
+        return n
+
+    def reusable(self, grouped, keys: list[str], held) -> int:
+        """:meth:`GroupedStorage.reusable` (a hybrid model's lookup), guarded as
+        :meth:`exists`: 0 on any fault or after ``timeout``."""
+        if not keys:
+            return 0
+        n = self._ask(lambda: grouped.reusable(keys, held), "reusable")
+        return n if isinstance(n, int) and 0 <= n <= len(keys) else 0
+
+    def _ask(self, call, what: str):
+        """``call()`` on an exists thread within ``timeout``; ``None`` (counted) on a fault."""
         slot = self._take_thread()
         if slot is None:
-            return self._fault("storage_exists", "busy", "every batch_exists thread is still running a call")
+            self._fault("storage_exists", "busy", f"every {what} thread is still running a call")
+            return None
         answer, done = {}, threading.Event()
 
-        def call() -> None:
+        def run() -> None:
             try:
-                answer["n"] = self.storage.batch_exists(keys)
+                answer["n"] = call()
             except Exception as e:
                 answer["error"] = e
             finally:
@@ -62,18 +80,17 @@ class StorageGuard:
                 done.set()
 
         try:
-            self.workers[slot].submit(call)
+            self.workers[slot].submit(run)
         except CacheClosedError:
             self._give_thread(slot)
             raise
         if not done.wait(self.timeout):
-            return self._fault("storage_exists", "slow", f"batch_exists took over {self.timeout}s")
-        n = answer.get("n")
+            self._fault("storage_exists", "slow", f"{what} took over {self.timeout}s")
+            return None
         if "error" in answer:
-            return self._fault("storage_exists", type(answer["error"]), f"batch_exists raised {answer['error']!r}")
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
-            return self._fault("storage_exists", "answer", f"batch_exists answered {n!r} for {len(keys)} keys")
-        return n
+            self._fault("storage_exists", type(answer["error"]), f"{what} raised {answer['error']!r}")
+            return None
+        return answer.get("n")
 
     def get(self, keys: list[str], host_pool, host_indices) -> list[bool]:
         """Per key, whether its page was filled; a fault is a miss."""
@@ -100,6 +117,26 @@ class StorageGuard:
             _warnings.warn(("batch_set", "answer"), "kvtier storage: batch_set answered %r for %d keys", ok, len(keys))
             return [False] * len(keys)
         return [x is True for x in ok]
+
+    def get_groups(self, grouped, keys: list[str], host_pool, host_indices, pages) -> dict[str, list[bool]]:
+        """:meth:`GroupedStorage.batch_get` per group; a fault is all misses."""
+        try:
+            got = grouped.batch_get(keys, host_pool, host_indices, pages)
+        except Exception as e:
+            self._fault("storage_read", type(e), f"batch_get raised {e!r}")
+            return {name: [False] * len(picked) for name, picked in pages.items()}
+        return {name: self._per_key("storage_read", "batch_get", got.get(name), len(picked))
+                for name, picked in pages.items()}
+
+    def set_groups(self, grouped, keys: list[str], host_pool, host_indices, pages) -> bool:
+        """Whether every group's every page was written (:meth:`GroupedStorage.batch_set`)."""
+        try:
+            ok = grouped.batch_set(keys, host_pool, host_indices, pages)
+        except Exception as e:
+            _warnings.warn(("batch_set", type(e)), "kvtier storage: batch_set raised %r", e)
+            return False
+        return all(len(ok.get(name, ())) == len(picked) and all(x is True for x in ok[name])
+                   for name, picked in pages.items())
 
     def _per_key(self, kind: str, op: str, got, n: int) -> list[bool]:
         if not isinstance(got, (list, tuple)) or len(got) != n or not all(isinstance(x, bool) for x in got):

@@ -29,6 +29,9 @@ class MatchResult:
     storage. Only safe to act on while locked (:meth:`HierarchicalCache.lock`).
     ``peeked``: from :meth:`HierarchicalCache.peek`, which changes nothing; such a
     result cannot be locked or loaded (its last node may be matched only in part).
+    ``groups`` (hybrid specs): per sliding group, ``(device_len,)`` device slots of
+    that group's pool holding the window before ``device_len``, ``-1`` elsewhere;
+    the full groups all use ``device_indices``.
     """
 
     device_indices: torch.Tensor
@@ -40,6 +43,7 @@ class MatchResult:
     tokens: array = field(repr=False, default_factory=lambda: array("q"))
     salt: bytes = field(repr=False, default=b"")
     peeked: bool = field(repr=False, default=False)
+    groups: dict | None = field(repr=False, default=None)
 
     @property
     def cached_len(self) -> int:
@@ -72,8 +76,10 @@ class LoadHandle:
     usable (the failed pages are back to host-only; match again).
     """
 
-    def __init__(self, device_indices: torch.Tensor, layer_num: int, depends: tuple["LoadHandle", ...] = ()) -> None:
+    def __init__(self, device_indices: torch.Tensor, layer_num: int, depends: tuple["LoadHandle", ...] = (),
+                 groups: dict | None = None) -> None:
         self.device_indices = device_indices
+        self.groups = groups  # hybrid: per sliding group, the window's slots (MatchResult.groups)
         self._layers = [threading.Event() for _ in range(layer_num)]
         self._depends = depends
         self._cuda_events: list = [None] * layer_num
@@ -170,6 +176,12 @@ class Acquired:
     @property
     def device_indices(self) -> torch.Tensor:
         return self.load.device_indices
+
+    @property
+    def groups(self) -> dict | None:
+        """Hybrid specs: per sliding group, the slots of the window before the reused
+        prefix (``-1`` elsewhere), as :attr:`MatchResult.groups`."""
+        return self.load.groups
 
     @property
     def released(self) -> bool:

@@ -20,7 +20,7 @@ class InFlight:
     host) or ``store`` (host -> storage). ``cancelled`` tells a job that has not
     run yet that its nodes no longer want it; ``done`` is set when it settled."""
 
-    __slots__ = ("kind", "nodes", "cancelled", "started", "done", "device", "host", "handle", "ready", "pin")
+    __slots__ = ("kind", "nodes", "cancelled", "started", "done", "device", "host", "handle", "ready", "pin", "side")
 
     def __init__(self, kind: str, nodes: list, device: torch.Tensor | None = None,
                  host: torch.Tensor | None = None) -> None:
@@ -34,6 +34,7 @@ class InFlight:
         self.handle = None                      # a load's LoadHandle
         self.ready = None                       # CUDA: event the copy's stream waits on
         self.pin = None                         # a load's locked node (its path stays put)
+        self.side = None                        # hybrid: ({group: device slots}, {group: host slots}) of sliding pages
 
     def holders(self) -> list:
         """The nodes still carrying this mark."""

@@ -20,9 +20,25 @@ TIERS = ("device", "host")
 _heappush = heapq.heappush
 
 
+def _has_side(copy, group: str) -> bool:
+    return copy is not None and copy.side is not None and bool((copy.side[group] >= 0).any())
+
+
+def side_tier(tier: str, group: str) -> str:
+    """The heap name of sliding group ``group``'s pages in ``tier`` (hybrid caches)."""
+    return f"{tier}:{group}"
+
+
 class LruIndex:
-    def __init__(self) -> None:
+    """``sides``: the sliding groups of a hybrid cache, whose pages are evicted apart
+    from the full pages (one heap per tier and group, ``side_tier``)."""
+
+    def __init__(self, sides: tuple[str, ...] = ()) -> None:
+        self._sides = sides
         self._heaps: dict[str, list] = {t: [] for t in TIERS}
+        for g in sides:
+            for t in TIERS:
+                self._heaps[side_tier(t, g)] = []
         self._device, self._host = self._heaps["device"], self._heaps["host"]
         self._seq = itertools.count()
 
@@ -42,6 +58,11 @@ class LruIndex:
             _heappush(self._device, entry)
         if node.host is not None:
             _heappush(self._host, entry)
+        for g in self._sides:
+            if _has_side(node.device, g):
+                _heappush(self._heaps[side_tier("device", g)], entry)
+            if _has_side(node.host, g):
+                _heappush(self._heaps[side_tier("host", g)], entry)
 
     def pop(self, tier: str, evictable: Callable[[object], bool]):
         """The least recently used node that ``evictable`` accepts, taken out of the
@@ -63,9 +84,12 @@ class LruIndex:
         entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes]
         self._device = [e for e in entries if e[-1].device is not None]
         self._host = [e for e in entries if e[-1].host is not None]
-        for heap in (self._device, self._host):
-            heapq.heapify(heap)
         self._heaps = {"device": self._device, "host": self._host}
+        for g in self._sides:
+            for t in TIERS:
+                self._heaps[side_tier(t, g)] = [e for e in entries if _has_side(getattr(e[-1], t), g)]
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
 
     def contains(self, tier: str, node) -> bool:
         """Whether ``node`` has an entry in ``tier`` (integrity checks only: a scan)."""

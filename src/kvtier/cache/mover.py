@@ -15,6 +15,7 @@ import contextlib
 import logging
 from array import array
 
+import numpy as np
 import torch
 
 from ..storage.faults import WarningLimiter
@@ -22,6 +23,7 @@ from ..storage.keys import extend_keys
 from .guard import StorageGuard
 from .handles import CacheClosedError, LoadError, PrefetchHandle
 from .inflight import InFlight
+from .sides import HOLE
 from .state import CacheState
 from .workers import Worker
 
@@ -38,8 +40,12 @@ STORE_BACKLOG_FRACTION = 1.0
 
 class Mover:
     def __init__(self, state: CacheState, guard: StorageGuard | None, *, io_backend: str,
-                 synchronous: bool = False) -> None:
+                 synchronous: bool = False, layer_num: int | None = None, grouped=None) -> None:
         self.state, self.guard, self.io_backend = state, guard, io_backend
+        # hybrid: the model's layer count (a load goes layer by layer over every group) and
+        # the store seen per group (``GroupedStorage``)
+        self.layer_num = state.device_pool.spec.layer_num if layer_num is None else layer_num
+        self.grouped = grouped
         self.loader = Worker("kvtier-load", synchronous)
         self.backer = Worker("kvtier-backup", synchronous)
         self.writer = Worker("kvtier-store", synchronous) if guard is not None else None
@@ -108,9 +114,14 @@ class Mover:
         scope, stream = self._stream("load")
         try:
             with scope:
-                for layer in range(state.device_pool.spec.layer_num):
-                    state.host_pool.load_to_device_per_layer(state.device_pool, mark.host, mark.device, layer,
-                                                             self.io_backend)
+                for layer in range(self.layer_num):
+                    if mark.side is not None:
+                        host, dev = self._group_indices(mark)
+                        state.sides.groups_host.load_to_device_per_layer(state.sides.groups_device, host, dev, layer,
+                                                                         self.io_backend)
+                    else:
+                        state.host_pool.load_to_device_per_layer(state.device_pool, mark.host, mark.device, layer,
+                                                                 self.io_backend)
                     if stream is not None:
                         handle._record_cuda_event(layer, stream)
                     handle._layer_done(layer)
@@ -129,8 +140,13 @@ class Mover:
                 with scope:
                     if mark.ready is not None:
                         stream.wait_event(mark.ready)
-                    self.state.host_pool.backup_from_device_all_layer(self.state.device_pool, mark.host,
-                                                                      mark.device, self.io_backend)
+                    if mark.side is not None:
+                        host, dev = self._group_indices(mark)
+                        self.state.sides.groups_host.backup_from_device_all_layer(self.state.sides.groups_device,
+                                                                                  host, dev, self.io_backend)
+                    else:
+                        self.state.host_pool.backup_from_device_all_layer(self.state.device_pool, mark.host,
+                                                                          mark.device, self.io_backend)
                 if stream is not None:
                     stream.synchronize()  # the device copy stays pinned until the bytes have landed
             except Exception as e:
@@ -139,11 +155,35 @@ class Mover:
         with self.state.lock:
             self.state.finish_backup(mark, ok)
 
+    def _group_indices(self, mark: InFlight) -> tuple[dict, dict]:
+        """A hybrid transfer's ``(host, device)`` slots per group: the full pages in
+        every full group, each sliding group's own; groups with nothing left out."""
+        host, dev = {}, {}
+        if mark.host.numel():
+            for name in self.state.sides.full:
+                host[name], dev[name] = mark.host, mark.device
+        side_dev, side_host = mark.side
+        for name, slots in side_host.items():
+            if slots.numel():
+                host[name], dev[name] = slots, side_dev[name]
+        return host, dev
+
     def _store(self, mark: InFlight) -> None:
         with self.state.lock:
             self._queued_store_tokens -= sum(len(n.key) for n in mark.nodes)
             job = self.state.start_store(mark)
-        ok = job is not None and self.guard.set(job[0], self.state.host_pool, job[1])
+        if job is None:
+            ok = False
+        elif self.grouped is not None:
+            keys, slots, sides = job
+            host = {name: slots for name in self.state.sides.full}
+            pages = {name: list(range(len(keys))) for name in self.state.sides.full}
+            for name, (picked, side_slots) in sides.items():
+                if picked:
+                    host[name], pages[name] = side_slots, picked
+            ok = self.guard.set_groups(self.grouped, keys, self.state.sides.groups_host, host, pages)
+        else:
+            ok = self.guard.set(job[0], self.state.host_pool, job[1])
         with self.state.lock:
             self.state.finish_store(mark, ok)
 
@@ -198,6 +238,91 @@ class Mover:
             with state.lock:
                 if done < host.numel():
                     state.free_fetch(host[done:])
+                state.unlock_node(last)
+            handle._done.set()
+
+    # -- storage -> host, hybrid ------------------------------------------------------------------------------
+    def prefetch_groups(self, tokens: array, salt: bytes, last, start: int, pages: int, parent_key: str | None,
+                        target: int, policy: str, timeout: float) -> PrefetchHandle:
+        """:meth:`prefetch` for a hybrid spec: the full pages after ``start`` tokens
+        and, per sliding group, only the pages of the window before ``target``
+        tokens; all host pages are taken before anything is read (or nothing is)."""
+        state, ps = self.state, self.state.page_size
+        first = start // ps
+        need = {g: np.array([i - first for i in state.sides.window_pages(g, target) if i >= first], dtype=np.int64)
+                for g in state.sides.names}
+        with state.lock:
+            host = state.alloc_fetch(pages * ps) if pages else None
+            side = {} if host is not None else None
+            for g, idx in need.items():
+                got = state.alloc_side("host", g, idx.size) if side is not None else None
+                if got is None:
+                    break
+                side[g] = np.full(pages, HOLE, dtype=np.int64)
+                side[g][idx] = got
+                state.sides.fetching[g] += idx.size * ps
+            if side is None or len(side) < len(need):
+                self._free_fetched(host, side or {}, 0)
+                return PrefetchHandle(0, policy, timeout)
+            state.lock_node(last)
+        handle = PrefetchHandle(pages * ps, policy, timeout)
+        try:
+            self.prefetcher.submit(lambda: self._prefetch_groups(handle, tokens, salt, last, start, host, side,
+                                                                 parent_key))
+        except CacheClosedError:
+            with state.lock:
+                self._free_fetched(host, side, 0)
+                state.unlock_node(last)
+            raise
+        return handle
+
+    def _free_fetched(self, host, side: dict, done: int) -> None:
+        """Give back what a hybrid prefetch holds after its first ``done`` pages (lock held)."""
+        state, ps = self.state, self.state.page_size
+        if host is not None and done * ps < host.numel():
+            state.free_fetch(host[done * ps:])
+        for g, pages in side.items():
+            rest = pages[done:]
+            state.sides.fetching[g] -= int((rest >= 0).sum()) * ps
+            state._free_side("host", g, rest)
+
+    def _prefetch_groups(self, handle, tokens, salt, last, start, host, side, parent_key) -> None:
+        state, ps, done = self.state, self.state.page_size, 0
+        full = state.sides.full
+        try:
+            keys = extend_keys(parent_key, tokens[start:start + handle.target], ps, state.namespace, salt,
+                               state.hash)
+            for c in range(0, len(keys), PREFETCH_CHUNK_PAGES):
+                if handle._cancel.is_set():
+                    break
+                chunk = keys[c:c + PREFETCH_CHUNK_PAGES]
+                k = len(chunk)
+                slots = {name: host[c * ps:(c + k) * ps] for name in full}
+                picked = {name: list(range(k)) for name in full}
+                for g, pages in side.items():
+                    local = np.flatnonzero(pages[c:c + k] >= 0)
+                    if local.size:
+                        picked[g], slots[g] = local.tolist(), state.sides.slots(pages[c:c + k][local])
+                got = self.guard.get_groups(self.grouped, chunk, state.sides.groups_host, slots, picked)
+                ok = np.ones(k, dtype=bool)
+                for name, answers in got.items():
+                    ok[np.asarray(picked[name], dtype=np.int64)] &= np.asarray(answers, dtype=bool)
+                n = int(np.argmin(ok)) if not ok.all() else k
+                if n:
+                    with state.lock:
+                        adopted = state.adopt_host(tokens[:start + (c + n) * ps], host[c * ps:(c + n) * ps],
+                                                   start + c * ps, salt, chunk[:n],
+                                                   {g: pages[c:c + n] for g, pages in side.items()})
+                    if not adopted:  # it took none of them: the finally gives them back
+                        break
+                    done = c + n
+                    handle.tokens = done * ps
+                    state.stats.add(prefetched_tokens=n * ps)
+                if n < k:
+                    break
+        finally:
+            with state.lock:
+                self._free_fetched(host, side, done)
                 state.unlock_node(last)
             handle._done.set()
 

@@ -45,7 +45,7 @@ class Node:
     """
 
     __slots__ = ("key", "children", "parent", "edge", "collisions", "device", "host", "storage", "store_keys",
-                 "lock_ref", "last_access", "hits", "serial")
+                 "lock_ref", "last_access", "hits", "serial", "ends")
 
     def __init__(self, key: array, parent: "Node | None") -> None:
         self.key = key
@@ -67,6 +67,7 @@ class Node:
         self.last_access = now()
         self.hits = 0
         self.serial = next(_serial)  # creation order: breaks LRU ties the same way in every replay
+        self.ends = False  # a committed sequence ends here: a resume point (hybrid models keep its window)
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, on in (("D", self.device is not None), ("H", self.host_ready),
@@ -223,10 +224,12 @@ class RadixTree:
         assert 0 < n < len(node.key) and n % self.page_size == 0, (n, len(node.key))
         top = Node(node.key[:n], node.parent)
         pages = n // self.page_size
-        for tier, cut in (("device", pages), ("host", n), ("storage", n)):
-            copy = getattr(node, tier)
-            if copy is not None:
-                setattr(top, tier, copy.split(cut))
+        if node.device is not None:
+            top.device = node.device.split(pages)
+        if node.host is not None:
+            top.host = node.host.split(n, self.page_size)
+        if node.storage is not None:
+            top.storage = node.storage.split(n)
         for mark in (top.loading, top.backup, top.storing):
             if mark is not None:
                 mark.nodes.append(top)

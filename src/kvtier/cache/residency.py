@@ -17,21 +17,33 @@ import numpy as np
 import torch
 
 
+def _split_side(side: dict | None, pages: int) -> tuple[dict | None, dict | None]:
+    """``(first pages, the rest)`` of per-group side page arrays."""
+    if side is None:
+        return None, None
+    return {g: a[:pages] for g, a in side.items()}, {g: a[pages:] for g, a in side.items()}
+
+
 class DeviceCopy:
     """Device page numbers ``pages``, the run ``base[at:at + len(pages)]``: the pieces
-    of a split stay views of one array, so a path's pages gather a run at a time."""
+    of a split stay views of one array, so a path's pages gather a run at a time.
+    ``side`` (hybrid models): per sliding group, a page number per page or ``-1``
+    (``kvtier.cache.sides``)."""
 
-    __slots__ = ("pages", "base", "at", "loading")
+    __slots__ = ("pages", "base", "at", "loading", "side")
 
-    def __init__(self, pages: np.ndarray, base: np.ndarray | None = None, at: int = 0) -> None:
+    def __init__(self, pages: np.ndarray, base: np.ndarray | None = None, at: int = 0,
+                 side: dict | None = None) -> None:
         self.pages = pages
         self.base = pages if base is None else base
         self.at = at
         self.loading = None  # the load filling these pages, if any
+        self.side = side
 
     def split(self, pages: int) -> "DeviceCopy":
         """Keep the pages after the first ``pages``; return a copy holding those."""
-        top = DeviceCopy(self.pages[:pages], self.base, self.at)
+        top_side, self.side = _split_side(self.side, pages)
+        top = DeviceCopy(self.pages[:pages], self.base, self.at, top_side)
         top.loading = self.loading
         self.pages = self.pages[pages:]
         self.at += pages
@@ -39,21 +51,24 @@ class DeviceCopy:
 
 
 class HostCopy:
-    """Host token slots ``slots``; ``backup`` is the device -> host copy filling them."""
+    """Host token slots ``slots``; ``backup`` is the device -> host copy filling them.
+    ``side`` (hybrid models): per sliding group, a host page number per page or ``-1``."""
 
-    __slots__ = ("slots", "backup")
+    __slots__ = ("slots", "backup", "side")
 
-    def __init__(self, slots: torch.Tensor) -> None:
+    def __init__(self, slots: torch.Tensor, side: dict | None = None) -> None:
         self.slots = slots
         self.backup = None
+        self.side = side
 
     @property
     def ready(self) -> bool:
         """Filled: no backup still writing it."""
         return self.backup is None
 
-    def split(self, tokens: int) -> "HostCopy":
-        top = HostCopy(self.slots[:tokens])
+    def split(self, tokens: int, page_size: int = 1) -> "HostCopy":
+        top_side, self.side = _split_side(self.side, tokens // page_size)
+        top = HostCopy(self.slots[:tokens], top_side)
         top.backup = self.backup
         self.slots = self.slots[tokens:]
         return top

@@ -34,10 +34,12 @@ from ..errors import IntegrityError
 from ..pools.indices import page_token_slots
 from ..storage.keys import extend_keys
 from .handles import LoadHandle
+from .hybrid_state import HybridState
 from .inflight import InFlight
 from .lru import LruIndex
 from .radix import Node, RadixTree
 from .residency import DeviceCopy, HostCopy, StorageCopy, set_mark
+from .sides import Sides
 from .stats import CacheStats
 
 
@@ -73,16 +75,20 @@ def _tier_lens(path, matched: int, inner: int) -> tuple[int, int]:
     return device_len, host_len
 
 
-class CacheState:
+class CacheState(HybridState):
+    """``sides``: the sliding groups of a hybrid spec (``device_pool`` and ``host_pool``
+    are then its first full group's pools, whose slots every full group shares)."""
+
     def __init__(self, device_pool, host_pool, allocator, *, write_policy: str, stats: CacheStats,
-                 namespace: str | None, hash: str, has_storage: bool) -> None:
+                 namespace: str | None, hash: str, has_storage: bool, sides: Sides | None = None) -> None:
         self.device_pool, self.host_pool, self.allocator = device_pool, host_pool, allocator
         self.page_size = host_pool.page_size
         self.write_policy, self.stats = write_policy, stats
         self.namespace, self.hash, self.has_storage = namespace, hash, has_storage
         self.lock = threading.RLock()
         self.tree = RadixTree(self.page_size)
-        self.lru = LruIndex()
+        self.sides = sides
+        self.lru = LruIndex(sides.names if sides is not None else ())
         self._nodes = 0
         self._owned = np.zeros(device_pool.size // self.page_size, dtype=bool)  # device pages held by nodes
         # 0 .. page_size - 1 on an accelerator that holds the slot tensors (``slots_of``
@@ -94,15 +100,29 @@ class CacheState:
         self.schedule: Callable[[InFlight], None] = lambda mark: None  # the mover's; set by the cache
 
     # -- matching ---------------------------------------------------------------------------
-    def match(self, tokens: array, salt: bytes) -> tuple[list[Node], int, int]:
-        """``(path, device_len, host_len)`` of the longest resident prefix; touches it."""
+    def match(self, tokens: array, salt: bytes, probe: list | None = None) -> tuple[list[Node], int, int]:
+        """``(path, device_len, host_len)`` of the longest resident prefix; touches it.
+        Hybrid: the longest resumable one (``path`` ends there), and ``probe`` (a list)
+        gets what was resident (:class:`~kvtier.cache.hybrid_state.Probe`)."""
         path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
         device_len, host_len = _tier_lens(path, matched, len(path[-1].key) if path else 0)
+        if self.sides is not None:
+            device_len, host_len, found = self._hybrid_lens(path, device_len, host_len)
+            self._cut(path, device_len + host_len, split=True)
+            if probe is not None:
+                probe.append(found)
         return path, device_len, host_len
 
-    def peek(self, tokens: array, salt: bytes) -> tuple[list[Node], int, int, int]:
+    def match_all(self, tokens: array, salt: bytes) -> list[Node]:
+        """The path of the whole cached part of ``tokens``, however resumable; touches it."""
+        path, _, made = self.tree.match(tokens, salt)
+        for node in made:
+            self._added(node)
+        return path
+
+    def peek(self, tokens: array, salt: bytes, probe: list | None = None) -> tuple[list[Node], int, int, int]:
         """``(path, device_len, host_len, used)``: what :meth:`match` would find, with
         no split and no LRU stamp. The last node of ``path`` may be matched only in
         part: ``used`` of its tokens."""
@@ -111,6 +131,11 @@ class CacheState:
         device_len, host_len = _tier_lens(path, matched, inner)
         if len(path) < walked:  # cut: it ends with a whole node (or is empty)
             inner = len(path[-1].key) if path else 0
+        if self.sides is not None:
+            device_len, host_len, found = self._hybrid_lens(path, device_len, host_len)
+            inner = self._cut(path, device_len + host_len, split=False)
+            if probe is not None:
+                probe.append(found)
         return path, device_len, host_len, inner
 
     def device_slots(self, path) -> torch.Tensor:
@@ -160,12 +185,17 @@ class CacheState:
         if len(self.lru) > 4 * self._nodes + 1024:
             self.lru.rebuild(self.tree.nodes())
 
-    def _set_device(self, node: Node, pages: np.ndarray) -> None:
-        """Give ``node`` the device pages ``pages`` (an array the node may keep)."""
-        node.device = DeviceCopy(pages)
+    def _set_device(self, node: Node, pages: np.ndarray, side: dict | None = None) -> None:
+        """Give ``node`` the device pages ``pages`` (an array the node may keep) and, for
+        a hybrid spec, the sliding pages ``side`` (default: none)."""
+        if self.sides is not None and side is None:
+            side = self.sides.empty(pages.size)
+        node.device = DeviceCopy(pages, side=side)
         self._owned[pages] = True
 
     def _drop_device(self, node: Node) -> None:
+        if node.device.side is not None:
+            self._drop_sides(node.device, "device")
         self._owned[node.device.pages] = False
         self.allocator.free(self.slots_of(node.device.pages))
         node.device = None
@@ -175,6 +205,8 @@ class CacheState:
     def _drop_host(self, node: Node) -> None:
         if node.storing is not None:  # a queued write of this copy is dropped with it
             set_mark(node, "store", None)
+        if node.host.side is not None:
+            self._drop_sides(node.host, "host")
         self.host_pool.free(node.host.slots)
         node.host = None
 
@@ -202,8 +234,12 @@ class CacheState:
         return self._owned[self._pages(slots)]
 
     # -- allocation and eviction --------------------------------------------------------------------
-    def alloc(self, tier: str, n: int) -> torch.Tensor | None:
-        """``n`` slots of ``tier``, evicting that tier's LRU unlocked pages if it is full."""
+    def alloc(self, tier: str, n: int, group: str | None = None) -> torch.Tensor | None:
+        """``n`` slots of ``tier``, evicting that tier's LRU unlocked pages if it is full
+        (``group``: of that sliding group's pool, hybrid specs)."""
+        if group is not None:
+            pages = self.alloc_side(tier, group, -(-n // self.page_size))
+            return None if pages is None else self.sides.slots(pages)
         pool = self.allocator if tier == "device" else self.host_pool
         slots = pool.alloc(n)
         if slots is None:
@@ -255,11 +291,15 @@ class CacheState:
         return node.device is not None or not node.children  # a host-only node goes with its leaf
 
     # -- host -> device -----------------------------------------------------------------------------------
-    def begin_load(self, path: list[Node], layer_num: int, reserved: torch.Tensor | None = None):
+    def begin_load(self, path: list[Node], layer_num: int, reserved: torch.Tensor | None = None,
+                   device_len: int = 0):
         """Give device slots to the host-only nodes of ``path`` (as many as fit; first
         from ``reserved``, slots the caller allocated for this, whose rest is freed)
         and mark them loading. Returns ``(handle, mark)``; ``mark`` is ``None`` when
-        nothing needs loading (the handle is then finished)."""
+        nothing needs loading (the handle is then finished). Hybrid: see
+        :meth:`begin_load_hybrid` (``device_len``: the device hit of ``path``)."""
+        if self.sides is not None:
+            return self.begin_load_hybrid(path, layer_num, reserved, device_len)
         if not path:
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)
@@ -312,7 +352,8 @@ class CacheState:
         """Undo a failed (or cancelled) load: its pages, and every device page below
         them, leave the device; loads that depended on it are cancelled."""
         for node in mark.clear():
-            self._drop_device_subtree(node)
+            if mark.side is None or not self.fail_load_sides(mark, node):
+                self._drop_device_subtree(node)
         self.unlock_node(mark.pin)
         self.stats.error("load")
         mark.done.set()
@@ -343,8 +384,10 @@ class CacheState:
         host = self.alloc("host", len(node.key))
         if host is None:
             return False
-        node.host = HostCopy(host)
+        side, moved = self.backup_sides(node) if self.sides is not None else (None, None)
+        node.host = HostCopy(host, side)
         mark = node.host.backup = InFlight("backup", [node], device=self.slots_of(node.device.pages), host=host)
+        mark.side = moved
         self.backups.add(mark)
         self.schedule(mark)
         return True
@@ -374,15 +417,19 @@ class CacheState:
         mark = node.storage.writing = InFlight("store", [node])
         self.schedule(mark)
 
-    def start_store(self, mark: InFlight) -> tuple[list[str], torch.Tensor] | None:
-        """The keys and host slots to write, pinning them; ``None`` if every node of
-        the mark lost its host copy while the write was queued."""
+    def start_store(self, mark: InFlight):
+        """The keys and host slots to write, pinning them (hybrid: and per sliding
+        group the pages and host slots, :meth:`store_sides`); ``None`` if every node
+        of the mark lost its host copy while the write was queued."""
         holders = mark.holders()
         if not holders:
             return None
         mark.started = True
         keys = [k for node in holders for k in self.store_keys(node)]
-        return keys, torch.cat([node.host.slots for node in holders])
+        slots = torch.cat([node.host.slots for node in holders])
+        if self.sides is not None:
+            return keys, slots, self.store_sides(holders)
+        return keys, slots
 
     def finish_store(self, mark: InFlight, ok: bool) -> None:
         holders = mark.clear()
@@ -426,20 +473,28 @@ class CacheState:
         self.host_pool.free(host_slots)
         self.fetching -= host_slots.numel()
 
-    def adopt_host(self, tokens: array, host_slots: torch.Tensor, start: int, salt: bytes, keys: list[str]) -> bool:
+    def adopt_host(self, tokens: array, host_slots: torch.Tensor, start: int, salt: bytes, keys: list[str],
+                   side: dict | None = None) -> bool:
         """Insert ``tokens[start:]`` as host-resident pages in ``host_slots`` (fetched
-        from storage, from :meth:`alloc_fetch`). False, taking nothing, when the pages
-        before ``start`` left the tree meanwhile."""
+        from storage, from :meth:`alloc_fetch`; hybrid: ``side``, per sliding group a
+        host page or ``-1`` per page, counted in ``sides.fetching``). False, taking
+        nothing, when the pages before ``start`` left the tree meanwhile."""
         path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
         if matched < start:
             return False
+        ps = self.page_size
+        if side is not None:
+            for g, pages in side.items():
+                self.sides.fetching[g] -= int((pages >= 0).sum()) * ps
+                self._free_side("host", g, pages[:(matched - start) // ps])
         if matched > start:  # someone cached part of it meanwhile: keep theirs
             self.host_pool.free(host_slots[:matched - start])
         if matched < len(tokens):
             node = self.tree.add_child(path[-1] if path else self.tree.root(salt), tokens[matched:])
-            node.host = HostCopy(host_slots[matched - start:])
+            rest = None if side is None else {g: a[max(0, matched - start) // ps:] for g, a in side.items()}
+            node.host = HostCopy(host_slots[matched - start:], rest)
             node.storage = StorageCopy(stored=True)
             node.store_keys = keys[(matched - start) // self.page_size:]
             self._added(node)
@@ -475,10 +530,12 @@ class CacheState:
                 raise ValueError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
         return walked
 
-    def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked) -> tuple[int, int]:
+    def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked,
+               side: dict | None = None) -> tuple[int, int]:
         """Cache ``tokens`` (whole pages) whose KV is in the device pages ``pages`` (an
         array the tree may keep); ``walked`` is what :meth:`check_insert` returned, with
-        the lock held since. Returns ``(tokens already on the device, new tokens)``."""
+        the lock held since. Hybrid: ``side`` holds the engine's sliding pages
+        (:meth:`adopt_sides`). Returns ``(tokens already on the device, new tokens)``."""
         path, matched, made = self.tree.match(tokens, salt, walked)
         for node in made:
             self._added(node)
@@ -495,6 +552,8 @@ class CacheState:
             self._set_device(node, pages[matched // ps:])
             self._added(node)
             path.append(node)
+        if self.sides is not None and path:
+            self.adopt_sides(path, side if side is not None else self.sides.empty(len(tokens) // ps), len(tokens))
         if self.write_policy == "write_through":
             for node in path:
                 self.begin_backup(node)
@@ -559,6 +618,8 @@ class CacheState:
             raise IntegrityError("ownership map is stale")
         if self.host_pool.available_size() + len(host_slots) + self.fetching != self.host_pool.size:
             raise IntegrityError("host slots leaked")
+        if self.sides is not None:
+            self.check_side_integrity(list(self.tree.nodes()))
         if engine_device_slots is not None:
             held = len(dev_pages) * self.page_size + engine_device_slots
             if self.allocator.available_size() + held != self.device_pool.size:

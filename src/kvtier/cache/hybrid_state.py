@@ -1,0 +1,398 @@
+"""The hybrid half of ``CacheState``: sliding-window pages beside the full pages.
+
+Mixed into :class:`~kvtier.cache.state.CacheState`; every method runs with the
+state's lock held and only when the cache serves a hybrid spec (``self.sides``).
+The full groups keep the uniform rules (prefix-closed device copies, LRU per node);
+the sliding groups' pages are optional extras of a node's device and host copies
+(``kvtier.cache.sides``), so dropping one never breaks an invariant: it only makes
+the prefixes whose window it was in no longer resumable, which every match checks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import IntegrityError
+from .inflight import InFlight
+from .lru import side_tier
+from .sides import HOLE, resumable
+
+
+class Probe:
+    """What a hybrid match found resident, for the storage lookup after it: the
+    uncut path, its resident full pages, and per sliding group the pages held on
+    the device or the host."""
+
+    __slots__ = ("nodes", "pages", "held")
+
+    def __init__(self, nodes, pages: int, held: dict[str, np.ndarray]) -> None:
+        self.nodes, self.pages, self.held = nodes, pages, held
+
+
+class HybridState:
+    # -- matching -------------------------------------------------------------------------------
+    def _side_held(self, path, pages: int) -> tuple[dict, dict]:
+        """Per sliding group, ``(device-held, host-held)`` bool arrays over the first
+        ``pages`` pages of ``path``."""
+        dev, host = {g: [] for g in self.sides.names}, {g: [] for g in self.sides.names}
+        for node in path:
+            n = len(node.key) // self.page_size
+            d, h = node.device, node.host
+            ready = h is not None and h.backup is None
+            for g in self.sides.names:
+                dev[g].append(d.side[g] >= 0 if d is not None else np.zeros(n, dtype=bool))
+                host[g].append(h.side[g] >= 0 if ready else np.zeros(n, dtype=bool))
+        cat = (lambda parts: np.concatenate(parts)[:pages] if parts else np.zeros(0, dtype=bool))
+        return {g: cat(v) for g, v in dev.items()}, {g: cat(v) for g, v in host.items()}
+
+    def _hybrid_lens(self, path, device_len: int, host_len: int) -> tuple[int, int, Probe]:
+        """DESIGN 5c on a walked path: ``(device_len, host_len, probe)``, the device hit
+        being the longest prefix whose every group is on the device, the host hit
+        what device and host hold together beyond it."""
+        ps, windows = self.page_size, self.sides.windows
+        pages = (device_len + host_len) // ps
+        dev, host = self._side_held(path, pages)
+        both = {g: dev[g] | host[g] for g in dev}
+        p_dev = resumable(windows, dev, device_len // ps, ps)
+        p_all = max(p_dev, resumable(windows, both, pages, ps))
+        return p_dev * ps, (p_all - p_dev) * ps, Probe(list(path), pages, both)
+
+    def _cut(self, path, tokens: int, split: bool) -> int:
+        """Cut ``path`` after ``tokens`` tokens (splitting the node it ends inside when
+        ``split``); returns the tokens used of its last node."""
+        pos = 0
+        for i, node in enumerate(path):
+            end = pos + len(node.key)
+            if tokens <= pos:
+                del path[i:]
+                break
+            if tokens < end:
+                if split:
+                    top = self.tree.split(node, tokens - pos)
+                    self._added(top)
+                    path[i] = top
+                del path[i + 1:]
+                return tokens - pos
+            pos = end
+        return len(path[-1].key) if path else 0
+
+    def side_slots(self, path, prefix: int) -> dict[str, torch.Tensor]:
+        """Per sliding group, the device slots of ``prefix`` tokens of ``path``: the
+        window before ``prefix``, ``-1`` elsewhere (and where the device lacks a page)."""
+        ps, out = self.page_size, {}
+        pages = prefix // ps
+        for g in self.sides.names:
+            arrays, have = [], 0
+            for node in path:
+                if have >= pages or node.device is None:
+                    break
+                arrays.append(node.device.side[g])
+                have += len(arrays[-1])
+            held = np.concatenate(arrays)[:pages] if arrays else np.zeros(0, dtype=np.int64)
+            held = np.concatenate([held, np.full(pages - held.size, HOLE, dtype=np.int64)])
+            window = self.sides.window_pages(g, prefix)
+            picked = np.full(pages, HOLE, dtype=np.int64)
+            picked[window.start:window.stop] = held[window.start:window.stop]
+            out[g] = self.sides.slots_with_holes(picked)
+        return out
+
+    # -- side pages in and out ------------------------------------------------------------------
+    def _free_side(self, tier: str, g: str, pages: np.ndarray) -> None:
+        pages = pages[pages >= 0]
+        if not pages.size:
+            return
+        if tier == "device":
+            self.sides.owned[g][pages] = False
+            self.sides.device[g].free(self.sides.slots(pages))
+        else:
+            self.sides.host[g].free(self.sides.slots(pages))
+
+    def _drop_sides(self, copy, tier: str) -> None:
+        for g, pages in copy.side.items():
+            self._free_side(tier, g, pages)
+            pages[:] = HOLE
+
+    def alloc_side(self, tier: str, g: str, n: int) -> np.ndarray | None:
+        """``n`` pages of sliding group ``g`` in ``tier``, evicting that group's LRU
+        unlocked pages there if it is full."""
+        pool = (self.sides.device if tier == "device" else self.sides.host)[g]
+        got = self.sides.alloc_pages(pool, n)
+        if got is None:
+            self.evict_side(tier, g, n * self.page_size - pool.available_size())
+            got = self.sides.alloc_pages(pool, n)
+        return got
+
+    def evict_side(self, tier: str, g: str, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots of sliding group ``g`` in ``tier``: every
+        page of ``g`` of the least recently used unlocked nodes, until enough."""
+        freed, heap = 0, side_tier(tier, g)
+        evictable = self._side_device_evictable if tier == "device" else self._side_host_evictable
+        while freed < num_tokens:
+            node = self.lru.pop(heap, lambda n: evictable(n, g))
+            if node is None:
+                break
+            pages = getattr(node, tier).side[g]
+            held = pages[pages >= 0]
+            self._free_side(tier, g, held)
+            pages[:] = HOLE
+            freed += held.size * self.page_size
+            self.lru.push(node)
+        return freed
+
+    @staticmethod
+    def _side_device_evictable(node, g: str) -> bool:
+        d = node.device
+        if d is None or node.lock_ref or d.loading is not None or node.backup is not None:
+            return False
+        return bool((d.side[g] >= 0).any())
+
+    @staticmethod
+    def _side_host_evictable(node, g: str) -> bool:
+        h = node.host
+        if h is None or node.lock_ref or h.backup is not None or node.loading is not None:
+            return False
+        if node.storing is not None and node.storing.started:
+            return False
+        return bool((h.side[g] >= 0).any())
+
+    # -- inserting ------------------------------------------------------------------------------
+    def check_sides(self, given: dict[str, np.ndarray], walked) -> None:
+        """``ValueError`` unless every sliding page the engine gives is its own: not
+        held by a node (but that node's own page at the same place), and allocated."""
+        path, _, inner = walked
+        ps = self.page_size
+        for g, pages in given.items():
+            own = np.full(pages.size, HOLE, dtype=np.int64)
+            at = 0
+            for i, node in enumerate(path):
+                if node.device is None:
+                    break
+                n = (inner if i == len(path) - 1 else len(node.key)) // ps
+                own[at:at + n] = node.device.side[g][:n]
+                at += n
+            mine = pages >= 0
+            bad = mine & self.sides.owned[g][np.maximum(pages, 0)] & (pages != own)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"groups[{g!r}]: device slot {int(pages[i]) * ps} (page {i} of the prompt) already "
+                                 "holds another cached page; pass slots from alloc_device(n, group=...)")
+            fresh = pages[mine & (pages != own)]
+            if fresh.size and not self.sides.device[g].allocated_pages(torch.from_numpy(fresh)).all():
+                raise ValueError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
+                                 "alloc_device(n, group=...)")
+
+    def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int) -> None:
+        """Take the engine's sliding pages (``given``, one per page of ``tokens`` tokens
+        along ``path``) where a resume point's window needs them and the node has
+        none; free the rest. Marks the sequence's end as a resume point."""
+        ps = self.page_size
+        path[-1].ends = True
+        points, pos = {tokens, *self.sides.retention_points(tokens)}, 0
+        for node in path:
+            pos += len(node.key)
+            if node.ends or len(node.children) > 1:
+                points.add(pos)
+        keep = self.sides.keep(tokens // ps, points)
+        at = 0
+        for node in path:
+            n = len(node.key) // ps
+            for g, pages in given.items():
+                mine, offered = node.device.side[g], pages[at:at + n]
+                take = keep[g][at:at + n] & (mine < 0) & (offered >= 0)
+                mine[take] = offered[take]
+                self.sides.owned[g][offered[take]] = True
+                self._free_side("device", g, offered[~take & (offered != mine)])
+            at += n
+            self.lru.push(node)
+
+    # -- host -> device -------------------------------------------------------------------------
+    def _plan_load(self, path, target: int):
+        """What a load to resume after ``target`` tokens moves: nodes loaded whole (with
+        every sliding page their host copy has), and per device-resident node the
+        window pages only the host has. ``None`` when a node it needs is being
+        loaded for another window already."""
+        ps, whole, partial, depends = self.page_size, [], [], {}
+        need = {g: self.sides.window_pages(g, target) for g in self.sides.names}
+        at = 0
+        for node in path:
+            n = len(node.key) // ps
+            if node.device is None:
+                whole.append(node)
+            else:
+                missing = {}
+                for g, w in need.items():
+                    lo, hi = max(w.start, at) - at, min(w.stop, at + n) - at
+                    if lo < hi:
+                        idx = np.arange(lo, hi)
+                        idx = idx[node.device.side[g][idx] < 0]
+                        if idx.size:
+                            missing[g] = idx
+                if node.device.loading is not None:
+                    if missing:
+                        return None
+                    depends[id(node.device.loading)] = node.device.loading.handle
+                elif missing:
+                    partial.append((node, missing))
+            at += n
+        return whole, partial, depends
+
+    def _load_pages(self, whole, partial, reserved):
+        """Device pages for a planned load, all or nothing: ``(full pages per whole
+        node, {group: device pages in load order}, {group: host pages})``, or ``None``
+        (every page taken is given back)."""
+        full, side_host, got_side = [], {g: [] for g in self.sides.names}, {}
+        for node in whole:
+            n = len(node.key)
+            if reserved is not None and reserved.numel() >= n:
+                slots, reserved = reserved[:n], reserved[n:]
+            else:
+                slots = self.alloc("device", n)
+            if slots is None:
+                break
+            full.append(self._pages(slots))
+        for node in whole:
+            for g in self.sides.names:
+                side_host[g].append(node.host.side[g][node.host.side[g] >= 0])
+        for node, missing in partial:
+            for g in self.sides.names:
+                if g in missing:
+                    side_host[g].append(node.host.side[g][missing[g]])
+        for g in self.sides.names:
+            side_host[g] = np.concatenate(side_host[g]) if side_host[g] else np.zeros(0, dtype=np.int64)
+            if len(full) == len(whole):
+                pages = self.alloc_side("device", g, side_host[g].size)
+                if pages is not None:
+                    got_side[g] = pages
+        if reserved is not None and reserved.numel():
+            self.allocator.free(reserved)
+        if len(full) < len(whole) or len(got_side) < len(self.sides.names):
+            for pages in full:
+                self.allocator.free(self.slots_of(pages))
+            for g, pages in got_side.items():
+                self._free_side("device", g, pages)
+            return None
+        return full, got_side, side_host
+
+    def begin_load_hybrid(self, path, layer_num: int, reserved, device_len: int):
+        """:meth:`CacheState.begin_load` for a hybrid spec: all or nothing, to resume
+        after the whole of ``path``. When the pages cannot all be had, nothing loads
+        and the handle holds the device hit (``device_len`` tokens) alone."""
+        from .handles import LoadHandle
+
+        target = sum(len(n.key) for n in path)
+        plan = self._plan_load(path, target) if path else None
+        got = self._load_pages(plan[0], plan[1], reserved) if plan is not None else None
+        if got is None:
+            if plan is None and reserved is not None and reserved.numel():
+                self.allocator.free(reserved)
+            keep = path[:]
+            self._cut(keep, device_len, split=False)
+            handle = LoadHandle(self.device_slots(keep)[:device_len], layer_num,
+                                groups=self.side_slots(keep, device_len))
+            handle._finish()
+            return handle, None
+        whole, partial, depends = plan
+        full, side_dev, side_host = got
+        for g, pages in side_dev.items():
+            self.sides.owned[g][pages] = True
+        pin = path[-1]
+        self.tree.lock(pin)
+        used = dict.fromkeys(self.sides.names, 0)
+        for node, pages in zip(whole, full):
+            side = {}
+            for g in self.sides.names:
+                host = node.host.side[g]
+                mine = np.full(host.size, HOLE, dtype=np.int64)
+                k = int((host >= 0).sum())
+                mine[host >= 0] = side_dev[g][used[g]:used[g] + k]
+                used[g] += k
+                side[g] = mine
+            self._set_device(node, pages, side)
+        for node, missing in partial:
+            for g, idx in missing.items():
+                node.device.side[g][idx] = side_dev[g][used[g]:used[g] + idx.size]
+                used[g] += idx.size
+        handle = LoadHandle(self.device_slots(path), layer_num, tuple(depends.values()),
+                            groups=self.side_slots(path, target))
+        nodes = whole + [node for node, _ in partial]
+        if not nodes:
+            self.unlock_node(pin)
+            handle._finish()
+            return handle, None
+        empty = torch.empty(0, dtype=torch.int64)
+        mark = InFlight("load", nodes,
+                        device=torch.cat([self.slots_of(n.device.pages) for n in whole]) if whole else empty,
+                        host=torch.cat([n.host.slots for n in whole]) if whole else empty)
+        mark.side = ({g: self.sides.slots(side_dev[g]) for g in self.sides.names},
+                     {g: self.sides.slots(side_host[g]) for g in self.sides.names})
+        mark.handle, mark.pin = handle, pin
+        for node in nodes:
+            node.device.loading = mark
+        self.schedule(mark)
+        return handle, mark
+
+    def fail_load_sides(self, mark, node) -> bool:
+        """Undo a failed load's sliding pages on ``node`` when the load only added
+        those (its full pages were there before); True if it did."""
+        if mark.device.numel() and np.isin(node.device.pages, self._pages(mark.device)).any():
+            return False
+        for g, slots in mark.side[0].items():
+            pages = node.device.side[g]
+            ours = np.isin(pages, self.sides.pages_of(slots)) & (pages >= 0)
+            self._free_side("device", g, pages[ours])
+            pages[ours] = HOLE
+        node.device.loading = None
+        self.lru.push(node)
+        return True
+
+    # -- device -> host -------------------------------------------------------------------------
+    def backup_sides(self, node):
+        """Host pages for the sliding pages of ``node``'s device copy (a group whose
+        host pool is full of locked pages is left out: a hole); returns
+        ``(host side arrays, ({group: device slots}, {group: host slots}))``."""
+        side, dev, host = {}, {}, {}
+        for g in self.sides.names:
+            mine = node.device.side[g]
+            held = mine >= 0
+            pages = self.alloc_side("host", g, int(held.sum())) if held.any() else None
+            out = np.full(mine.size, HOLE, dtype=np.int64)
+            if pages is not None:
+                out[held] = pages
+                dev[g], host[g] = self.sides.slots(mine[held]), self.sides.slots(pages)
+            side[g] = out
+        return side, (dev, host)
+
+    # -- host -> storage ------------------------------------------------------------------------
+    def store_sides(self, holders) -> dict[str, tuple[list[int], torch.Tensor]]:
+        """Per sliding group, ``(page numbers in the write, host slots)`` of what the
+        holders' host copies hold."""
+        out = {}
+        for g in self.sides.names:
+            pages = np.concatenate([n.host.side[g] for n in holders])
+            idx = np.flatnonzero(pages >= 0)
+            out[g] = (idx.tolist(), self.sides.slots(pages[idx]))
+        return out
+
+    # -- integrity ------------------------------------------------------------------------------
+    def check_side_integrity(self, nodes) -> None:
+        """Side arrays one int64 entry per page, each page held once per tier and
+        group, the ownership map exact, no side slot leaked."""
+        ps = self.page_size
+        for g in self.sides.names:
+            dev, host = [], []
+            for node in nodes:
+                for copy, out in ((node.device, dev), (node.host, host)):
+                    if copy is None:
+                        continue
+                    pages = copy.side.get(g) if copy.side is not None else None
+                    if pages is None or pages.dtype != np.int64 or pages.shape != (len(node.key) // ps,):
+                        raise IntegrityError(f"{node}: sliding group {g!r} has no page array of its pages")
+                    out += pages[pages >= 0].tolist()
+            if len(dev) != len(set(dev)) or len(host) != len(set(host)):
+                raise IntegrityError(f"a page of sliding group {g!r} is held twice")
+            if sorted(np.flatnonzero(self.sides.owned[g]).tolist()) != sorted(dev):
+                raise IntegrityError(f"sliding group {g!r}: ownership map is stale")
+            pool = self.sides.host[g]
+            if pool.available_size() + len(host) * ps + self.sides.fetching[g] != pool.size:
+                raise IntegrityError(f"sliding group {g!r}: host slots leaked")

@@ -1,0 +1,151 @@
+"""The sliding-window groups of a hybrid cache: their pages beside each node's full pages.
+
+A hybrid model's full-attention groups share the node's page numbers (page ``p`` of a
+node is page ``p`` of every full group's pool). Its sliding groups keep only the
+pages that some window needs, so beside the full pages each device and host copy
+holds, per sliding group, one page number per page of the node, ``-1`` where that
+group holds nothing (a "hole"). Those side arrays are split with the copy.
+
+Which pages a sliding group keeps is decided where KV enters the tree (insert,
+commit, prefetch): only pages in the window before some *resume point* (the end of
+every committed sequence, every ``retention_interval`` tokens, and every branch
+point) are taken; the caller's other pages are freed at once, and so never reach
+the host or storage. A prefix of ``p`` pages is resumable only when every full
+group holds ``[0, p)`` and every sliding group the pages of its window before ``p``
+(DESIGN 5c): :func:`resumable` answers that for many ``p`` at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..hybrid import HybridSpec
+from ..pools.indices import page_token_slots
+
+HOLE = -1
+
+
+def run_lengths(held: np.ndarray) -> np.ndarray:
+    """``out[i]``: how many consecutive ``True`` end at ``held[i]`` (0 where it is False)."""
+    n = held.size
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    idx = np.arange(1, n + 1, dtype=np.int64)
+    last_gap = np.maximum.accumulate(np.where(held, 0, idx))
+    return idx - last_gap
+
+
+def resumable(windows: dict[str, int], held: dict[str, np.ndarray], limit: int, page_size: int) -> int:
+    """The largest ``p <= limit`` (pages) such that each sliding group ``g`` (window
+    ``windows[g]`` tokens) holds every page of its window before ``p * page_size``
+    (``held[g][i]``: page ``i`` held; arrays at least ``limit`` long); the full groups
+    are taken to hold ``[0, limit)``."""
+    if limit <= 0:
+        return 0
+    p = np.arange(1, limit + 1, dtype=np.int64)
+    ok = np.ones(limit, dtype=bool)
+    for g, window in windows.items():
+        start = np.maximum(0, p * page_size - window) // page_size
+        ok &= run_lengths(held[g][:limit])[p - 1] >= p - start
+    hits = np.flatnonzero(ok)
+    return int(hits[-1]) + 1 if hits.size else 0
+
+
+class Sides:
+    """The sliding groups of a hybrid cache: pools, windows and the keep rule."""
+
+    def __init__(self, spec: HybridSpec, device_pools, host_pools, page_size: int,
+                 retention_interval: int | None) -> None:
+        self.spec, self.page_size, self.interval = spec, page_size, retention_interval
+        self.full = tuple(g.name for g in spec.groups if g.attention.is_full)
+        self.names = tuple(g.name for g in spec.groups if not g.attention.is_full)
+        self.windows = {g.name: g.attention.window for g in spec.groups if not g.attention.is_full}
+        self.groups_device, self.groups_host = device_pools, host_pools
+        self.device = {g: device_pools[g] for g in self.names}
+        self.host = {g: host_pools[g] for g in self.names}
+        self.owned = {g: np.zeros(self.device[g].size // page_size, dtype=bool) for g in self.names}
+        self.fetching = dict.fromkeys(self.names, 0)  # host slots prefetches hold outside the tree
+
+    def empty(self, pages: int) -> dict[str, np.ndarray]:
+        return {g: np.full(pages, HOLE, dtype=np.int64) for g in self.names}
+
+    def window_pages(self, g: str, prefix: int) -> range:
+        """Pages group ``g`` needs to resume after ``prefix`` tokens."""
+        start = max(0, prefix - self.windows[g]) // self.page_size
+        return range(start, -(-prefix // self.page_size)) if prefix else range(0)
+
+    def keep(self, pages: int, points) -> dict[str, np.ndarray]:
+        """Per group, which of ``pages`` pages lie in the window before some resume
+        point of ``points`` (token offsets)."""
+        out = {g: np.zeros(pages, dtype=bool) for g in self.names}
+        for r in points:
+            for g in self.names:
+                w = self.window_pages(g, min(r, pages * self.page_size))
+                out[g][w.start:w.stop] = True
+        return out
+
+    def retention_points(self, end: int) -> list[int]:
+        """Multiples of ``retention_interval`` up to ``end`` tokens."""
+        if not self.interval:
+            return []
+        return list(range(self.interval, end + 1, self.interval))
+
+    # -- pages and slots -------------------------------------------------------------------------
+    def slots(self, pages: np.ndarray) -> torch.Tensor:
+        """Token slots of ``pages`` (no holes)."""
+        return torch.from_numpy(page_token_slots(pages, self.page_size))
+
+    def slots_with_holes(self, pages: np.ndarray) -> torch.Tensor:
+        """Token slots of ``pages``, ``-1`` for every token of a hole."""
+        ps = self.page_size
+        out = (np.maximum(pages, 0)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+        out[np.repeat(pages < 0, ps)] = HOLE
+        return torch.from_numpy(out)
+
+    def pages_of(self, slots: torch.Tensor) -> np.ndarray:
+        """Page numbers of whole-page slots."""
+        flat = slots.cpu().numpy().astype(np.int64, copy=False)
+        return flat[::self.page_size] // self.page_size
+
+    def alloc_pages(self, pool, n: int) -> np.ndarray | None:
+        slots = pool.alloc(n * self.page_size) if n else torch.empty(0, dtype=torch.int64)
+        return None if slots is None else self.pages_of(slots)
+
+    def check_given(self, groups, tokens: int, what: str) -> dict[str, np.ndarray]:
+        """The page numbers (``-1``: none given) of an engine's sliding slots: per group
+        a 1-D tensor of ``tokens`` slots, each page either all ``-1`` or one whole page
+        of the group's device pool, no page twice. ``ValueError`` otherwise."""
+        ps = self.page_size
+        if groups is None:
+            groups = {}
+        if not hasattr(groups, "items") or set(groups) - set(self.names):
+            got = sorted(groups) if hasattr(groups, "items") else type(groups).__name__
+            raise ValueError(f"{what}: groups= maps sliding groups {list(self.names)} to device slots, got {got}")
+        out = {}
+        for g in self.names:
+            slots = groups.get(g)
+            if slots is None:
+                out[g] = np.full(tokens // ps, HOLE, dtype=np.int64)
+                continue
+            if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != tokens \
+                    or slots.dtype not in (torch.int64, torch.int32):
+                got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+                raise ValueError(f"{what}: groups[{g!r}] must be a 1-D int64 tensor of {tokens} slots "
+                                 f"(-1 for pages not given), got {got}")
+            flat = slots.cpu().numpy().astype(np.int64).reshape(-1, ps)
+            first = flat[:, 0]
+            hole = first < 0
+            pages = np.where(hole, HOLE, first // ps)
+            expect = np.where(hole[:, None], HOLE, pages[:, None] * ps + np.arange(ps))
+            size = self.device[g].size // ps
+            bad = np.flatnonzero((flat != expect).any(axis=1) | (~hole & ((first % ps != 0) | (pages >= size))))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"{what}: groups[{g!r}] page {i} holds slots {flat[i].tolist()[:4]}..., not a "
+                                 f"whole page of the group's {size}-page pool nor all -1")
+            given = pages[~hole]
+            if np.unique(given).size != given.size:
+                raise ValueError(f"{what}: groups[{g!r}] gives one device page twice")
+            out[g] = pages
+        return out

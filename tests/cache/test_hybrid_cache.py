@@ -1,0 +1,257 @@
+"""The cache on hybrid specs (DESIGN 5c): exact reuse of every group from device,
+host and storage; sliding pages kept only in resume points' windows; a missing
+page of any group ends the hit before it."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+
+import pytest
+import torch
+
+import kvtier.storage
+from helpers import HYBRID_SPECS
+from hybrid_engine import HybridEngine, make_cache, prefix_hashes
+from kvtier.storage.groups import GroupedStorage
+from kvtier.storage.keys import page_keys
+from kvtier import HierarchicalCache, HybridDevicePool, HybridHostPool, KVSpec, UnsupportedSpecError
+
+SERVED = ("mimo", "oss", "long_window")
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def sizes(spec, full: int, swa: int) -> dict:
+    return {g.name: full if g.attention.is_full else swa for g in spec.groups}
+
+
+class CountingStore:
+    """A real store that records every key written."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.written = inner, []
+
+    def batch_exists(self, keys):
+        return self.inner.batch_exists(keys)
+
+    def exists_each(self, keys):
+        return self.inner.exists_each(keys)
+
+    def batch_get(self, keys, host_pool, host_indices):
+        return self.inner.batch_get(keys, host_pool, host_indices)
+
+    def batch_set(self, keys, host_pool, host_indices):
+        self.written += list(keys)
+        return self.inner.batch_set(keys, host_pool, host_indices)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def group_pages(self, tag: str) -> int:
+        return sum(1 for k in self.written if f"~{tag}." in k)
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10_000) for _ in range(n)]
+
+
+def evict_all(cache: HierarchicalCache) -> None:
+    cache.flush()
+    cache.evict_device(10 ** 9)
+    cache.evict_host(10 ** 9)
+    assert cache.stats()["device_tokens"] == cache.stats()["host_tokens"] == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", SERVED)
+def test_every_group_is_reused_exactly_from_device_host_and_storage(name, layout, tmp_path):
+    spec = HYBRID_SPECS[name]
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    cache = make_cache(spec, 4, sizes(spec, 256, 128), sizes(spec, 512, 256), store, layout,
+                       prefetch_policy="wait_complete")
+    eng, rng = HybridEngine(cache), random.Random(1)
+    a = prompt(rng, 50)
+    b = a + prompt(rng, 30)
+    assert eng.serve(a) == 0
+    assert eng.serve(a, keep="tail") == 48  # device (every check is byte-exact, per group)
+    assert eng.serve(b, keep="tail") == 48
+    cache.flush()
+    cache.evict_device(10 ** 9)
+    assert eng.serve(b) == 80  # host, loaded back
+    evict_all(cache)
+    assert eng.serve(a) == 48  # storage, prefetched
+    assert eng.serve(b) == 80
+    assert cache.stats()["errors"] == 0
+    cache.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 8])
+@pytest.mark.parametrize("name", SERVED)
+def test_windows_of_every_size_against_the_page(name, page_size, tmp_path):
+    """Windows smaller than a page, not a multiple of it, and several pages long."""
+    spec = HYBRID_SPECS[name]
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    cache = make_cache(spec, page_size, sizes(spec, 512, 256), sizes(spec, 512, 256), store,
+                       prefetch_policy="wait_complete")
+    eng, rng = HybridEngine(cache), random.Random(page_size)
+    a = prompt(rng, 61)
+    full = 61 // page_size * page_size
+    eng.serve(a, keep="tail")
+    assert eng.serve(a) == full
+    cache.flush()
+    cache.evict_device(10 ** 9)
+    assert eng.serve(a) == full
+    evict_all(cache)
+    assert eng.serve(a) == full
+    cache.close()
+
+
+def test_sliding_pages_outside_every_window_are_freed_and_never_stored(tmp_path):
+    spec = HYBRID_SPECS["mimo"]  # window 6: with pages of 4, two pages before each resume point
+    store = CountingStore(kvtier.storage.open(f"file://{tmp_path}"))
+    cache = make_cache(spec, 4, sizes(spec, 256, 256), sizes(spec, 512, 256), store)
+    eng, rng = HybridEngine(cache), random.Random(2)
+    a = prompt(rng, 80)
+    eng.serve(a)  # the engine hands over all 20 sliding pages
+    cache.flush()
+    held = cache.stats()["sliding_pages"]["swa"]
+    assert held == {"device": 2, "host": 2}
+    assert store.group_pages("swa") == 2 and store.group_pages("full") == 20
+    assert cache._sides.device["swa"].available_size() == 256 - 2 * 4  # the other 18 went back at commit
+    cache.close()
+
+
+def test_retention_interval_keeps_a_window_every_interval(tmp_path):
+    spec = HYBRID_SPECS["mimo"]
+    store = CountingStore(kvtier.storage.open(f"file://{tmp_path}"))
+    cache = make_cache(spec, 4, sizes(spec, 256, 256), sizes(spec, 512, 256), store, retention_interval=16)
+    eng, rng = HybridEngine(cache), random.Random(3)
+    a = prompt(rng, 64)
+    eng.serve(a)
+    cache.flush()
+    # resume points 16, 32, 48 and the end (64): two pages each
+    assert cache.stats()["sliding_pages"]["swa"]["device"] == 8
+    assert store.group_pages("swa") == 8
+    for cut in (16, 32, 48):  # a shared prefix that stops at a retention point is a hit
+        assert eng.serve(a[:cut] + prompt(rng, 9)) == cut
+    assert eng.serve(a[:40] + prompt(rng, 9)) == 32  # between points: back to the last one
+    with pytest.raises(ValueError, match="retention_interval"):
+        make_cache(spec, 4, 64, 64, retention_interval=6)
+    cache.close()
+
+
+def test_a_branch_point_keeps_its_window():
+    spec = HYBRID_SPECS["oss"]
+    cache = make_cache(spec, 4, sizes(spec, 512, 256), sizes(spec, 512, 256))
+    eng, rng = HybridEngine(cache), random.Random(4)
+    system = prompt(rng, 32)
+    assert eng.serve(system + prompt(rng, 20)) == 0
+    # the first request kept only its end's window: the system prompt is not resumable yet
+    assert eng.serve(system + prompt(rng, 20)) == 0
+    # the second made 32 a branch point, and its own pages fill that window
+    assert eng.serve(system + prompt(rng, 20)) == 32
+    cache.close()
+
+
+def test_a_missing_sliding_or_full_page_ends_the_hit_before_it(tmp_path):
+    spec = HYBRID_SPECS["mimo"]  # window 6, pages of 4: resuming after 48 needs sliding pages 10 and 11
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    cache = make_cache(spec, 4, sizes(spec, 256, 256), sizes(spec, 512, 256), store, retention_interval=16,
+                       prefetch_policy="wait_complete")
+    eng, rng = HybridEngine(cache), random.Random(5)
+    a = prompt(rng, 48)
+    got = cache.acquire(a)
+    new, side = cache.alloc_device(48), cache.alloc_device(48, group="swa")
+    hashes = prefix_hashes(a)
+    eng.write("full", new, hashes)
+    eng.write("swa", side, hashes)
+    cache.free_device(side[44:48], group="swa")
+    side[44:48] = -1  # the engine lost the sliding page just before the end
+    cache.release(cache.commit(got, a, new, groups={"swa": side}).acquired)
+    assert cache.match_prefix(a).cached_len == 32  # the last retention point whose window is whole
+    assert cache.peek(a).cached_len == 32
+    evict_all(cache)
+    assert cache.match_prefix(a).storage_len == 32  # storage never got the page either
+    keys = page_keys(a, 4, cache.namespace)
+    grouped = GroupedStorage(store, spec, 4)
+    shutil.rmtree(store._key_dir(grouped.keys("swa", [keys[6]])[0]))  # in the window before 32
+    assert cache.match_prefix(a).storage_len == 16
+    shutil.rmtree(store._key_dir(grouped.keys("full", [keys[2]])[0]))
+    assert cache.match_prefix(a).storage_len == 0  # 16 needs full pages 0-3
+    assert eng.serve(a) == 0
+    assert eng.serve(a) == 48  # recomputed whole: every window is back
+    cache.close()
+
+
+def test_an_all_sliding_model_is_refused_by_name():
+    spec = HYBRID_SPECS["all_swa"]
+    with pytest.raises(UnsupportedSpecError, match="full-attention group"):
+        make_cache(spec, 4, 64, 64)
+
+
+def test_misuse_is_refused_before_anything_changes():
+    spec = HYBRID_SPECS["mimo"]
+    cache = make_cache(spec, 4, sizes(spec, 64, 64), sizes(spec, 64, 64))
+    tokens = list(range(16))
+    got = cache.acquire(tokens)
+    new = cache.alloc_device(16)
+    with pytest.raises(ValueError, match="not a sliding group"):
+        cache.alloc_device(4, group="full")
+    with pytest.raises(ValueError, match="16 slots"):
+        cache.commit(got, tokens, new, groups={"swa": torch.arange(8)})
+    with pytest.raises(ValueError, match="whole page"):
+        cache.commit(got, tokens, new, groups={"swa": torch.arange(1, 17)})
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.commit(got, tokens, new, groups={"swa": torch.arange(16)})
+    with pytest.raises(ValueError, match="groups="):
+        cache.commit(got, tokens, new, groups={"nope": torch.arange(16)})
+    assert cache.stats()["device_tokens"] == 0
+    cache.commit(got, tokens, new)  # no sliding pages: cached, but no window: no hit
+    assert cache.match_prefix(tokens).cached_len == 0
+    one = KVSpec.mha(1, 1, 4)
+    uniform = HierarchicalCache(HybridDevicePool(one, 16, 4), HybridHostPool(one, 16, 4))
+    got = uniform.acquire(tokens)
+    with pytest.raises(ValueError, match="uniform"):
+        uniform.commit(got, tokens, uniform.alloc_device(16), groups={"swa": torch.arange(16)})
+    uniform.close()
+    cache.close()
+
+
+def test_sliding_pools_smaller_than_the_working_set_evict_per_group():
+    spec = HYBRID_SPECS["mimo"]
+    cache = make_cache(spec, 4, sizes(spec, 256, 32), sizes(spec, 256, 32))
+    eng, rng = HybridEngine(cache), random.Random(6)
+    prompts = [prompt(rng, 40) for _ in range(12)]
+    for p in prompts * 2:
+        eng.serve(p, keep=rng.choice(["all", "tail"]))
+    assert cache.stats()["errors"] == 0
+    cache.close()
+
+
+def test_threads_share_a_hybrid_cache(tmp_path):
+    spec = HYBRID_SPECS["oss"]
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    cache = make_cache(spec, 4, sizes(spec, 192, 64), sizes(spec, 256, 96), store, check=False,
+                       retention_interval=16)
+    eng = HybridEngine(cache)
+    shared = prompt(random.Random(7), 24)
+    errors = []
+
+    def run(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                eng.serve(shared + prompt(rng, rng.randrange(0, 24)), keep=rng.choice(["all", "tail"]))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    cache.flush()
+    cache.check_integrity(engine_device_slots=0)
+    cache.close()
