@@ -151,6 +151,9 @@ def test_a_branch_point_keeps_its_window():
     assert eng.serve(system + prompt(rng, 20)) == 0
     # the second made 32 a branch point, and its own pages fill that window
     assert eng.serve(system + prompt(rng, 20)) == 32
+    cache.flush()
+    cache.evict_device(10 ** 9)  # the window was backed up after the node's host copy: it outlives the device
+    assert eng.serve(system + prompt(rng, 20)) == 32
     cache.close()
 
 

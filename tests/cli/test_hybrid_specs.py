@@ -195,11 +195,16 @@ def test_bytes_convert_to_whole_tokens_of_a_uniform_spec():
     assert default.spec == KVSpec.mha(32, 8, 128) and default.host_tokens == 8 and default.device_tokens == 1_000_000
 
 
-def test_sim_capacities_takes_a_uniform_hybrid_spec_and_refuses_others():
+def test_sim_capacities_price_a_hybrid_token_by_its_groups():
     one = HybridSpec.of(KVSpec.mha(4, 2, 64))
     assert sim_capacities(one, _sim_args("--host-bytes", "2KiB")) == (KVSpec.mha(4, 2, 64), 1_000_000, 1, 0)
-    with pytest.raises(ValueError, match=r"simulate does not model hybrid \(sliding-window\) residency yet"):
-        sim_capacities(mimo_v2_flash(), _sim_args())
+    mimo = mimo_v2_flash()
+    aware = sim_capacities(mimo, _sim_args("--device-bytes", "1GiB"))
+    assert aware.spec == mimo and aware.device_tokens == (1 << 30) // (23_040 + 0.25 * 199_680)
+    blind = sim_capacities(mimo, _sim_args("--device-bytes", "1GiB", "--window-blind"))
+    assert blind.device_tokens == (1 << 30) // 222_720
+    assert sim_capacities(mimo, _sim_args("--device-bytes", "1GiB", "--sliding-ratio", "1")).device_tokens \
+        == blind.device_tokens  # a window for every token costs what storing every token does
 
 
 def test_simulate_reports_byte_capacities_as_tokens(capsys):
@@ -239,9 +244,8 @@ def test_report_helpers_take_a_hybrid_spec():
      "--device-bytes 4KiB (512 tokens of 8 B) is less than one 1024-token block"),
     (["--storage-bytes", "1MiB"], "--storage-bytes 1MiB (8 tokens of 131,072 B) is less than one 512-token block; "
                                   "give 0 for no storage"),
-    (["--spec", "mimo-v2-flash"], "simulate does not model hybrid (sliding-window) residency yet: this spec is "
-                                  "hybrid: full (full, layers 0,5,11,17,23,29,35,41,47: L9-bf16-k=4x192-v=4x128)"),
-    (["--spec", "gemma3-27b", "--host-bytes", "1TiB"], "simulate does not model hybrid"),
+    (["--spec", "mimo-v2-flash", "--host-bytes", "1MiB"], "--host-bytes 1MiB (14 tokens of 72,960 B) is less than "
+                                                          "one 512-token block"),
 ])
 def test_bad_byte_capacities_are_one_line_errors(capsys, no_work, argv, message):
     assert message in refused(capsys, "simulate", "synthetic", *argv)

@@ -196,15 +196,64 @@ class HybridState:
         keep = self.sides.keep(tokens // ps, points)
         at = 0
         for node in path:
-            n = len(node.key) // ps
+            n, taken = len(node.key) // ps, {}
             for g, pages in given.items():
                 mine, offered = node.device.side[g], pages[at:at + n]
                 take = keep[g][at:at + n] & (mine < 0) & (offered >= 0)
                 mine[take] = offered[take]
                 self.sides.owned[g][offered[take]] = True
                 self._free_side("device", g, offered[~take & (offered != mine)])
+                taken[g] = np.flatnonzero(take)
             at += n
+            if node.host_ready and any(idx.size for idx in taken.values()):
+                self._backup_new_sides(node, taken)
             self.lru.push(node)
+
+    def unbacked_sides(self, node) -> dict[str, np.ndarray]:
+        """Per sliding group, the pages of ``node``'s device copy its host copy lacks."""
+        return {g: np.flatnonzero((node.device.side[g] >= 0) & (node.host.side[g] < 0)) for g in self.sides.names}
+
+    def _backup_new_sides(self, node, taken: dict[str, np.ndarray]) -> bool:
+        """Copy the sliding pages ``taken`` of ``node``'s device copy to its ready host
+        copy (a branch point made after the node was backed up, or a device copy about
+        to be evicted): the window outlives the device copy, and the node's objects are
+        written again with it. False when nothing was copied (no host page free)."""
+        dev, host = {}, {}
+        for g, idx in taken.items():
+            idx = idx[node.host.side[g][idx] < 0]
+            pages = self.alloc_side("host", g, idx.size) if idx.size else None
+            if pages is None or node.host is None or not node.host_ready:
+                if pages is not None:
+                    self._free_side("host", g, pages)
+                continue
+            node.host.side[g][idx] = pages
+            dev[g], host[g] = self.sides.slots(node.device.side[g][idx]), self.sides.slots(pages)
+        if not dev:
+            return False
+        empty = torch.empty(0, dtype=torch.int64)
+        mark = node.host.backup = InFlight("backup", [node], device=empty, host=empty)
+        mark.side = (dev, host)
+        self.backups.add(mark)
+        self.schedule(mark)
+        return True
+
+    def finish_side_backup(self, mark, ok: bool) -> None:
+        """Settle a backup of sliding pages alone (:meth:`_backup_new_sides`): undone, only
+        its own pages go; done, the node's objects are written again."""
+        for node in mark.clear():
+            if mark.cancelled or not ok:
+                for g, slots in mark.side[1].items():
+                    pages = node.host.side[g]
+                    ours = np.isin(pages, self.sides.pages_of(slots)) & (pages >= 0)
+                    self._free_side("host", g, pages[ours])
+                    pages[ours] = HOLE
+            else:
+                if node.stored and node.storing is None:
+                    node.storage = None
+                self.queue_store(node)
+            self.lru.push(node)
+        if not ok:
+            self.stats.error("backup")
 
     # -- host -> device -------------------------------------------------------------------------
     def _plan_load(self, path, target: int):

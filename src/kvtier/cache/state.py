@@ -266,6 +266,10 @@ class CacheState(HybridState):
                     if not self.begin_backup(node):
                         skipped.append(node)
                     continue
+                if self.sides is not None and node.host_ready:
+                    missing = self.unbacked_sides(node)  # windows the host copy lacks go down first
+                    if any(idx.size for idx in missing.values()) and self._backup_new_sides(node, missing):
+                        continue
                 self._drop_device(node)
             else:
                 self._drop_host(node)
@@ -394,6 +398,10 @@ class CacheState(HybridState):
 
     def finish_backup(self, mark: InFlight, ok: bool) -> None:
         self.backups.discard(mark)
+        if mark.side is not None and not mark.host.numel():
+            self.finish_side_backup(mark, ok)
+            mark.done.set()
+            return
         holders = mark.clear()
         if mark.cancelled or not ok:
             for node in holders:

@@ -13,7 +13,7 @@ from ..sim.simulator import CostModel, SimConfig
 from ..sim.traces import read_mooncake, repeat, synthetic
 from ..spec import KVSpec
 from .preflight import check_host_memory, check_input_file, check_output_path, require_module
-from .spec import add_spec_arguments, bytes_fields, bytes_line, describe_groups, has_spec, spec_from_args
+from .spec import add_spec_arguments, bytes_fields, bytes_line, has_spec, spec_from_args
 from .table import json_text, print_table
 from .types import capacity, capacity_type, parse_bytes, positive_float, positive_int
 
@@ -43,6 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--spec that fit (rounded down)")
     p.add_argument("--host-bytes", metavar="SIZE", help="the host tier in bytes, as --device-bytes")
     p.add_argument("--storage-bytes", metavar="SIZE", help="the storage tier in bytes, as --device-bytes, or inf")
+    p.add_argument("--sliding-ratio", type=positive_float, default=0.25, metavar="R",
+                   help="hybrid specs: each tier's sliding-window pools hold R tokens per token of the full groups "
+                        "(default 0.25); the bytes of --TIER-bytes are split so")
+    p.add_argument("--window-blind", action="store_true",
+                   help="hybrid specs: replay a cache that stores every group for every token (the uniform spelling "
+                        "of the model), for comparison at equal bytes")
+    p.add_argument("--retention-interval", type=positive_int, default=None, metavar="TOKENS",
+                   help="hybrid specs: keep a window every TOKENS tokens of each sequence (rounded down to whole "
+                        "blocks), so that shared prefixes stay resumable (default: sequence ends and branch points)")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--sweep", default=None, help="e.g. host-tokens=1e6,4e6,16e6")
@@ -116,9 +125,10 @@ def _jobs(text: str) -> int:
 
 
 class SimCapacities(NamedTuple):
-    """What a replay holds: the geometry it prices copies by and each tier's capacity in tokens."""
+    """What a replay holds: the geometry it prices copies by and each tier's capacity in
+    tokens (a hybrid spec's: of its full groups, the windows beside them)."""
 
-    spec: KVSpec
+    spec: KVSpec | HybridSpec
     device_tokens: float
     host_tokens: float
     storage_tokens: float  # 0: no storage; inf: unlimited
@@ -130,15 +140,12 @@ def sim_capacities(spec: KVSpec | HybridSpec | None, args: argparse.Namespace) -
     :class:`SimConfig`'s default. ``ValueError`` for both options on one tier, a bad size,
     and a hybrid spec.
 
-    NOTE: the one place simulate meets a hybrid spec: the replay models one geometry
-    whose every token costs the same, so a hybrid spec (sliding groups keep a window per
-    resume point) is refused here until the simulator runs the hybrid cache."""
+    A hybrid spec's bytes pay, per token of its full groups, the full groups' bytes
+    plus ``--sliding-ratio`` tokens of each sliding group (its pools hold the windows);
+    with ``--window-blind`` every group's bytes for every token."""
     if spec is None:
         spec = SimConfig(0, 0).spec
-    if isinstance(spec, HybridSpec):
-        if not spec.is_uniform:
-            raise ValueError(f"simulate does not model hybrid (sliding-window) residency yet: {describe_groups(spec)};"
-                             " give a uniform geometry (--mha, --mla, a uniform preset)")
+    if isinstance(spec, HybridSpec) and spec.is_uniform:
         spec = spec.uniform_spec
     tokens = {}
     for tier in TIERS:
@@ -149,8 +156,18 @@ def sim_capacities(spec: KVSpec | HybridSpec | None, args: argparse.Namespace) -
             tokens[tier] = DEFAULT_TOKENS[tier] if given_tokens is None else given_tokens
             continue
         size = parse_bytes(given_bytes, f"--{tier}-bytes", unlimited=tier == "storage")
-        tokens[tier] = size if math.isinf(size) else size // spec.bytes_per_token
+        tokens[tier] = size if math.isinf(size) else int(size // token_bytes(spec, args))
     return SimCapacities(spec, tokens["device"], tokens["host"], tokens["storage"])
+
+
+def token_bytes(spec: KVSpec | HybridSpec, args: argparse.Namespace) -> float:
+    """What one token of a tier's capacity costs in bytes (see :func:`sim_capacities`)."""
+    if isinstance(spec, KVSpec):
+        return spec.bytes_per_token
+    if getattr(args, "window_blind", False):
+        return spec.uniform_bytes_per_token
+    ratio = getattr(args, "sliding_ratio", 0.25)
+    return spec.full_bytes_per_token + ratio * sum(g.bytes_per_token for g in spec.groups if not g.attention.is_full)
 
 
 def _capacity_text(args: argparse.Namespace, tier: str, tokens: float, spec: KVSpec) -> str:
@@ -159,7 +176,7 @@ def _capacity_text(args: argparse.Namespace, tier: str, tokens: float, spec: KVS
     given = getattr(args, f"{tier}_bytes")
     if given is None:
         return f"--{tier}-tokens {_fmt(tokens)}"
-    return f"--{tier}-bytes {given} ({_fmt(tokens)} tokens of {spec.bytes_per_token:,} B)"
+    return f"--{tier}-bytes {given} ({_fmt(tokens)} tokens of {token_bytes(spec, args):,.0f} B)"
 
 
 def _configs(args: argparse.Namespace) -> list[SimConfig]:
@@ -167,7 +184,9 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
     caps = sim_capacities(spec_from_args(args) if has_spec(args) else None, args)
     base = SimConfig(device_tokens=caps.device_tokens, host_tokens=caps.host_tokens,
                      storage_tokens=caps.storage_tokens, block_tokens=args.block_tokens, write_policy=args.policy,
-                     cost=CostModel(args.prefill_tokens_per_s, args.host_gbps, args.storage_gbps), spec=caps.spec)
+                     cost=CostModel(args.prefill_tokens_per_s, args.host_gbps, args.storage_gbps), spec=caps.spec,
+                     sliding_ratio=args.sliding_ratio, window_blind=args.window_blind,
+                     retention_interval=args.retention_interval)
     configs = [base]
     if args.sweep:
         name, sep, values = args.sweep.partition("=")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import HierarchicalCache
-from ..pools import DeviceKVPool, HostKVPool
+from ..hybrid import Attention, HybridSpec, KVGroup
+from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..spec import KVSpec
 from .store import SimStorage
 from .traces import Request
@@ -39,13 +40,34 @@ class CostModel:
 
 @dataclass(frozen=True)
 class SimConfig:
+    """Capacities in tokens. A hybrid ``spec`` (sliding-window groups) replays the
+    hybrid cache: each tier holds ``*_tokens`` tokens of the full groups and
+    ``sliding_ratio`` times as many of each sliding group (its windows); with
+    ``window_blind`` it replays a cache that stores every group for every token."""
+
     device_tokens: int
     host_tokens: int
     storage_tokens: float = 0          # 0: no storage; float("inf"): unlimited
     block_tokens: int = 512
     write_policy: str = "write_through"
-    spec: KVSpec = field(default_factory=lambda: KVSpec.mha(32, 8, 128))
+    spec: KVSpec | HybridSpec = field(default_factory=lambda: KVSpec.mha(32, 8, 128))
     cost: CostModel = CostModel()
+    sliding_ratio: float = 0.25
+    window_blind: bool = False
+    retention_interval: int | None = None  # tokens (whole blocks): a resume point every so many
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the replay runs the hybrid cache (sliding groups kept per window)."""
+        return isinstance(self.spec, HybridSpec) and not self.spec.is_uniform and not self.window_blind
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes a copied token costs: the full groups' for the hybrid cache (its windows
+        are priced per hit), every group's when window-blind."""
+        if isinstance(self.spec, KVSpec):
+            return self.spec.bytes_per_token
+        return self.spec.full_bytes_per_token if self.hybrid else self.spec.uniform_bytes_per_token
 
 
 @dataclass
@@ -85,11 +107,24 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
     storage = None
     if config.storage_tokens:
         cap = None if config.storage_tokens == float("inf") else _blocks(config.storage_tokens, bt)
+        if cap is not None and config.hybrid:  # an object per group and page: the full groups', then windows
+            full, sliding = _group_counts(config.spec)
+            cap = cap * full + int(cap * config.sliding_ratio) * sliding
         storage = SimStorage(cap)
-    cache = HierarchicalCache(DeviceKVPool(_META_SPEC, device_blocks, 1, device="meta"),
-                              HostKVPool(_META_SPEC, host_blocks, 1, device="meta"), storage,
-                              write_policy=config.write_policy, prefetch_policy="wait_complete", namespace="sim",
-                              hash=_SIM_HASH, synchronous=True)
+    if config.hybrid:
+        spec = _meta_hybrid(config.spec, bt)
+        sizes = {"device": device_blocks, "host": host_blocks}
+        device_pool, host_pool = (pool(spec, _group_sizes(spec, sizes[tier], config.sliding_ratio), 1, device="meta")
+                                  for tier, pool in (("device", HybridDevicePool), ("host", HybridHostPool)))
+    else:
+        device_pool = DeviceKVPool(_META_SPEC, device_blocks, 1, device="meta")
+        host_pool = HostKVPool(_META_SPEC, host_blocks, 1, device="meta")
+    extra = {}
+    if config.hybrid and config.retention_interval:
+        extra["retention_interval"] = max(1, config.retention_interval // bt)
+    cache = HierarchicalCache(device_pool, host_pool, storage, write_policy=config.write_policy,
+                              prefetch_policy="wait_complete", namespace="sim", hash=_SIM_HASH, synchronous=True,
+                              **extra)
     result = SimResult()
     seen: set[int] = set()
     for req in requests:
@@ -109,13 +144,40 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
     return result
 
 
+def _group_counts(spec: HybridSpec) -> tuple[int, int]:
+    full = sum(1 for g in spec.groups if g.attention.is_full)
+    return full, len(spec.groups) - full
+
+
+def _meta_hybrid(spec: HybridSpec, block_tokens: int) -> HybridSpec:
+    """``spec``'s groups in the replay's units: one layer of one meta slot each, a page
+    per block, each window the blocks that cover its tokens before a block boundary."""
+    groups = []
+    for i, g in enumerate(spec.groups):
+        attention = g.attention if g.attention.is_full else Attention.sliding(-(-g.attention.window // block_tokens))
+        groups.append(KVGroup(g.name, (i,), KVSpec.k_only(1, 1, 1, dtype=torch.float16), attention))
+    return HybridSpec(tuple(groups))
+
+
+def _group_sizes(spec: HybridSpec, blocks: int, ratio: float) -> dict[str, int]:
+    return {g.name: blocks if g.attention.is_full else max(1, int(blocks * ratio)) for g in spec.groups}
+
+
 def _serve(cache: HierarchicalCache, blocks: array) -> tuple[int, int, int]:
-    """One request as an engine runs it; returns blocks reused from device, host, storage."""
+    """One request as an engine runs it; returns blocks reused from device, host, storage.
+    Hybrid: the engine hands over every sliding page it computed (the cache keeps the
+    windows); a sliding group with no room left gets none (``-1``)."""
     got = held = cache.acquire(blocks)
     try:
         reused = got.device_indices.numel()
         new = cache.alloc_device(len(blocks) - reused) if len(blocks) > reused else None
-        if new is not None:
+        if new is not None and got.groups is not None:
+            groups = {}
+            for g in got.groups:
+                side = cache.alloc_device(new.numel(), group=g)
+                groups[g] = side if side is not None else torch.full_like(new, -1)
+            held = cache.commit(got, blocks, new, groups=groups).acquired
+        elif new is not None:
             held = cache.commit(got, blocks, new).acquired
     finally:
         # NOTE: Ctrl-C can land inside commit after it consumed ``got``: releasing it again
@@ -126,11 +188,15 @@ def _serve(cache: HierarchicalCache, blocks: array) -> tuple[int, int, int]:
 
 
 def _cost(result: SimResult, config: SimConfig, prompt: int, dev: int, host: int, storage: int) -> None:
-    c, bpt = config.cost, config.spec.bytes_per_token
+    c, bpt = config.cost, config.bytes_per_token
     result.prefill_s_without += prompt / c.prefill_tokens_per_s
     computed = prompt - dev - host - storage
-    result.prefill_s_with += (computed / c.prefill_tokens_per_s + (host + storage) * bpt / (c.host_gbps * 1e9)
-                              + storage * bpt / (c.storage_gbps * 1e9))
+    moved, stored = (host + storage) * bpt, storage * bpt
+    if config.hybrid and host + storage:  # the window the hit resumes with
+        moved += config.spec.window_bytes
+        stored += config.spec.window_bytes if storage else 0
+    result.prefill_s_with += (computed / c.prefill_tokens_per_s + moved / (c.host_gbps * 1e9)
+                              + stored / (c.storage_gbps * 1e9))
 
 
 def belady_hits(requests: list[Request], capacity_tokens: float, block_tokens: int) -> int:
