@@ -203,8 +203,10 @@ def test_misuse_is_refused_before_anything_changes():
         cache.alloc_device(4, group="full")
     with pytest.raises(ValueError, match="16 slots"):
         cache.commit(got, tokens, new, groups={"swa": torch.arange(8)})
-    with pytest.raises(ValueError, match="whole page"):
+    with pytest.raises(ValueError, match="not a multiple of page_size"):
         cache.commit(got, tokens, new, groups={"swa": torch.arange(1, 17)})
+    with pytest.raises(ValueError, match="neither a whole page nor all -1"):
+        cache.commit(got, tokens, new, groups={"swa": torch.tensor([-1, -1, -1, 3, *range(4, 16)])})
     with pytest.raises(ValueError, match="not allocated"):
         cache.commit(got, tokens, new, groups={"swa": torch.arange(16)})
     with pytest.raises(ValueError, match="groups="):

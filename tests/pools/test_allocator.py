@@ -125,3 +125,21 @@ def test_order_matches_a_fifo_of_free_pages(page_size, ops):
             free += got[::page_size].div(page_size, rounding_mode="floor").tolist()
         assert a.available_size() == len(free) * page_size
         assert a.allocated(torch.arange(pages)).tolist() == [p not in free for p in range(pages)]
+
+
+def test_pages_by_number_round_trip_and_refuse_double_frees():
+    import numpy as np
+
+    from kvtier.pools.allocator import PageAllocator
+
+    a = PageAllocator(32, 4)
+    pages = a.alloc_pages(3)
+    assert pages.dtype == np.int64 and len(set(pages.tolist())) == 3 and a.available_size() == 20
+    assert a.alloc_pages(6) is None and a.available_size() == 20
+    a.free_pages(pages[:2])
+    assert a.available_size() == 28
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free_pages(pages[:1])
+    with pytest.raises(ValueError, match=r"\[0, 8\)"):
+        a.free_pages(np.array([8], dtype=np.int64))
+    assert a.available_size() == 28

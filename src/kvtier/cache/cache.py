@@ -410,10 +410,11 @@ class HierarchicalCache:
                 path, now_device, now_host = state.match(tokens, salt)
                 self._hit(path)
                 device, last = self._ends(path, salt)
-                groups = self._groups(path, now_device)
                 lease = Lease(last, state)
                 state.lock_node(last)
                 load, _ = state.begin_load(path, self._layer_num, reserved, now_device)
+                # hybrid: the device hit's windows (the load's own when it adds nothing)
+                groups = load.groups if len(load) == now_device else self._groups(path, now_device)
         finally:
             with self._lock:
                 state.unlock_node(first)

@@ -20,14 +20,20 @@ from .sides import HOLE, resumable
 
 
 class Probe:
-    """What a hybrid match found resident, for the storage lookup after it: the
-    uncut path, its resident full pages, and per sliding group the pages held on
-    the device or the host."""
+    """What a hybrid match found resident, for the storage lookup after it: its
+    resident full pages and per sliding group the pages held on the device or the
+    host (``held``, worked out from the path on first use, lock held)."""
 
-    __slots__ = ("nodes", "pages", "held")
+    __slots__ = ("pages", "_held", "_make")
 
-    def __init__(self, nodes, pages: int, held: dict[str, np.ndarray]) -> None:
-        self.nodes, self.pages, self.held = nodes, pages, held
+    def __init__(self, pages: int, held: dict[str, np.ndarray] | None, make=None) -> None:
+        self.pages, self._held, self._make = pages, held, make
+
+    @property
+    def held(self) -> dict[str, np.ndarray]:
+        if self._held is None:
+            self._held, self._make = self._make(), None
+        return self._held
 
 
 class HybridState:
@@ -46,17 +52,43 @@ class HybridState:
         cat = (lambda parts: np.concatenate(parts)[:pages] if parts else np.zeros(0, dtype=bool))
         return {g: cat(v) for g, v in dev.items()}, {g: cat(v) for g, v in host.items()}
 
+    def _window_on_device(self, path, pages: int) -> bool:
+        """Whether every sliding group's window before ``pages`` pages of ``path`` is on
+        the device (the common full hit: checked from the path's end, no arrays built)."""
+        ps = self.page_size
+        for g in self.sides.names:
+            w = self.sides.window_pages(g, pages * ps)
+            end = pages
+            for node in reversed(path):
+                n = len(node.key) // ps
+                start = end - n
+                if end <= w.start:
+                    break
+                if node.device is None:
+                    return False
+                lo, hi = max(w.start, start) - start, min(w.stop, end) - start
+                if lo < hi and not (node.device.side[g][lo:hi] >= 0).all():
+                    return False
+                end = start
+        return True
+
     def _hybrid_lens(self, path, device_len: int, host_len: int) -> tuple[int, int, Probe]:
         """DESIGN 5c on a walked path: ``(device_len, host_len, probe)``, the device hit
         being the longest prefix whose every group is on the device, the host hit
         what device and host hold together beyond it."""
         ps, windows = self.page_size, self.sides.windows
         pages = (device_len + host_len) // ps
+        snapshot = list(path)
+        if not host_len and self._window_on_device(path, pages):
+            def held():
+                dev, host = self._side_held(snapshot, pages)
+                return {g: dev[g] | host[g] for g in dev}
+            return device_len, 0, Probe(pages, None, held)
         dev, host = self._side_held(path, pages)
         both = {g: dev[g] | host[g] for g in dev}
         p_dev = resumable(windows, dev, device_len // ps, ps)
         p_all = max(p_dev, resumable(windows, both, pages, ps))
-        return p_dev * ps, (p_all - p_dev) * ps, Probe(list(path), pages, both)
+        return p_dev * ps, (p_all - p_dev) * ps, Probe(pages, both)
 
     def _cut(self, path, tokens: int, split: bool) -> int:
         """Cut ``path`` after ``tokens`` tokens (splitting the node it ends inside when
@@ -83,18 +115,20 @@ class HybridState:
         ps, out = self.page_size, {}
         pages = prefix // ps
         for g in self.sides.names:
-            arrays, have = [], 0
-            for node in path:
-                if have >= pages or node.device is None:
+            w = self.sides.window_pages(g, pages * ps)
+            window = np.full(len(w), HOLE, dtype=np.int64)
+            at = 0
+            for node in path:  # only the nodes the window lies in
+                if at >= w.stop or node.device is None:
                     break
-                arrays.append(node.device.side[g])
-                have += len(arrays[-1])
-            held = np.concatenate(arrays)[:pages] if arrays else np.zeros(0, dtype=np.int64)
-            held = np.concatenate([held, np.full(pages - held.size, HOLE, dtype=np.int64)])
-            window = self.sides.window_pages(g, prefix)
-            picked = np.full(pages, HOLE, dtype=np.int64)
-            picked[window.start:window.stop] = held[window.start:window.stop]
-            out[g] = self.sides.slots_with_holes(picked)
+                n = len(node.key) // ps
+                lo, hi = max(w.start, at), min(w.stop, at + n)
+                if lo < hi:
+                    window[lo - w.start:hi - w.start] = node.device.side[g][lo - at:hi - at]
+                at += n
+            slots = np.full(pages * ps, HOLE, dtype=np.int64)
+            slots[w.start * ps:w.stop * ps] = self.sides.slots_with_holes(window)
+            out[g] = torch.from_numpy(slots)
         return out
 
     # -- side pages in and out ------------------------------------------------------------------
@@ -104,9 +138,9 @@ class HybridState:
             return
         if tier == "device":
             self.sides.owned[g][pages] = False
-            self.sides.device[g].free(self.sides.slots(pages))
+            self.sides.device[g].free_pages(pages)
         else:
-            self.sides.host[g].free(self.sides.slots(pages))
+            self.sides.host[g].free_pages(pages)
 
     def _drop_sides(self, copy, tier: str) -> None:
         for g, pages in copy.side.items():
@@ -163,22 +197,24 @@ class HybridState:
         path, _, inner = walked
         ps = self.page_size
         for g, pages in given.items():
-            own = np.full(pages.size, HOLE, dtype=np.int64)
-            at = 0
-            for i, node in enumerate(path):
-                if node.device is None:
-                    break
-                n = (inner if i == len(path) - 1 else len(node.key)) // ps
-                own[at:at + n] = node.device.side[g][:n]
-                at += n
             mine = pages >= 0
-            bad = mine & self.sides.owned[g][np.maximum(pages, 0)] & (pages != own)
+            held = mine & self.sides.owned[g][np.maximum(pages, 0)]
+            own = np.full(pages.size, HOLE, dtype=np.int64)
+            if held.any():  # only the node's own page at the same place may be given back
+                at = 0
+                for i, node in enumerate(path):
+                    if node.device is None:
+                        break
+                    n = (inner if i == len(path) - 1 else len(node.key)) // ps
+                    own[at:at + n] = node.device.side[g][:n]
+                    at += n
+            bad = held & (pages != own)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
                 raise ValueError(f"groups[{g!r}]: device slot {int(pages[i]) * ps} (page {i} of the prompt) already "
                                  "holds another cached page; pass slots from alloc_device(n, group=...)")
             fresh = pages[mine & (pages != own)]
-            if fresh.size and not self.sides.device[g].allocated_pages(torch.from_numpy(fresh)).all():
+            if fresh.size and not self.sides.device[g].allocated_pages(fresh).all():
                 raise ValueError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
                                  "alloc_device(n, group=...)")
 
@@ -331,6 +367,13 @@ class HybridState:
 
         target = sum(len(n.key) for n in path)
         plan = self._plan_load(path, target) if path else None
+        if plan is not None and not plan[0] and not plan[1]:  # all on the device already
+            if reserved is not None and reserved.numel():
+                self.allocator.free(reserved)
+            handle = LoadHandle(self.device_slots(path), layer_num, tuple(plan[2].values()),
+                                groups=self.side_slots(path, target))
+            handle._finish()
+            return handle, None
         got = self._load_pages(plan[0], plan[1], reserved) if plan is not None else None
         if got is None:
             if plan is None and reserved is not None and reserved.numel():
@@ -384,6 +427,8 @@ class HybridState:
     def fail_load_sides(self, mark, node) -> bool:
         """Undo a failed load's sliding pages on ``node`` when the load only added
         those (its full pages were there before); True if it did."""
+        if node.device is None:  # dropped with an ancestor's failed pages already
+            return True
         if mark.device.numel() and np.isin(node.device.pages, self._pages(mark.device)).any():
             return False
         for g, slots in mark.side[0].items():

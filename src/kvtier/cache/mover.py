@@ -128,9 +128,11 @@ class Mover:
         except Exception as e:
             error = e
             _warnings.warn(("load", type(e)), "kvtier: load of %d tokens failed: %r", mark.host.numel(), e)
-        with state.lock:
-            (state.fail_load if error is not None else state.finish_load)(mark)
-        handle._finish(error)
+        try:
+            with state.lock:
+                (state.fail_load if error is not None else state.finish_load)(mark)
+        finally:  # a request waiting on the handle never hangs, whatever settling did
+            handle._finish(error)
 
     def _backup(self, mark: InFlight) -> None:
         ok = True

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..hybrid import HybridSpec
-from ..pools.indices import page_token_slots
+from ..pools.indices import page_numbers, page_token_slots
 
 HOLE = -1
 
@@ -96,21 +96,47 @@ class Sides:
         """Token slots of ``pages`` (no holes)."""
         return torch.from_numpy(page_token_slots(pages, self.page_size))
 
-    def slots_with_holes(self, pages: np.ndarray) -> torch.Tensor:
+    def slots_with_holes(self, pages: np.ndarray) -> np.ndarray:
         """Token slots of ``pages``, ``-1`` for every token of a hole."""
         ps = self.page_size
-        out = (np.maximum(pages, 0)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
-        out[np.repeat(pages < 0, ps)] = HOLE
-        return torch.from_numpy(out)
+        out = page_token_slots(np.maximum(pages, 0), ps)
+        holes = pages < 0
+        if holes.any():
+            out[np.repeat(holes, ps)] = HOLE
+        return out
 
     def pages_of(self, slots: torch.Tensor) -> np.ndarray:
         """Page numbers of whole-page slots."""
         flat = slots.cpu().numpy().astype(np.int64, copy=False)
         return flat[::self.page_size] // self.page_size
 
-    def alloc_pages(self, pool, n: int) -> np.ndarray | None:
-        slots = pool.alloc(n * self.page_size) if n else torch.empty(0, dtype=torch.int64)
-        return None if slots is None else self.pages_of(slots)
+    @staticmethod
+    def alloc_pages(pool, n: int) -> np.ndarray | None:
+        return pool.alloc_pages(n)
+
+    def _given_pages(self, g: str, slots: torch.Tensor, what: str) -> np.ndarray:
+        """The page numbers of one group's given slots, ``-1`` for pages of all ``-1``."""
+        ps, pool = self.page_size, self.device[g]
+        flat = slots.cpu().numpy().astype(np.int64, copy=False).reshape(-1, ps)
+        hole = flat[:, 0] < 0
+        if hole.any():  # pages all -1, the others checked as whole pages
+            if not (flat[hole] == HOLE).all():
+                i = int(np.flatnonzero(hole & (flat != HOLE).any(axis=1))[0])
+                raise ValueError(f"{what}: groups[{g!r}] page {i} holds slots {flat[i].tolist()[:4]}..., neither a "
+                                 "whole page nor all -1")
+            kept = torch.from_numpy(np.ascontiguousarray(flat[~hole]).reshape(-1))
+        else:
+            kept = slots
+        try:
+            pages = page_numbers(kept, page_size=ps, size=pool.size, what=f"{what}: groups[{g!r}]",
+                                 allowed_devices=(kept.device,), unique=True)
+        except ValueError as e:
+            raise ValueError(f"{e} (a page of -1 gives none)") from None
+        if not hole.any():
+            return pages
+        out = np.full(hole.size, HOLE, dtype=np.int64)
+        out[~hole] = pages
+        return out
 
     def check_given(self, groups, tokens: int, what: str) -> dict[str, np.ndarray]:
         """The page numbers (``-1``: none given) of an engine's sliding slots: per group
@@ -133,19 +159,5 @@ class Sides:
                 got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
                 raise ValueError(f"{what}: groups[{g!r}] must be a 1-D int64 tensor of {tokens} slots "
                                  f"(-1 for pages not given), got {got}")
-            flat = slots.cpu().numpy().astype(np.int64).reshape(-1, ps)
-            first = flat[:, 0]
-            hole = first < 0
-            pages = np.where(hole, HOLE, first // ps)
-            expect = np.where(hole[:, None], HOLE, pages[:, None] * ps + np.arange(ps))
-            size = self.device[g].size // ps
-            bad = np.flatnonzero((flat != expect).any(axis=1) | (~hole & ((first % ps != 0) | (pages >= size))))
-            if bad.size:
-                i = int(bad[0])
-                raise ValueError(f"{what}: groups[{g!r}] page {i} holds slots {flat[i].tolist()[:4]}..., not a "
-                                 f"whole page of the group's {size}-page pool nor all -1")
-            given = pages[~hole]
-            if np.unique(given).size != given.size:
-                raise ValueError(f"{what}: groups[{g!r}] gives one device page twice")
-            out[g] = pages
+            out[g] = self._given_pages(g, slots, what)
         return out

@@ -47,6 +47,27 @@ class PageAllocator:
         self._in_use[pages] = True
         return torch.from_numpy(page_token_slots(pages, self.page_size))
 
+    def alloc_pages(self, k: int) -> np.ndarray | None:
+        """``k`` whole pages as page numbers (int64 numpy); ``None`` when too few are free."""
+        if k > self._count:
+            return None
+        pages = self._take(k)
+        self._in_use[pages] = True
+        return pages
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Return pages by number (int64 numpy, distinct); ``ValueError`` for one out of
+        range or not allocated."""
+        if pages.size == 0:
+            return
+        if pages.min() < 0 or pages.max() >= self._in_use.size:
+            raise ValueError(f"free_pages: page numbers must be in [0, {self._in_use.size})")
+        not_used = pages[~self._in_use[pages]]
+        if not_used.size:
+            raise ValueError(f"free_pages: pages {not_used[:8].tolist()} are not allocated")
+        self._in_use[pages] = False
+        self._put(pages)
+
     def allocated(self, page_ids: torch.Tensor) -> torch.Tensor:
         """``(n,)`` bool: which of the (valid) ``page_ids`` are handed out."""
         return torch.from_numpy(self._in_use[np.asarray(page_ids, dtype=np.int64)])

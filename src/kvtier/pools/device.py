@@ -121,6 +121,15 @@ class DeviceKVPool:
     def available_size(self) -> int:
         return self._allocator.available_size()
 
+    def alloc_pages(self, k: int):
+        """``k`` whole pages as page numbers (int64 numpy), ``None`` when full: what a
+        caller that keeps page numbers (the hybrid cache's sliding pages) takes."""
+        return self._allocator.alloc_pages(k)
+
+    def free_pages(self, pages) -> None:
+        """Return pages by number (int64 numpy), as :meth:`alloc_pages` gave them."""
+        self._allocator.free_pages(pages)
+
 
 def _stack_view(layers: list[torch.Tensor]) -> torch.Tensor | None:
     """A ``(layer, size, head, dim)`` view over per-layer tensors when they sit in one

@@ -160,6 +160,15 @@ class HostKVPool:
     def available_size(self) -> int:
         return self._allocator.available_size()
 
+    def alloc_pages(self, k: int):
+        """``k`` whole pages as page numbers (int64 numpy), ``None`` when full: what a
+        caller that keeps page numbers (the hybrid cache's sliding pages) takes."""
+        return self._allocator.alloc_pages(k)
+
+    def free_pages(self, pages) -> None:
+        """Return pages by number (int64 numpy), as :meth:`alloc_pages` gave them."""
+        self._allocator.free_pages(pages)
+
     # -- device <-> host -------------------------------------------------------
     def backup_from_device_all_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
                                      device_indices: torch.Tensor, io_backend: str = "direct") -> None:

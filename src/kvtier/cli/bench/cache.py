@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from ...hybrid import HybridSpec
 from ..preflight import check_host_memory
+from ..spec import add_spec_arguments, has_spec, spec_from_args
 from ..table import json_text, print_table
 from ..types import int_list, positive_int
 from .args import JSON_HELP
+
+#: Tree pages of the hybrid comparison at most (two caches are built per page size).
+HYBRID_TREE_PAGES = 20_000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,16 +22,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-pages", type=positive_int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
+    add_spec_arguments(p)
+
+
+def _hybrid_spec(args: argparse.Namespace) -> HybridSpec | None:
+    """The hybrid spec to compare against a uniform cache, or ``None`` (no geometry
+    given); ``ValueError`` for a uniform one (the tree benchmark is geometry-free)."""
+    if not has_spec(args):
+        return None
+    spec = spec_from_args(args)
+    if not isinstance(spec, HybridSpec) or spec.is_uniform:
+        raise ValueError("bench cache --spec takes a hybrid (sliding-window) spec, to compare its match and "
+                         "commit with a uniform cache's; the tree benchmark itself holds no KV bytes")
+    if all(g.attention.is_full for g in spec.groups):
+        raise ValueError("bench cache --spec: this hybrid spec has no sliding-window group")
+    if not any(g.attention.is_full for g in spec.groups):
+        raise ValueError("bench cache --spec: the cache needs a full-attention group; this spec is all sliding")
+    return spec
 
 
 def command(args: argparse.Namespace) -> int:
-    from ...bench import cache
+    from ...bench import cache, cache_hybrid
 
+    hybrid = _hybrid_spec(args)
     cache.check_config(args.page_sizes, args.prompt_tokens, args.tree_pages)
     check_host_memory(cache.memory_bytes(args.page_sizes, args.prompt_tokens, args.tree_pages),
                       f"--tree-pages {args.tree_pages}", "use fewer tree pages or smaller pages")
     result = cache.run(page_sizes=args.page_sizes, prompt_tokens=args.prompt_tokens, tree_pages=args.tree_pages,
                        seed=args.seed)
+    if hybrid is not None:
+        result["hybrid"] = [cache_hybrid.run(hybrid, ps, args.prompt_tokens, min(args.tree_pages, HYBRID_TREE_PAGES),
+                                             args.seed) for ps in args.page_sizes]
     if args.json:
         print(json_text(result))
         return 0
@@ -57,4 +83,12 @@ def command(args: argparse.Namespace) -> int:
                 ["page", "input", "p50", "p99", "max", "steady p50", "p99", "max", "page faults", "steady",
                  "gc gen0/1/2", "steady", "alloc p50/p99"], rows)
     print("page faults: minor faults per insert, each the first touch of 4 KiB of new memory")
+    if hybrid is not None:
+        rows = [[r["page_size"], r["tree_prompts"], f"{r['uniform_match_us']:.1f}", f"{r['hybrid_match_us']:.1f}",
+                 f"{r['match_x_uniform']:.2f}x", f"{r['uniform_request_us']:.0f}", f"{r['hybrid_request_us']:.0f}",
+                 f"{r['request_x_uniform']:.2f}x"] for r in result["hybrid"]]
+        print_table(f"hybrid {hybrid.fingerprint()[:60]}... against a uniform cache, same prompts and tree: "
+                    "full-hit match (list) and a request (acquire, commit every page, release), µs",
+                    ["page", "tree prompts", "uniform match", "hybrid match", "x uniform", "uniform request",
+                     "hybrid request", "x uniform"], rows)
     return 0
