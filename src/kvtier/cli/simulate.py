@@ -312,7 +312,28 @@ def _print(requests, results, sweep) -> None:
     print(f"{r0.requests:,} requests, {r0.prompt_tokens:,} prompt tokens; hits as a share of prompt tokens; "
           f"prefill saved by the cost model (--prefill-tokens-per-s, --host-gbps, --storage-gbps)")
     print(bytes_line(results[0][0].spec))
+    c0 = results[0][0]
+    if c0.hybrid:
+        print(_group_split(c0))
+    elif isinstance(c0.spec, HybridSpec) and c0.window_blind:
+        print(f"window-blind: every group stored for every token, {c0.spec.uniform_bytes_per_token:,} B a token")
     print_table("kvtier simulate", columns, rows)
+
+
+def _group_split(config: SimConfig) -> str:
+    """How a hybrid replay's tiers are split per group (tokens, bytes)."""
+    parts = []
+    for tier in TIERS:
+        tokens = getattr(config, f"{tier}_tokens")
+        if not tokens or math.isinf(tokens):
+            continue
+        groups = []
+        for g in config.spec.groups:
+            n = tokens if g.attention.is_full else int(tokens * config.sliding_ratio)
+            groups.append(f"{g.name} {_fmt(n)} tokens ({n * g.bytes_per_token / 2**30:,.2f} GiB)")
+        parts.append(f"{tier}: " + ", ".join(groups))
+    retention = f", a window every {config.retention_interval:,} tokens" if config.retention_interval else ""
+    return f"hybrid cache (sliding pools at --sliding-ratio {config.sliding_ratio:g}{retention}): " + "; ".join(parts)
 
 
 def _plot(results, sweep: str, path: str) -> None:
