@@ -141,6 +141,27 @@ def test_retention_interval_keeps_a_window_every_interval(tmp_path):
     cache.close()
 
 
+def test_a_load_moves_only_the_window_it_resumes_with():
+    spec = HYBRID_SPECS["mimo"]
+    cache = make_cache(spec, 4, sizes(spec, 256, 256), sizes(spec, 512, 256), retention_interval=16)
+    eng, rng = HybridEngine(cache), random.Random(8)
+    a = prompt(rng, 64)
+    eng.serve(a)
+    cache.flush()
+    assert cache.stats()["sliding_pages"]["swa"] == {"device": 8, "host": 8}  # windows before 16, 32, 48, 64
+    cache.evict_device(10 ** 9)
+    got = cache.acquire(a)
+    assert got.device_indices.numel() == 64 and got.host_hit == 64
+    assert cache.stats()["sliding_pages"]["swa"]["device"] == 2  # the window before 64, not the other three
+    eng.check_prefix(a, got.device_indices, got.groups, "load")
+    cache.release(got)
+    got = cache.acquire(a[:32] + prompt(rng, 5))  # another resume point of the same nodes: its window alone
+    assert got.device_indices.numel() == 32 and cache.stats()["sliding_pages"]["swa"]["device"] == 4
+    eng.check_prefix(a, got.device_indices, got.groups, "partial load")
+    cache.release(got)
+    cache.close()
+
+
 def test_a_branch_point_keeps_its_window():
     spec = HYBRID_SPECS["oss"]
     cache = make_cache(spec, 4, sizes(spec, 512, 256), sizes(spec, 512, 256))
@@ -234,8 +255,9 @@ def test_sliding_pools_smaller_than_the_working_set_evict_per_group():
     cache.close()
 
 
-def test_threads_share_a_hybrid_cache(tmp_path):
-    spec = HYBRID_SPECS["oss"]
+@pytest.mark.parametrize("name", SERVED)
+def test_threads_share_a_hybrid_cache(tmp_path, name):
+    spec = HYBRID_SPECS[name]
     store = kvtier.storage.open(f"file://{tmp_path}")
     cache = make_cache(spec, 4, sizes(spec, 192, 64), sizes(spec, 256, 96), store, check=False,
                        retention_interval=16)

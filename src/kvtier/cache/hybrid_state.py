@@ -293,26 +293,33 @@ class HybridState:
 
     # -- host -> device -------------------------------------------------------------------------
     def _plan_load(self, path, target: int):
-        """What a load to resume after ``target`` tokens moves: nodes loaded whole (with
-        every sliding page their host copy has), and per device-resident node the
-        window pages only the host has. ``None`` when a node it needs is being
-        loaded for another window already."""
+        """What a load to resume after ``target`` tokens moves: the host-only nodes
+        (their full pages, and their sliding pages in the window before ``target``)
+        and, per device-resident node, the window pages only the host has: lists of
+        ``(node, {group: page indices in the node})``. ``None`` when a node it needs
+        is being loaded for another window already."""
         ps, whole, partial, depends = self.page_size, [], [], {}
         need = {g: self.sides.window_pages(g, target) for g in self.sides.names}
         at = 0
         for node in path:
             n = len(node.key) // ps
-            if node.device is None:
-                whole.append(node)
-            else:
-                missing = {}
-                for g, w in need.items():
-                    lo, hi = max(w.start, at) - at, min(w.stop, at + n) - at
-                    if lo < hi:
-                        idx = np.arange(lo, hi)
+            missing = {}
+            for g, w in need.items():
+                lo, hi = max(w.start, at) - at, min(w.stop, at + n) - at
+                if lo < hi:
+                    idx = np.arange(lo, hi)
+                    if node.device is not None:
                         idx = idx[node.device.side[g][idx] < 0]
-                        if idx.size:
-                            missing[g] = idx
+                    if idx.size:
+                        missing[g] = idx
+            if missing and not (node.host_ready and all((node.host.side[g][idx] >= 0).all()
+                                                        for g, idx in missing.items())):
+                return None  # the host lost a page of the window since the match
+            if node.device is None:
+                if not node.host_ready:
+                    return None
+                whole.append((node, missing))
+            else:
                 if node.device.loading is not None:
                     if missing:
                         return None
@@ -327,7 +334,7 @@ class HybridState:
         node, {group: device pages in load order}, {group: host pages})``, or ``None``
         (every page taken is given back)."""
         full, side_host, got_side = [], {g: [] for g in self.sides.names}, {}
-        for node in whole:
+        for node, _ in whole:
             n = len(node.key)
             if reserved is not None and reserved.numel() >= n:
                 slots, reserved = reserved[:n], reserved[n:]
@@ -336,13 +343,9 @@ class HybridState:
             if slots is None:
                 break
             full.append(self._pages(slots))
-        for node in whole:
-            for g in self.sides.names:
-                side_host[g].append(node.host.side[g][node.host.side[g] >= 0])
-        for node, missing in partial:
-            for g in self.sides.names:
-                if g in missing:
-                    side_host[g].append(node.host.side[g][missing[g]])
+        for node, missing in whole + partial:
+            for g, idx in missing.items():
+                side_host[g].append(node.host.side[g][idx])
         for g in self.sides.names:
             side_host[g] = np.concatenate(side_host[g]) if side_host[g] else np.zeros(0, dtype=np.int64)
             if len(full) == len(whole):
@@ -391,31 +394,23 @@ class HybridState:
         pin = path[-1]
         self.tree.lock(pin)
         used = dict.fromkeys(self.sides.names, 0)
-        for node, pages in zip(whole, full):
-            side = {}
-            for g in self.sides.names:
-                host = node.host.side[g]
-                mine = np.full(host.size, HOLE, dtype=np.int64)
-                k = int((host >= 0).sum())
-                mine[host >= 0] = side_dev[g][used[g]:used[g] + k]
-                used[g] += k
-                side[g] = mine
-            self._set_device(node, pages, side)
-        for node, missing in partial:
+        for (node, _), pages in zip(whole, full):
+            self._set_device(node, pages)
+        for node, missing in whole + partial:
             for g, idx in missing.items():
                 node.device.side[g][idx] = side_dev[g][used[g]:used[g] + idx.size]
                 used[g] += idx.size
         handle = LoadHandle(self.device_slots(path), layer_num, tuple(depends.values()),
                             groups=self.side_slots(path, target))
-        nodes = whole + [node for node, _ in partial]
+        nodes = [node for node, _ in whole + partial]
         if not nodes:
             self.unlock_node(pin)
             handle._finish()
             return handle, None
         empty = torch.empty(0, dtype=torch.int64)
         mark = InFlight("load", nodes,
-                        device=torch.cat([self.slots_of(n.device.pages) for n in whole]) if whole else empty,
-                        host=torch.cat([n.host.slots for n in whole]) if whole else empty)
+                        device=torch.cat([self.slots_of(n.device.pages) for n, _ in whole]) if whole else empty,
+                        host=torch.cat([n.host.slots for n, _ in whole]) if whole else empty)
         mark.side = ({g: self.sides.slots(side_dev[g]) for g in self.sides.names},
                      {g: self.sides.slots(side_host[g]) for g in self.sides.names})
         mark.handle, mark.pin = handle, pin
