@@ -10,12 +10,15 @@ the prefixes whose window it was in no longer resumable, which every match check
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 
 from ..errors import IntegrityError
 from .inflight import InFlight
 from .lru import side_tier
+from ..pools.indices import page_token_slots
 from .sides import HOLE, resumable
 
 
@@ -78,8 +81,11 @@ class HybridState:
         what device and host hold together beyond it."""
         ps, windows = self.page_size, self.sides.windows
         pages = (device_len + host_len) // ps
-        snapshot = list(path)
         if not host_len and self._window_on_device(path, pages):
+            if not self.has_storage:  # nothing will ask what is held
+                return device_len, 0, Probe(pages, {})
+            snapshot = list(path)
+
             def held():
                 dev, host = self._side_held(snapshot, pages)
                 return {g: dev[g] | host[g] for g in dev}
@@ -116,18 +122,22 @@ class HybridState:
         pages = prefix // ps
         for g in self.sides.names:
             w = self.sides.window_pages(g, pages * ps)
-            window = np.full(len(w), HOLE, dtype=np.int64)
+            slots = np.full(pages * ps, HOLE, dtype=np.int64)
             at = 0
-            for node in path:  # only the nodes the window lies in
+            for node in path:  # only the nodes the window lies in, each piece written in place
                 if at >= w.stop or node.device is None:
                     break
                 n = len(node.key) // ps
                 lo, hi = max(w.start, at), min(w.stop, at + n)
                 if lo < hi:
-                    window[lo - w.start:hi - w.start] = node.device.side[g][lo - at:hi - at]
+                    held = node.device.side[g][lo - at:hi - at]
+                    if held.min() >= 0:
+                        slots[lo * ps:hi * ps] = page_token_slots(held, ps)
+                    else:
+                        piece = page_token_slots(np.maximum(held, 0), ps)
+                        piece[np.repeat(held < 0, ps)] = HOLE
+                        slots[lo * ps:hi * ps] = piece
                 at += n
-            slots = np.full(pages * ps, HOLE, dtype=np.int64)
-            slots[w.start * ps:w.stop * ps] = self.sides.slots_with_holes(window)
             out[g] = torch.from_numpy(slots)
         return out
 
@@ -224,25 +234,37 @@ class HybridState:
         none; free the rest. Marks the sequence's end as a resume point."""
         ps = self.page_size
         path[-1].ends = True
-        points, pos = {tokens, *self.sides.retention_points(tokens)}, 0
+        points, pos, starts = {tokens, *self.sides.retention_points(tokens)}, 0, []
         for node in path:
+            starts.append(pos // ps)
             pos += len(node.key)
             if node.ends or len(node.children) > 1:
                 points.add(pos)
-        keep = self.sides.keep(tokens // ps, points)
-        at = 0
-        for node in path:
-            n, taken = len(node.key) // ps, {}
-            for g, pages in given.items():
-                mine, offered = node.device.side[g], pages[at:at + n]
-                take = keep[g][at:at + n] & (mine < 0) & (offered >= 0)
-                mine[take] = offered[take]
-                self.sides.owned[g][offered[take]] = True
-                self._free_side("device", g, offered[~take & (offered != mine)])
-                taken[g] = np.flatnonzero(take)
-            at += n
-            if node.host_ready and any(idx.size for idx in taken.values()):
-                self._backup_new_sides(node, taken)
+        keep = self.sides.keep_pages(tokens // ps, points)
+        taken = {}  # node index -> {group: page indices in the node}
+        for g, pages in given.items():
+            rest = pages >= 0
+            kept = keep[g]
+            rest[kept] = False  # in no window: back to the pool at once
+            self._free_side("device", g, pages[rest])
+            drop = []
+            for i, page in zip(kept.tolist(), pages[kept].tolist()):
+                if page < 0:
+                    continue
+                k = bisect.bisect_right(starts, i) - 1
+                mine = path[k].device.side[g]
+                local = i - starts[k]
+                if mine[local] < 0:
+                    mine[local] = page
+                    self.sides.owned[g][page] = True
+                    taken.setdefault(k, {}).setdefault(g, []).append(local)
+                elif mine[local] != page:
+                    drop.append(page)  # the node has its own copy: the engine's is a duplicate
+            self._free_side("device", g, np.array(drop, dtype=np.int64))
+        for k, node in enumerate(path):
+            mine = taken.get(k)
+            if mine and node.host_ready:
+                self._backup_new_sides(node, {g: np.array(idx, dtype=np.int64) for g, idx in mine.items()})
             self.lru.push(node)
 
     def unbacked_sides(self, node) -> dict[str, np.ndarray]:

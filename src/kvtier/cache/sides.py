@@ -75,14 +75,15 @@ class Sides:
         start = max(0, prefix - self.windows[g]) // self.page_size
         return range(start, -(-prefix // self.page_size)) if prefix else range(0)
 
-    def keep(self, pages: int, points) -> dict[str, np.ndarray]:
-        """Per group, which of ``pages`` pages lie in the window before some resume
-        point of ``points`` (token offsets)."""
-        out = {g: np.zeros(pages, dtype=bool) for g in self.names}
-        for r in points:
-            for g in self.names:
-                w = self.window_pages(g, min(r, pages * self.page_size))
-                out[g][w.start:w.stop] = True
+    def keep_pages(self, pages: int, points) -> dict[str, np.ndarray]:
+        """Per group, the ascending indices of the pages (of ``pages``) that lie in the
+        window before some resume point of ``points`` (token offsets)."""
+        out = {}
+        for g in self.names:
+            held = set()
+            for r in points:
+                held.update(self.window_pages(g, min(r, pages * self.page_size)))
+            out[g] = np.array(sorted(held), dtype=np.int64)
         return out
 
     def retention_points(self, end: int) -> list[int]:
