@@ -12,7 +12,3 @@ class UnsupportedLayoutError(NotImplementedError):
 class IntegrityError(RuntimeError):
     """A broken invariant of the cache's state (``HierarchicalCache.check_integrity``):
     a bug in kvtier, or state changed behind its back. The message names what broke."""
-
-
-class UnsupportedSpecError(ValueError):
-    """A geometry this part of kvtier cannot serve yet; the message says what to use."""

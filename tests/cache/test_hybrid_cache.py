@@ -16,9 +16,9 @@ from helpers import HYBRID_SPECS
 from hybrid_engine import HybridEngine, make_cache, prefix_hashes
 from kvtier.storage.groups import GroupedStorage
 from kvtier.storage.keys import page_keys
-from kvtier import HierarchicalCache, HybridDevicePool, HybridHostPool, KVSpec, UnsupportedSpecError
+from kvtier import HierarchicalCache, HybridDevicePool, HybridHostPool, KVSpec
 
-SERVED = ("mimo", "oss", "long_window")
+SERVED = ("mimo", "oss", "all_swa", "long_window")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
 
@@ -208,10 +208,26 @@ def test_a_missing_sliding_or_full_page_ends_the_hit_before_it(tmp_path):
     cache.close()
 
 
-def test_an_all_sliding_model_is_refused_by_name():
-    spec = HYBRID_SPECS["all_swa"]
-    with pytest.raises(UnsupportedSpecError, match="full-attention group"):
-        make_cache(spec, 4, 64, 64)
+def test_an_all_sliding_model_needs_no_full_slots(tmp_path):
+    """Mistral-like: every layer sliding. The tree's own slots hold no KV; commit and
+    insert take None for them."""
+    spec = HYBRID_SPECS["all_swa"]  # window 3: the page before each resume point (pages of 4)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    cache = make_cache(spec, 4, 64, 64, store, prefetch_policy="wait_complete")
+    eng, rng = HybridEngine(cache), random.Random(9)
+    a = prompt(rng, 30)
+    got = cache.acquire(a)
+    side = cache.alloc_device(28, group="swa")
+    eng.write("swa", side, prefix_hashes(a)[:28])
+    done = cache.commit(got, a, None, groups={"swa": side})
+    assert done.cached_tokens == 28 and done.acquired.device_indices.numel() == 28
+    cache.release(done.acquired)
+    assert cache.stats()["sliding_pages"]["swa"]["device"] == 1
+    assert eng.serve(a) == 28
+    evict_all(cache)
+    assert eng.serve(a) == 28  # from storage: one object
+    assert cache.insert(prompt(rng, 8), None) == 0
+    cache.close()
 
 
 def test_misuse_is_refused_before_anything_changes():

@@ -33,7 +33,7 @@ class _Crashes(logging.Handler):
 
 
 class HybridCacheMachine(RuleBasedStateMachine):
-    @initialize(name=st.sampled_from(["mimo", "oss", "long_window"]),
+    @initialize(name=st.sampled_from(["mimo", "oss", "all_swa", "long_window"]),
                 policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
                 with_storage=st.booleans(), retention=st.sampled_from([None, 8]))
     def setup(self, name, policy, with_storage, retention):

@@ -27,14 +27,15 @@ def test_the_hybrid_rows_hold_both_caches_and_their_ratio(capsys):
         assert r[f"{name}_x_uniform"] == pytest.approx(r[f"hybrid_{name}_us"] / r[f"uniform_{name}_us"])
 
 
-def test_the_text_report_has_a_hybrid_table(capsys):
-    code, out, _ = run(capsys, "--spec", "gpt-oss-20b")
+@pytest.mark.parametrize("spec", ["gpt-oss-20b", "hybrid:layers=3,pattern=S;swa:window=32,heads=1,head_dim=8"])
+def test_the_text_report_has_a_hybrid_table(capsys, spec):
+    code, out, _ = run(capsys, "--spec", spec)
     assert code == 0 and "against a uniform cache" in out and "x uniform" in out
 
 
 @pytest.mark.parametrize("spec, message", [
     ("llama3-8b", "takes a hybrid (sliding-window) spec"),
-    ("hybrid:layers=3,pattern=S;swa:window=4,heads=1,head_dim=8", "all sliding"),
+    ("hybrid:layers=3,pattern=F;full:heads=1,head_dim=8", "takes a hybrid (sliding-window) spec"),
 ])
 def test_a_spec_it_cannot_compare_is_one_line(capsys, spec, message):
     code, out, err = run(capsys, "--spec", spec)

@@ -17,9 +17,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import UnsupportedSpecError
 from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..pools.indices import page_numbers
+from ..spec import KVSpec
 from ..storage.groups import GroupedStorage
 from ..storage.keys import extend_keys
 from ..transfer import check_io_backend
@@ -71,9 +71,6 @@ def _hybrid_pools(device_pool, host_pool, page_size: int, retention_interval):
     full = [g.name for g in spec.groups if g.attention.is_full]
     if spec.is_uniform:
         return device_pool[full[0]], host_pool[full[0]], None
-    if not full:
-        raise UnsupportedSpecError(f"the cache needs a full-attention group, and {spec.fingerprint()} is all sliding "
-                                   "window; serve it through HybridHostPool and GroupedStorage directly")
     for what, pools in (("device", device_pool), ("host", host_pool)):
         sizes = {name: pools[name].size for name in full}
         if len(set(sizes.values())) > 1:
@@ -84,7 +81,24 @@ def _hybrid_pools(device_pool, host_pool, page_size: int, retention_interval):
         raise ValueError(f"retention_interval must be a positive multiple of page_size {page_size} or None, "
                          f"got {retention_interval!r}")
     sides = Sides(spec, device_pool, host_pool, page_size, retention_interval)
+    if not full:  # all sliding: the tree's pages hold no KV of their own, only placeholder slots
+        device = DeviceKVPool(_PLACEHOLDER, _placeholder_size(device_pool, page_size), page_size, device="meta")
+        host = HostKVPool(_PLACEHOLDER, _placeholder_size(host_pool, page_size), page_size, device="meta")
+        return device, host, sides
     return device_pool[full[0]], host_pool[full[0]], sides
+
+
+#: An all-sliding model's cache holds its tree's tokens in shape-only pools of this
+#: spec (no memory), ``ALL_SLIDING_TOKENS_PER_SLOT`` tokens per slot of its largest
+#: sliding pool: a window of ``W`` tokens is what makes a prefix resumable, and a
+#: prefix is usually several windows long.
+_PLACEHOLDER = KVSpec.k_only(1, 1, 1, dtype=torch.float16)
+ALL_SLIDING_TOKENS_PER_SLOT = 8
+
+
+def _placeholder_size(pools, page_size: int) -> int:
+    biggest = max(pool.size for _, pool in pools)
+    return max(page_size, biggest * ALL_SLIDING_TOKENS_PER_SLOT // page_size * page_size)
 
 
 def _checked(method):
@@ -115,7 +129,9 @@ class HierarchicalCache:
 
     Hybrid models (a :class:`~kvtier.hybrid.HybridSpec` with sliding-window groups,
     DESIGN 5c): pass a :class:`HybridDevicePool` and a :class:`HybridHostPool`. The
-    full groups share every slot this API names (``device_indices``, ``alloc_device``);
+    full groups share every slot this API names (``device_indices``, ``alloc_device``;
+    for a model with no full group these are placeholders holding no KV, and
+    ``commit``/``insert`` take ``None`` for them);
     each sliding group has its own, passed and returned per group (``groups=``), a
     page of ``-1`` where a group holds nothing. A prefix is a hit only when the full
     groups hold all of it and every sliding group its window; sliding pages in no
@@ -481,6 +497,8 @@ class HierarchicalCache:
         if full < reused or tokens[:reused] != acquired.match.tokens[:reused]:
             raise ValueError(f"commit: token_ids ({len(tokens)} tokens) do not start with the acquired "
                              f"{reused}-token prefix")
+        if slots is None and self._sides is not None and not self._sides.full:
+            slots = self._placeholders(full - reused, "commit")
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != full - reused:
             got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
             raise ValueError(f"commit: slots must be a 1-D tensor of {full - reused} slots (the full pages of "
@@ -580,6 +598,8 @@ class HierarchicalCache:
         tokens, salt = token_array(token_ids), canonical_salt(salt)
         self._check_open()
         usable = len(tokens) - len(tokens) % self.page_size
+        if device_indices is None and self._sides is not None and not self._sides.full:
+            device_indices = self._placeholders(usable, "insert")
         if not isinstance(device_indices, torch.Tensor) or device_indices.dim() != 1 \
                 or device_indices.numel() < usable:
             n = device_indices.numel() if isinstance(device_indices, torch.Tensor) else device_indices
@@ -598,6 +618,13 @@ class HierarchicalCache:
             already, new = self._state.insert(tokens, pages, salt, walked, side)
         self._stats.add(inserted_tokens=new)
         return already
+
+    def _placeholders(self, n: int, what: str) -> torch.Tensor:
+        """An all-sliding cache's own slots for ``n`` tokens of the tree (no KV in them)."""
+        slots = self._alloc(n)
+        if slots is None:
+            raise ValueError(f"{what}: no room for {n} more tokens in the tree (every cached page is locked)")
+        return slots
 
     def _given(self, groups, tokens: int, skip: int, what: str) -> dict | None:
         """Hybrid: the engine's sliding pages for ``tokens`` tokens, checked, the first
