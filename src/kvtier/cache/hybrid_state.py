@@ -70,7 +70,7 @@ class HybridState:
                 if node.device is None:
                     return False
                 lo, hi = max(w.start, start) - start, min(w.stop, end) - start
-                if lo < hi and not (node.device.side[g][lo:hi] >= 0).all():
+                if lo < hi and node.device.side[g][lo:hi].min() < 0:
                     return False
                 end = start
         return True
@@ -122,7 +122,7 @@ class HybridState:
         pages = prefix // ps
         for g in self.sides.names:
             w = self.sides.window_pages(g, pages * ps)
-            slots = np.full(pages * ps, HOLE, dtype=np.int64)
+            slots = self.sides.holes(pages * ps)
             at = 0
             for node in path:  # only the nodes the window lies in, each piece written in place
                 if at >= w.stop or node.device is None:

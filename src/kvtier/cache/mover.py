@@ -113,10 +113,10 @@ class Mover:
         error = None
         scope, stream = self._stream("load")
         try:
+            host, dev = self._group_indices(mark) if mark.side is not None else (None, None)
             with scope:
                 for layer in range(self.layer_num):
                     if mark.side is not None:
-                        host, dev = self._group_indices(mark)
                         state.sides.groups_host.load_to_device_per_layer(state.sides.groups_device, host, dev, layer,
                                                                          self.io_backend)
                     else:
