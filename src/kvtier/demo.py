@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .hybrid import HybridSpec
 from .integrations.transformers import CachedGenerator, generate_uncached
 
 
@@ -31,15 +32,21 @@ class Turn:
 
 def run(net, store, *, namespace: str, sessions: int = 4, turns: int = 5, layout: str = "page_first",
         device_tokens: int = 448, host_tokens: int = 768, page_size: int = 16, system_tokens: int = 96,
-        user_tokens: int = 48, new_tokens: int = 8, seed: int = 0, progress=None) -> tuple[list[Turn], dict]:
+        user_tokens: int = 48, new_tokens: int = 8, seed: int = 0, retention_interval: int | None = None,
+        progress=None) -> tuple[list[Turn], dict]:
     """``sessions`` x ``turns`` requests of ``net`` (e.g. ``kvtier.integrations.tiny_models.build``) through a
-    cache over ``store`` (the caller's to close), each checked against running without kvtier."""
+    cache over ``store`` (the caller's to close), each checked against running without kvtier. For a
+    sliding-window model the cache keeps a window every ``retention_interval`` tokens (default: the
+    system prompt's whole pages, so every session resumes after it) besides each sequence's end."""
     if sessions <= 0 or turns <= 0:
         raise ValueError(f"sessions and turns must be positive, got {sessions} and {turns}")
     rng = random.Random(seed)
     vocab = net.config.vocab_size
+    if retention_interval is None:
+        retention_interval = max(page_size, system_tokens // page_size * page_size)
     gen = CachedGenerator.build(net, device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
-                                storage=store, layout=layout, namespace=namespace)
+                                storage=store, layout=layout, namespace=namespace,
+                                retention_interval=retention_interval)
     try:
         system = [rng.randrange(vocab) for _ in range(system_tokens)]
         history = [list(system) for _ in range(sessions)]
@@ -55,9 +62,27 @@ def run(net, store, *, namespace: str, sessions: int = 4, turns: int = 5, layout
                 history[s] = prompt + got.output
                 if progress is not None:
                     progress()
-        return rows, _summary(rows, gen.cache.stats())
+        gen.cache.flush()
+        stats = gen.cache.stats()
+        return rows, {**_summary(rows, stats), "held_bytes": held_bytes(gen.spec, stats, page_size)}
     finally:
         gen.cache.close()
+
+
+def held_bytes(spec, stats: dict, page_size: int) -> dict:
+    """Bytes the device and host tiers hold at the end, against a window-blind cache
+    holding the same tokens (every group's KV for every token)."""
+    out = {}
+    for tier in ("device", "host"):
+        tokens = stats[f"{tier}_tokens"]
+        if not isinstance(spec, HybridSpec):
+            out[tier] = {"bytes": tokens * spec.bytes_per_token, "window_blind_bytes": tokens * spec.bytes_per_token}
+            continue
+        sliding = sum(stats["sliding_pages"][g.name][tier] * page_size * g.bytes_per_token
+                      for g in spec.groups if not g.attention.is_full)
+        out[tier] = {"bytes": tokens * spec.full_bytes_per_token + sliding,
+                     "window_blind_bytes": tokens * spec.uniform_bytes_per_token}
+    return out
 
 
 def _summary(rows: list[Turn], stats: dict) -> dict:

@@ -135,6 +135,16 @@ def test_demo_small_runs_identical_and_plots(capsys, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((tmp_path / "d.json").read_text())["summary"]
     assert summary["reused"]["device"] > 0 and summary["prefilled_tokens"] < summary["prompt_tokens"]
+    held = summary["held_bytes"]  # MiMo's sliding layers keep windows: less than storing them for every token
+    assert 0 < held["device"]["bytes"] < held["device"]["window_blind_bytes"]
+
+
+@pytest.mark.parametrize("model", ["gemma3", "gpt-oss"])
+def test_demo_serves_the_other_hybrid_models(capsys, model):
+    pytest.importorskip("transformers")
+    code, out, _ = run(capsys, "demo", "--model", model, "--sessions", "2", "--turns", "2", "--device-tokens", "256",
+                       "--host-tokens", "256")
+    assert code == 0 and "identical in 4 of 4 requests" in out and "window-blind" in out
 
 
 @pytest.mark.parametrize("spec, fingerprint", [

@@ -1,5 +1,5 @@
 """Reused KV changes nothing: greedy outputs and first-token logits equal running without kvtier,
-for MiMo-V2-Flash (K 48 / V 32), Llama GQA and DeepSeek-V3 (MLA latents), hits from every tier."""
+for MiMo-V2-Flash with full attention only (K 48 / V 32), Llama GQA and DeepSeek-V3 (MLA latents), hits from every tier."""
 
 import warnings
 
@@ -11,10 +11,10 @@ pytest.importorskip("transformers")
 import kvtier.storage  # noqa: E402
 from kvtier.integrations.tiny_models import build  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
-    CachedGenerator, UnsupportedModelError, _forward, _new_cache, generate_uncached, spec_from_model)
+    CachedGenerator, _forward, _new_cache, generate_uncached, spec_from_model)
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-MODELS = {"mimo": "L2-fp32-k=2x48-v=2x32", "llama": "L2-fp32-k=2x32-v=2x32", "deepseek": "L2-fp32-k=1x64-v=1x16"}
+MODELS = {"mimo-full": "L2-fp32-k=2x48-v=2x32", "llama": "L2-fp32-k=2x32-v=2x32", "deepseek": "L2-fp32-k=1x64-v=1x16"}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -88,12 +88,14 @@ def check_every_tier(net, tmp_path, atol=1e-5) -> CachedGenerator:
     return gen
 
 
-def test_sliding_window_layers_are_refused_with_a_named_error():
+def test_a_sliding_window_layer_makes_the_spec_hybrid():
     from transformers import AutoModelForCausalLM, MiMoV2FlashConfig
+
+    from kvtier.hybrid import HybridSpec
 
     cfg = MiMoV2FlashConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=12, v_head_dim=8,
                             moe_intermediate_size=16, n_routed_experts=2, num_experts_per_tok=1,
                             layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(UnsupportedModelError, match="full attention"):
-        spec_from_model(AutoModelForCausalLM.from_config(cfg).eval())
+    spec = spec_from_model(AutoModelForCausalLM.from_config(cfg).eval())
+    assert isinstance(spec, HybridSpec) and [g.attention.tag for g in spec.groups] == ["full", "swa128"]

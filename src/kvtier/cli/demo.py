@@ -78,9 +78,10 @@ def _run(args: argparse.Namespace, store):
     from .. import demo
     from ..integrations.tiny_models import build
     from ..integrations.transformers import spec_from_model
+    from ..pools.hybrid import as_hybrid
 
     net = build(args.model, seed=args.seed, device=args.device)
-    bytes_per_token = spec_from_model(net).bytes_per_token
+    bytes_per_token = as_hybrid(spec_from_model(net)).uniform_bytes_per_token  # every group for every token: at most
     host, device = args.host_tokens * bytes_per_token, args.device_tokens * bytes_per_token
     what = f"device {args.device_tokens} + host {args.host_tokens} tokens of {bytes_per_token} bytes"
     if net.device.type == "cuda":
@@ -182,6 +183,11 @@ def _report(rows, s: dict) -> None:
     print(f"prefill time {s['prefill_ms']:.0f} ms with kvtier vs {s['baseline_prefill_ms']:.0f} ms without "
           f"({_less_or_more(s['prefill_ms'], s['baseline_prefill_ms'])}); outputs identical in "
           f"{s['identical']} of {s['requests']} requests")
+    held = s.get("held_bytes")
+    if held:
+        print("KV held at the end: " + "; ".join(
+            f"{tier} {v['bytes']:,} B (a window-blind cache: {v['window_blind_bytes']:,} B, "
+            f"{v['window_blind_bytes'] / max(v['bytes'], 1):.1f}x)" for tier, v in held.items()))
 
 
 def _less_or_more(with_ms: float, without_ms: float) -> str:

@@ -4,9 +4,20 @@ Before a request, the prompt is matched in a :class:`kvtier.HierarchicalCache`; 
 hit (from device, host or storage) is copied into a ``DynamicCache`` and the model
 runs only on the missing tokens; afterwards the new full pages go back into the
 cache. Works for any model whose cache layers hold per-layer ``keys``/``values``
-tensors ``(batch, heads, seq, dim)`` — the KVSpec is read off those tensors, so K
+tensors ``(batch, heads, seq, dim)`` — the geometry is read off those tensors, so K
 and V may differ in heads and dims (MiMo-V2-Flash K 192 / V 128; DeepSeek-V3,
 whose cache holds its MLA latent and rope key as two one-head tensors).
+
+Sliding-window layers (``DynamicSlidingWindowLayer``: MiMo-V2-Flash, Gemma 2/3,
+gpt-oss, Mistral, Cohere2, OLMo3, ...) make the spec a :class:`~kvtier.HybridSpec`:
+one group per layer kind, window and shape. A sliding layer attends to the
+``sliding_window - 1`` tokens before each query (transformers counts the query in
+``sliding_window``), so that is the group's window ``W``. Restoring a prefix of
+``P`` tokens gives a full layer all ``P`` and a sliding layer the last
+``min(P, W)``, with its ``cumulative_length`` set to ``P``: the layer's positions
+and mask depend on it. During a request the sliding layers record every state
+(``activate_past_recording``), so the pages of any window the cache keeps can be
+committed, not only the last ``W`` tokens a layer holds after its forward.
 """
 
 from __future__ import annotations
@@ -19,13 +30,17 @@ import torch
 
 from ..cache import HierarchicalCache
 from ..cache.tokens import token_array
-from ..pools import DeviceKVPool, HostKVPool
+from ..hybrid import Attention, HybridSpec, KVGroup
+from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..spec import Component, KVSpec
 from .identity import model_namespace, weights_digest
 
 
 class UnsupportedModelError(ValueError):
-    """The model's cache cannot be mapped to pages (e.g. sliding-window layers)."""
+    """The model's cache cannot be mapped to pages (e.g. linear-attention or recurrent state)."""
+
+
+_FULL, _SLIDING = "DynamicLayer", "DynamicSlidingWindowLayer"
 
 
 def _cache_kwarg(model) -> str:
@@ -44,24 +59,33 @@ def _forward(model, input_ids: torch.Tensor, cache):
         return model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(model): cache})
 
 
-def spec_from_model(model) -> KVSpec:
-    """The KV geometry of ``model``, read off the cache tensors of a one-token forward."""
+def spec_from_model(model) -> KVSpec | HybridSpec:
+    """The KV geometry of ``model``, read off the cache tensors of a one-token forward: a
+    ``KVSpec`` when every layer is full attention of one shape, else a ``HybridSpec``
+    with a group per (attention, window, shape): ``full``, ``swa``, then ``full1``,
+    ``swa1``, ... for further ones."""
     cache = _new_cache(model)
     _forward(model, torch.zeros(1, 1, dtype=torch.long, device=model.device), cache)
     layers = getattr(cache, "layers", None)
     if not layers:
         raise UnsupportedModelError(f"{type(cache).__name__} exposes no per-layer keys/values")
-    kinds = {type(layer).__name__ for layer in layers}
-    if kinds != {"DynamicLayer"}:
-        raise UnsupportedModelError(
-            f"cache layers {sorted(kinds)} are not all full attention; configure full-attention layers "
-            "(e.g. layer_types=['full_attention'] * num_hidden_layers)")
-    k, v = layers[0].keys, layers[0].values
+    other = sorted({type(layer).__name__ for layer in layers} - {_FULL, _SLIDING})
+    if other:
+        raise UnsupportedModelError(f"cache layers {other} hold state kvtier cannot page (only {_FULL} and "
+                                    f"{_SLIDING} are served)")
+    keyed: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
-        if layer.keys.shape[1:] != k.shape[1:] or layer.values.shape[1:] != v.shape[1:]:
-            raise UnsupportedModelError(f"layer {i} caches other shapes than layer 0")
-    return KVSpec(len(layers), (Component("k", k.shape[1], k.shape[-1]), Component("v", v.shape[1], v.shape[-1])),
-                  k.dtype)
+        attention = Attention.sliding(layer.sliding_window - 1) if type(layer).__name__ == _SLIDING else Attention()
+        shape = (layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[1], layer.values.shape[-1])
+        keyed.setdefault((attention, shape, layer.keys.dtype), []).append(i)
+    groups, seen = [], {}
+    for (attention, (kh, kd, vh, vd), dtype), ids in keyed.items():
+        base = "full" if attention.is_full else "swa"
+        n = seen[base] = seen.get(base, -1) + 1
+        spec = KVSpec(len(ids), (Component("k", kh, kd), Component("v", vh, vd)), dtype)
+        groups.append(KVGroup(base if n == 0 else f"{base}{n}", tuple(ids), spec, attention))
+    hybrid = HybridSpec(tuple(groups))
+    return hybrid.uniform_spec if hybrid.is_uniform else hybrid
 
 
 def hf_namespace(model) -> str:
@@ -92,35 +116,81 @@ class CachedGenerator:
     def __init__(self, model, cache: HierarchicalCache) -> None:
         self.model, self.cache = model, cache
         self.spec = cache.device_pool.spec
+        self.hybrid = isinstance(self.spec, HybridSpec)
+        # per model layer: (its group, its index in the group); a plain spec is one group "kv"
+        self._layers = [self.spec.group_of(i) for i in range(self.spec.layer_num)] if self.hybrid else None
 
     @classmethod
     def build(cls, model, *, device_tokens: int, host_tokens: int, page_size: int = 16, storage=None,
               layout: str = "page_first", write_policy: str = "write_through", namespace: str | None = None,
-              salt=None) -> "CachedGenerator":
+              salt=None, retention_interval: int | None = None,
+              sliding_tokens: int | None = None) -> "CachedGenerator":
+        """A generator over a new cache for ``model``. Sliding-window models get one pool
+        per layer group; ``sliding_tokens`` sizes each sliding group's device and host
+        pools (default: as the full groups'), ``retention_interval`` keeps a window
+        every so many tokens (a multiple of ``page_size``) besides sequence ends and
+        branch points."""
         spec = spec_from_model(model)
-        device = DeviceKVPool(spec, device_tokens, page_size, device=model.device)
-        host = HostKVPool(spec, host_tokens, page_size, layout=layout)
         if namespace is None:
             namespace = hf_namespace(model) if storage is not None else None
-        cache = HierarchicalCache(device, host, storage, write_policy=write_policy, prefetch_policy="wait_complete",
-                                  namespace=namespace)
-        return cls(model, cache)
+        kw = dict(write_policy=write_policy, prefetch_policy="wait_complete", namespace=namespace)
+        if isinstance(spec, HybridSpec):
+            def sizes(tokens: int) -> dict[str, int]:
+                return {g.name: tokens if g.attention.is_full or sliding_tokens is None else sliding_tokens
+                        for g in spec.groups}
+            device = HybridDevicePool(spec, sizes(device_tokens), page_size, device=model.device)
+            host = HybridHostPool(spec, sizes(host_tokens), page_size, layout=layout)
+            kw["retention_interval"] = retention_interval
+        else:
+            device = DeviceKVPool(spec, device_tokens, page_size, device=model.device)
+            host = HostKVPool(spec, host_tokens, page_size, layout=layout)
+        return cls(model, HierarchicalCache(device, host, storage, **kw))
 
     # -- DynamicCache <-> pool ------------------------------------------------------------------
-    def _to_dynamic(self, slots: torch.Tensor):
+    def _pool_layer(self, layer: int):
+        """``(pool, layer in the pool, attention)`` of model layer ``layer``."""
+        if not self.hybrid:
+            return self.cache.device_pool, layer, None
+        group, local = self._layers[layer]
+        return self.cache.device_pool[group.name], local, group
+
+    def _to_dynamic(self, got):
+        """A ``DynamicCache`` holding the acquired prefix: every token for full layers,
+        the last ``min(P, W)`` with ``cumulative_length = P`` for sliding ones; the
+        sliding layers then record every state the request adds."""
         dyn = _new_cache(self.model)
-        dev = self.cache.device_pool
+        slots = got.device_indices
+        prefix = slots.numel()
         for layer in range(self.spec.layer_num):  # (tokens, heads, dim) -> (1, heads, tokens, dim)
-            k = dev.buffer("k", layer)[slots].permute(1, 0, 2).unsqueeze(0)
-            v = dev.buffer("v", layer)[slots].permute(1, 0, 2).unsqueeze(0)
+            if not prefix:
+                break
+            pool, local, group = self._pool_layer(layer)
+            idx = slots
+            if group is not None and not group.attention.is_full:
+                idx = got.groups[group.name][prefix - min(prefix, group.attention.window):]
+            k = pool.buffer("k", local)[idx].permute(1, 0, 2).unsqueeze(0)
+            v = pool.buffer("v", local)[idx].permute(1, 0, 2).unsqueeze(0)
             dyn.update(k, v, layer)
+            if group is not None and not group.attention.is_full:
+                dyn.layers[layer].cumulative_length = prefix  # positions and masks count every token seen
+        if self.hybrid:
+            dyn.activate_past_recording()
         return dyn
 
-    def _from_dynamic(self, dyn, slots: torch.Tensor, start: int, stop: int) -> None:
-        dev = self.cache.device_pool
+    def _from_dynamic(self, dyn, slots: torch.Tensor, groups: dict | None, start: int, stop: int) -> None:
+        """Write tokens ``[start, stop)`` of every layer of ``dyn`` into their groups' slots
+        (a sliding group's slot of ``-1``: that token is not kept)."""
         for layer, cached in enumerate(dyn.layers):
-            dev.buffer("k", layer)[slots] = cached.keys[0, :, start:stop].permute(1, 0, 2)
-            dev.buffer("v", layer)[slots] = cached.values[0, :, start:stop].permute(1, 0, 2)
+            pool, local, group = self._pool_layer(layer)
+            dst, first = slots, 0
+            if group is not None and not group.attention.is_full:
+                dst, first = groups[group.name], cached.cumulative_length - cached.keys.shape[-2]
+            keys, values = cached.keys[0, :, start - first:stop - first], cached.values[0, :, start - first:stop - first]
+            keep = dst >= 0
+            if not bool(keep.all()):
+                dst, keys, values = dst[keep], keys[:, keep.to(keys.device)], values[:, keep.to(values.device)]
+            pool.buffer("k", local)[dst] = keys.permute(1, 0, 2)
+            pool.buffer("v", local)[dst] = values.permute(1, 0, 2)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, input_ids, max_new_tokens: int = 16, salt=None, eos_token_id: int | None = None
@@ -134,7 +204,7 @@ class CachedGenerator:
         got = held = cache.acquire(reusable, salt)
         try:
             reused = got.device_indices.numel()
-            dyn = self._to_dynamic(got.device_indices)
+            dyn = self._to_dynamic(got)
             logits = _forward(self.model, torch.tensor([tokens[reused:]], device=self.model.device), dyn).logits
             prefill_s = time.perf_counter() - t0
             first_logits = logits[0, -1].detach().clone()
@@ -160,8 +230,21 @@ class CachedGenerator:
             if slots is None:
                 return got
             full = start + room
-        self._from_dynamic(dyn, slots, start, full)
-        return self.cache.commit(got, sequence[:full], slots).acquired
+        groups = self._sliding_slots(full - start)
+        self._from_dynamic(dyn, slots, groups, start, full)
+        return self.cache.commit(got, sequence[:full], slots, groups=groups).acquired
+
+    def _sliding_slots(self, n: int) -> dict | None:
+        """Each sliding group's slots for ``n`` new tokens (``-1`` where its pool has no
+        room: that group keeps nothing of them, so no hit will need them)."""
+        if not self.hybrid:
+            return None
+        out = {}
+        for group in self.spec.groups:
+            if not group.attention.is_full:
+                got = self.cache.alloc_device(n, group=group.name)
+                out[group.name] = got if got is not None else torch.full((n,), -1, dtype=torch.int64)
+        return out
 
 
 def generate_uncached(model, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None
