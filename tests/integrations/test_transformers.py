@@ -1,5 +1,6 @@
 """Reused KV changes nothing: greedy outputs and first-token logits equal running without kvtier,
-for MiMo-V2-Flash with full attention only (K 48 / V 32), Llama GQA and DeepSeek-V3 (MLA latents), hits from every tier."""
+for MiMo-V2-Flash with full attention only (K 48 / V 32), Llama GQA and DeepSeek-V3 (MLA latents),
+hits from every tier."""
 
 import warnings
 

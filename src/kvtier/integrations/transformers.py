@@ -185,7 +185,8 @@ class CachedGenerator:
             dst, first = slots, 0
             if group is not None and not group.attention.is_full:
                 dst, first = groups[group.name], cached.cumulative_length - cached.keys.shape[-2]
-            keys, values = cached.keys[0, :, start - first:stop - first], cached.values[0, :, start - first:stop - first]
+            span = slice(start - first, stop - first)
+            keys, values = cached.keys[0, :, span], cached.values[0, :, span]
             keep = dst >= 0
             if not bool(keep.all()):
                 dst, keys, values = dst[keep], keys[:, keep.to(keys.device)], values[:, keep.to(values.device)]
