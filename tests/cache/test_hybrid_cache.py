@@ -162,6 +162,24 @@ def test_a_load_moves_only_the_window_it_resumes_with():
     cache.close()
 
 
+def test_resume_at_keeps_more_points_resumable():
+    spec = HYBRID_SPECS["mimo"]
+    cache = make_cache(spec, 4, sizes(spec, 256, 256), sizes(spec, 256, 256))
+    eng, rng = HybridEngine(cache), random.Random(10)
+    a = prompt(rng, 48)
+    got = cache.acquire(a)
+    new, side = cache.alloc_device(48), cache.alloc_device(48, group="swa")
+    hashes = prefix_hashes(a)
+    eng.write("full", new, hashes)
+    eng.write("swa", side, hashes)
+    cache.release(cache.commit(got, a, new, groups={"swa": side}, resume_at=(20,)).acquired)
+    assert eng.serve(a[:20] + prompt(rng, 7)) == 20  # the extra point
+    assert eng.serve(a[:28] + prompt(rng, 7)) == 20  # none between it and the end
+    with pytest.raises(ValueError, match="resume_at"):
+        cache.insert(a, cache.alloc_device(48), resume_at=(6,))
+    cache.close()
+
+
 def test_a_branch_point_keeps_its_window():
     spec = HYBRID_SPECS["oss"]
     cache = make_cache(spec, 4, sizes(spec, 512, 256), sizes(spec, 512, 256))

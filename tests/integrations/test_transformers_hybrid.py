@@ -149,3 +149,25 @@ def test_only_state_kvtier_cannot_page_is_refused_by_name():
                           shared_expert_intermediate_size=16)
     with pytest.raises(UnsupportedModelError, match="LinearAttentionLayer"):
         spec_from_model(AutoModelForCausalLM.from_config(cfg).eval())
+
+
+@pytest.mark.parametrize("name", ["mimo", "gemma3", "mistral"])
+def test_model_generate_with_kvtier_underneath_samples_as_without(name):
+    """``hf_generate`` is ``model.generate`` (sampling, top-k, a fixed seed) over a restored
+    prefix: the same tokens as plain ``model.generate``, cold and with hits; a prompt
+    sent again is a hit."""
+    net = build(name, seed=3)
+    gen = CachedGenerator.build(net, device_tokens=512, host_tokens=512, page_size=PAGE)
+    prompt = torch.tensor([[random.Random(4).randrange(256) for _ in range(60)]])
+    for kw in (dict(do_sample=True, top_k=20, temperature=0.9), dict(do_sample=False)):
+        torch.manual_seed(0)
+        want = net.generate(prompt, max_new_tokens=8, pad_token_id=0, **kw)
+        for _ in range(2):
+            before = gen.cache.stats()["device_hit_tokens"]
+            torch.manual_seed(0)
+            got = gen.hf_generate(prompt, max_new_tokens=8, pad_token_id=0, **kw)
+            assert torch.equal(got, want)
+        assert gen.cache.stats()["device_hit_tokens"] - before == 56  # the repeat resumed after 56 tokens
+    with pytest.raises(ValueError, match="batch 1"):
+        gen.hf_generate(torch.zeros(2, 8, dtype=torch.long), max_new_tokens=1)
+    gen.cache.close()

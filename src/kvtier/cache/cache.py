@@ -469,7 +469,7 @@ class HierarchicalCache:
 
     @_checked
     def commit(self, acquired: Acquired, token_ids: Sequence[int] | torch.Tensor, slots: torch.Tensor,
-               groups: dict | None = None) -> Committed:
+               groups: dict | None = None, resume_at: Sequence[int] = ()) -> Committed:
         """Cache what the forward computed and move the request's lock onto it.
 
         ``token_ids`` starts with the acquired prefix; ``slots`` are the device slots
@@ -485,7 +485,10 @@ class HierarchicalCache:
         tokens as ``slots`` (from ``alloc_device(n, group=...)``; a page of ``-1``
         where the engine kept nothing). The cache keeps the pages some resume
         point's window needs and frees the others; the lease covers the whole
-        sequence, and the result's ``groups`` hold the window before its end."""
+        sequence, and the result's ``groups`` hold the window before its end.
+        ``resume_at``: more points a later request will resume from (token counts,
+        whole pages, at most the sequence's), e.g. where this prompt's own reuse would
+        stop, so that the same prompt sent again is a hit."""
         self._check_open()
         if not isinstance(acquired, Acquired) or acquired.lease is None:
             raise ValueError(f"commit takes the Acquired from acquire, got {type(acquired).__name__}")
@@ -506,6 +509,7 @@ class HierarchicalCache:
         all_slots = torch.cat([prefix, slots.to(prefix.device)])
         pages = self._check_slots(all_slots)
         side = self._given(groups, full, reused, "commit")
+        resume_at = self._resume_points(resume_at, full, "commit")
         salt, state = acquired.match.salt, self._state
         with self._lock:
             if acquired.lease.owner is not state:
@@ -516,7 +520,7 @@ class HierarchicalCache:
             walked = state.check_insert(tokens, pages, salt)
             if side is not None:
                 state.check_sides(side, walked)
-            already, new = state.insert(tokens, pages, salt, walked, side)
+            already, new = state.insert(tokens, pages, salt, walked, side, resume_at)
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
             path = state.match_all(tokens, salt)  # the whole sequence: the engine goes on using its slots
@@ -583,7 +587,7 @@ class HierarchicalCache:
     # -- inserting ------------------------------------------------------------------------------------------------
     @_checked
     def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: torch.Tensor, salt=None,
-               groups: dict | None = None) -> int:
+               groups: dict | None = None, resume_at: Sequence[int] = ()) -> int:
         """Record KV the engine computed: ``device_indices[i]`` holds token ``i``.
 
         Only full pages are cached. Returns how many leading tokens were already cached
@@ -592,8 +596,8 @@ class HierarchicalCache:
         from :meth:`match_prefix` / :meth:`load_back`) are duplicates for it to free.
         Every slot is checked first (range, alignment, dtype, not held by another
         cached page); a bad one is a ``ValueError`` and nothing changes. Hybrid
-        specs: ``groups`` as in :meth:`commit`, covering the same tokens as
-        ``device_indices`` (at least its full pages).
+        specs: ``groups`` and ``resume_at`` as in :meth:`commit`, ``groups`` covering
+        the same tokens as ``device_indices`` (at least its full pages).
         """
         tokens, salt = token_array(token_ids), canonical_salt(salt)
         self._check_open()
@@ -610,14 +614,25 @@ class HierarchicalCache:
         if groups is not None and hasattr(groups, "items"):
             groups = {g: t[:usable] if isinstance(t, torch.Tensor) and t.dim() == 1 else t for g, t in groups.items()}
         side = self._given(groups, usable, 0, "insert")
+        resume_at = self._resume_points(resume_at, usable, "insert")
         del tokens[usable:]  # our own copy: whole pages only, without copying again
         with self._lock:
             walked = self._state.check_insert(tokens, pages, salt)
             if side is not None:
                 self._state.check_sides(side, walked)
-            already, new = self._state.insert(tokens, pages, salt, walked, side)
+            already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at)
         self._stats.add(inserted_tokens=new)
         return already
+
+    def _resume_points(self, points, tokens: int, what: str) -> tuple[int, ...]:
+        """``points`` checked: ints, whole pages, within ``tokens``; only hybrid caches
+        keep windows, so a uniform one ignores them (every prefix resumes)."""
+        points = tuple(points)
+        bad = [p for p in points if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= tokens
+               or p % self.page_size]
+        if bad:
+            raise ValueError(f"{what}: resume_at holds {bad[:4]}, not whole-page token counts in (0, {tokens}]")
+        return points if self._sides is not None else ()
 
     def _placeholders(self, n: int, what: str) -> torch.Tensor:
         """An all-sliding cache's own slots for ``n`` tokens of the tree (no KV in them)."""

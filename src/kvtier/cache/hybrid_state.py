@@ -228,13 +228,14 @@ class HybridState:
                 raise ValueError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
                                  "alloc_device(n, group=...)")
 
-    def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int) -> None:
+    def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int, resume_at=()) -> None:
         """Take the engine's sliding pages (``given``, one per page of ``tokens`` tokens
         along ``path``) where a resume point's window needs them and the node has
-        none; free the rest. Marks the sequence's end as a resume point."""
+        none; free the rest. Marks the sequence's end as a resume point; ``resume_at``:
+        more of them (token offsets, whole pages, within the sequence)."""
         ps = self.page_size
         path[-1].ends = True
-        points, pos, starts = {tokens, *self.sides.retention_points(tokens)}, 0, []
+        points, pos, starts = {tokens, *self.sides.retention_points(tokens), *resume_at}, 0, []
         for node in path:
             starts.append(pos // ps)
             pos += len(node.key)

@@ -539,7 +539,7 @@ class CacheState(HybridState):
         return walked
 
     def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked,
-               side: dict | None = None) -> tuple[int, int]:
+               side: dict | None = None, resume_at=()) -> tuple[int, int]:
         """Cache ``tokens`` (whole pages) whose KV is in the device pages ``pages`` (an
         array the tree may keep); ``walked`` is what :meth:`check_insert` returned, with
         the lock held since. Hybrid: ``side`` holds the engine's sliding pages
@@ -561,7 +561,8 @@ class CacheState(HybridState):
             self._added(node)
             path.append(node)
         if self.sides is not None and path:
-            self.adopt_sides(path, side if side is not None else self.sides.empty(len(tokens) // ps), len(tokens))
+            self.adopt_sides(path, side if side is not None else self.sides.empty(len(tokens) // ps), len(tokens),
+                             resume_at)
         if self.write_policy == "write_through":
             for node in path:
                 self.begin_backup(node)

@@ -210,14 +210,40 @@ class CachedGenerator:
             prefill_s = time.perf_counter() - t0
             first_logits = logits[0, -1].detach().clone()
             output = _greedy(self.model, logits, dyn, max_new_tokens, eos_token_id)
-            held = self._commit(got, tokens + output, dyn)
+            held = self._commit(got, tokens + output, dyn, len(tokens))
         finally:
             cache.release(held)
         return RequestStats(len(tokens), got.device_hit, got.host_hit, got.storage_hit, len(tokens) - reused,
                             prefill_s, output, first_logits)
 
-    def _commit(self, got, sequence: list[int], dyn):
-        """Cache the sequence's new full pages; returns the lease to release."""
+    def hf_generate(self, input_ids, salt=None, **generate_kwargs):
+        """``model.generate(input_ids, **generate_kwargs)`` with kvtier underneath: the
+        prompt's cached prefix is restored into the ``DynamicCache`` passed as
+        ``past_key_values`` (so the model runs only on the rest), and the sequence's
+        full pages are cached afterwards. Sampling, ``GenerationConfig``, stop
+        strings, streamers work as without kvtier; one sequence at a time (batch 1).
+        Returns what ``model.generate`` returns."""
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor([list(input_ids)])
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"hf_generate takes one sequence (batch 1), got input_ids of shape {tuple(ids.shape)}")
+        if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
+            raise ValueError("hf_generate brings its own past_key_values (the cached prefix); do not pass one")
+        tokens = ids[0].tolist()
+        got = held = self.cache.acquire(tokens[:-1], salt)  # the last prompt token is always computed
+        try:
+            dyn = self._to_dynamic(got)
+            out = self.model.generate(ids.to(self.model.device), past_key_values=dyn, **generate_kwargs)
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            held = self._commit(got, sequences[0].tolist(), dyn, len(tokens))
+        finally:
+            self.cache.release(held)
+        return out
+
+    def _commit(self, got, sequence: list[int], dyn, prompt: int):
+        """Cache the sequence's new full pages; returns the lease to release. The point
+        where a repeat of the ``prompt``-token prompt resumes is kept resumable."""
         ps = self.cache.page_size
         have = dyn.get_seq_length()  # KV exists for sequence[:have] (not the last generated token)
         full = have - have % ps
@@ -233,7 +259,9 @@ class CachedGenerator:
             full = start + room
         groups = self._sliding_slots(full - start)
         self._from_dynamic(dyn, slots, groups, start, full)
-        return self.cache.commit(got, sequence[:full], slots, groups=groups).acquired
+        repeat = (prompt - 1) // ps * ps  # what acquire() of the same prompt reuses at most
+        resume_at = (repeat,) if self.hybrid and start < repeat <= full else ()
+        return self.cache.commit(got, sequence[:full], slots, groups=groups, resume_at=resume_at).acquired
 
     def _sliding_slots(self, n: int) -> dict | None:
         """Each sliding group's slots for ``n`` new tokens (``-1`` where its pool has no
