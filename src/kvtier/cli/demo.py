@@ -51,7 +51,7 @@ def command(args: argparse.Namespace) -> int:
         rows, summary = _run(args, store)
     _report(rows, summary)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, summary.get("held_bytes"))
         print(f"plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
@@ -196,14 +196,23 @@ def _less_or_more(with_ms: float, without_ms: float) -> str:
     return f"{without_ms / with_ms:.1f}x less" if without_ms >= with_ms else f"{with_ms / without_ms:.1f}x more"
 
 
-def plot(rows, path: str) -> None:
+def plot(rows, path: str, held: dict | None = None) -> None:
+    """Where each request's KV came from and its prefill time; with ``held`` (the
+    summary's ``held_bytes``) a panel of the bytes each tier holds at the end against a
+    cache that stores every layer for every token."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     x = range(len(rows))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    if held:
+        fig = plt.figure(figsize=(12, 6))
+        grid = fig.add_gridspec(2, 4)
+        top, bottom = fig.add_subplot(grid[0, :3]), fig.add_subplot(grid[1, :3])
+        _plot_held(fig.add_subplot(grid[:, 3]), held)
+    else:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     bottom_acc = [0] * len(rows)
     for tier, color in (("device", "#2a9d8f"), ("host", "#e9c46a"), ("storage", "#f4a261"), ("prefilled", "#8d99ae")):
         values = [getattr(r, tier) for r in rows]
@@ -220,3 +229,16 @@ def plot(rows, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_held(ax, held: dict) -> None:
+    tiers = list(held)
+    at = range(len(tiers))
+    ax.bar([i - 0.2 for i in at], [held[t]["bytes"] / 2**20 for t in tiers], width=0.4, color="#2a9d8f",
+           label="kvtier")
+    ax.bar([i + 0.2 for i in at], [held[t]["window_blind_bytes"] / 2**20 for t in tiers], width=0.4,
+           color="#8d99ae", label="every layer, every token")
+    ax.set_xticks(list(at), tiers)
+    ax.set_ylabel("MiB held at the end")
+    ax.set_title("KV bytes per tier", fontsize=10)
+    ax.legend(fontsize=8)
