@@ -22,6 +22,7 @@ from .cache import _per_call_us, _Prompts
 
 _TINY = KVSpec.k_only(1, 1, 1, dtype=torch.float16)
 _COMMITS = 100  # timed acquire/commit/release cycles per cache
+_ROUNDS = 5     # ... in rounds of a fifth of them
 
 
 def _tiny(spec: HybridSpec) -> HybridSpec:
@@ -77,11 +78,14 @@ def run(spec: HybridSpec, page_size: int = 64, prompt_tokens: int = 8192, tree_p
                "tree_prompts": (size - spare) // prompt_tokens, "build_s": round(build_s, 2)}
         for name, cache, groups in (("uniform", uniform, ()), ("hybrid", hybrid, names)):
             out[f"{name}_match_us"] = _per_call_us(lambda c=cache: c.match_prefix(as_list), 200)
-            fresh = [prompts.array().tolist() for _ in range(_COMMITS)]
-            t = time.perf_counter()
-            for p in fresh:
-                _serve(cache, p, groups)
-            out[f"{name}_request_us"] = (time.perf_counter() - t) / _COMMITS * 1e6
+            best = float("inf")
+            for _ in range(_ROUNDS):  # the fastest round's mean, as for the matches: a shared machine is noisy
+                fresh = [prompts.array().tolist() for _ in range(_COMMITS // _ROUNDS)]
+                t = time.perf_counter()
+                for p in fresh:
+                    _serve(cache, p, groups)
+                best = min(best, (time.perf_counter() - t) / len(fresh))
+            out[f"{name}_request_us"] = best * 1e6
         out["match_x_uniform"] = out["hybrid_match_us"] / out["uniform_match_us"]
         out["request_x_uniform"] = out["hybrid_request_us"] / out["uniform_request_us"]
         return out

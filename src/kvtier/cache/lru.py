@@ -21,7 +21,8 @@ _heappush = heapq.heappush
 
 
 def _has_side(copy, group: str) -> bool:
-    return copy is not None and copy.side is not None and bool((copy.side[group] >= 0).any())
+    side = None if copy is None or copy.side is None else copy.side[group]
+    return side is not None and side.size > 0 and side.max() >= 0
 
 
 def side_tier(tier: str, group: str) -> str:
