@@ -82,6 +82,25 @@ class HybridEngine:
             w = self.window(g, n)
             self.check(g, groups[g][w.start:w.stop], hashes[w.start:w.stop], what)
 
+    def commit_whole(self, tokens: list[int], lose: range = range(0), resume_at=()) -> None:
+        """Cache ``tokens`` (whole pages, nothing reused) as an engine that computed them
+        all and lost the sliding pages of the token positions ``lose`` (whole pages)."""
+        got = self.cache.acquire(tokens)
+        assert got.device_indices.numel() == 0, "commit_whole caches a prompt the cache does not hold"
+        n = len(tokens) // self.ps * self.ps
+        new = self.cache.alloc_device(n)
+        side = {g: self.cache.alloc_device(n, group=g) for g in self.sliding}
+        hashes = prefix_hashes(tokens[:n])
+        for g in self.full:
+            self.write(g, new, hashes)
+        for g, slots in side.items():
+            self.write(g, slots, hashes)
+            if lose:
+                self.cache.free_device(slots[lose.start:lose.stop], group=g)
+                slots[lose.start:lose.stop] = -1
+        done = self.cache.commit(got, tokens, new, groups=side, resume_at=resume_at)
+        self.cache.release(done.acquired)
+
     def serve(self, tokens: list[int], keep: str = "all", salt=None) -> int:
         """One request: reuse, compute the rest, commit, check, release. ``keep``: which
         sliding pages the engine still has at commit (``all``, or ``tail``: only the

@@ -167,12 +167,7 @@ def test_resume_at_keeps_more_points_resumable():
     cache = make_cache(spec, 4, sizes(spec, 256, 256), sizes(spec, 256, 256))
     eng, rng = HybridEngine(cache), random.Random(10)
     a = prompt(rng, 48)
-    got = cache.acquire(a)
-    new, side = cache.alloc_device(48), cache.alloc_device(48, group="swa")
-    hashes = prefix_hashes(a)
-    eng.write("full", new, hashes)
-    eng.write("swa", side, hashes)
-    cache.release(cache.commit(got, a, new, groups={"swa": side}, resume_at=(20,)).acquired)
+    eng.commit_whole(a, resume_at=(20,))
     assert eng.serve(a[:20] + prompt(rng, 7)) == 20  # the extra point
     assert eng.serve(a[:28] + prompt(rng, 7)) == 20  # none between it and the end
     with pytest.raises(ValueError, match="resume_at"):
@@ -203,14 +198,7 @@ def test_a_missing_sliding_or_full_page_ends_the_hit_before_it(tmp_path):
                        prefetch_policy="wait_complete")
     eng, rng = HybridEngine(cache), random.Random(5)
     a = prompt(rng, 48)
-    got = cache.acquire(a)
-    new, side = cache.alloc_device(48), cache.alloc_device(48, group="swa")
-    hashes = prefix_hashes(a)
-    eng.write("full", new, hashes)
-    eng.write("swa", side, hashes)
-    cache.free_device(side[44:48], group="swa")
-    side[44:48] = -1  # the engine lost the sliding page just before the end
-    cache.release(cache.commit(got, a, new, groups={"swa": side}).acquired)
+    eng.commit_whole(a, lose=range(44, 48))  # the engine lost the sliding page just before the end
     assert cache.match_prefix(a).cached_len == 32  # the last retention point whose window is whole
     assert cache.peek(a).cached_len == 32
     evict_all(cache)

@@ -409,10 +409,7 @@ class HierarchicalCache:
             storage_len, fetch = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)
             fetched = 0
             if storage_len and fetch is not None:  # hybrid: the full pages and the window it ends with
-                keys, at, pages, count, target = fetch
-                fetched = self._mover.prefetch_groups(tokens, salt, at, pages * self.page_size, count,
-                                                      keys[pages - 1] if pages else None, target,
-                                                      self.prefetch_policy, self._prefetch_wait).wait()
+                fetched = self._prefetch_groups(tokens, salt, fetch).wait()
             elif storage_len:  # storage -> host, then it is a host hit like any other
                 fetched = self._mover.prefetch(tokens, salt, first, device_len + host_len,
                                                storage_len // self.page_size, parent_key, self.prefetch_policy,
@@ -572,12 +569,16 @@ class HierarchicalCache:
         if self._sides is not None:
             if not storage_len:
                 return PrefetchHandle(0, self.prefetch_policy, self.prefetch_timeout)
-            keys, at, pages, count, target = fetch
-            return self._mover.prefetch_groups(tokens, salt, at, pages * self.page_size, count,
-                                               keys[pages - 1] if pages else None, target, self.prefetch_policy,
-                                               self._prefetch_wait)
+            return self._prefetch_groups(tokens, salt, fetch)
         return self._mover.prefetch(tokens, salt, last, device_len + host_len, storage_len // self.page_size,
                                     parent_key, self.prefetch_policy, self._prefetch_wait)
+
+    def _prefetch_groups(self, tokens, salt: bytes, fetch) -> PrefetchHandle:
+        """Hybrid: start the prefetch :meth:`_storage_groups` planned (``fetch``)."""
+        keys, at, pages, count, target = fetch
+        return self._mover.prefetch_groups(tokens, salt, at, pages * self.page_size, count,
+                                           keys[pages - 1] if pages else None, target, self.prefetch_policy,
+                                           self._prefetch_wait)
 
     @property
     def _prefetch_wait(self) -> float:

@@ -142,7 +142,8 @@ class HybridState:
         return out
 
     # -- side pages in and out ------------------------------------------------------------------
-    def _free_side(self, tier: str, g: str, pages: np.ndarray) -> None:
+    def free_side(self, tier: str, g: str, pages: np.ndarray) -> None:
+        """Give sliding group ``g``'s pages ``pages`` (holes skipped) back to its ``tier`` pool."""
         pages = pages[pages >= 0]
         if not pages.size:
             return
@@ -154,7 +155,7 @@ class HybridState:
 
     def _drop_sides(self, copy, tier: str) -> None:
         for g, pages in copy.side.items():
-            self._free_side(tier, g, pages)
+            self.free_side(tier, g, pages)
             pages[:] = HOLE
 
     def alloc_side(self, tier: str, g: str, n: int) -> np.ndarray | None:
@@ -178,7 +179,7 @@ class HybridState:
                 break
             pages = getattr(node, tier).side[g]
             held = pages[pages >= 0]
-            self._free_side(tier, g, held)
+            self.free_side(tier, g, held)
             pages[:] = HOLE
             freed += held.size * self.page_size
             self.lru.push(node)
@@ -247,7 +248,7 @@ class HybridState:
             rest = pages >= 0
             kept = keep[g]
             rest[kept] = False  # in no window: back to the pool at once
-            self._free_side("device", g, pages[rest])
+            self.free_side("device", g, pages[rest])
             drop = []
             for i, page in zip(kept.tolist(), pages[kept].tolist()):
                 if page < 0:
@@ -261,7 +262,7 @@ class HybridState:
                     taken.setdefault(k, {}).setdefault(g, []).append(local)
                 elif mine[local] != page:
                     drop.append(page)  # the node has its own copy: the engine's is a duplicate
-            self._free_side("device", g, np.array(drop, dtype=np.int64))
+            self.free_side("device", g, np.array(drop, dtype=np.int64))
         for k, node in enumerate(path):
             mine = taken.get(k)
             if mine and node.host_ready:
@@ -283,7 +284,7 @@ class HybridState:
             pages = self.alloc_side("host", g, idx.size) if idx.size else None
             if pages is None or node.host is None or not node.host_ready:
                 if pages is not None:
-                    self._free_side("host", g, pages)
+                    self.free_side("host", g, pages)
                 continue
             node.host.side[g][idx] = pages
             dev[g], host[g] = self.sides.slots(node.device.side[g][idx]), self.sides.slots(pages)
@@ -304,7 +305,7 @@ class HybridState:
                 for g, slots in mark.side[1].items():
                     pages = node.host.side[g]
                     ours = np.isin(pages, self.sides.pages_of(slots)) & (pages >= 0)
-                    self._free_side("host", g, pages[ours])
+                    self.free_side("host", g, pages[ours])
                     pages[ours] = HOLE
             else:
                 if node.stored and node.storing is None:
@@ -381,7 +382,7 @@ class HybridState:
             for pages in full:
                 self.allocator.free(self.slots_of(pages))
             for g, pages in got_side.items():
-                self._free_side("device", g, pages)
+                self.free_side("device", g, pages)
             return None
         return full, got_side, side_host
 
@@ -452,7 +453,7 @@ class HybridState:
         for g, slots in mark.side[0].items():
             pages = node.device.side[g]
             ours = np.isin(pages, self.sides.pages_of(slots)) & (pages >= 0)
-            self._free_side("device", g, pages[ours])
+            self.free_side("device", g, pages[ours])
             pages[ours] = HOLE
         node.device.loading = None
         self.lru.push(node)

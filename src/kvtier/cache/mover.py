@@ -214,15 +214,21 @@ class Mover:
             raise
         return handle
 
+    def _chunks(self, handle, tokens, salt, start: int, parent_key):
+        """A prefetch's storage keys, ``(first page, keys)`` a chunk at a time, until it is
+        cancelled (lazily: a failure to make them surfaces in the job's own ``try``)."""
+        state = self.state
+        keys = extend_keys(parent_key, tokens[start:start + handle.target], state.page_size, state.namespace, salt,
+                           state.hash)
+        for c in range(0, len(keys), PREFETCH_CHUNK_PAGES):
+            if handle._cancel.is_set():
+                return
+            yield c, keys[c:c + PREFETCH_CHUNK_PAGES]
+
     def _prefetch(self, handle, tokens, salt, last, start, host, parent_key) -> None:
         state, ps, done = self.state, self.state.page_size, 0
         try:
-            keys = extend_keys(parent_key, tokens[start:start + handle.target], ps, state.namespace, salt,
-                               state.hash)
-            for c in range(0, len(keys), PREFETCH_CHUNK_PAGES):
-                if handle._cancel.is_set():
-                    break
-                chunk = keys[c:c + PREFETCH_CHUNK_PAGES]
+            for c, chunk in self._chunks(handle, tokens, salt, start, parent_key):
                 got = self.guard.get(chunk, state.host_pool, host[c * ps:(c + len(chunk)) * ps])
                 n = next((i for i, ok in enumerate(got) if not ok), len(got))
                 if n:
@@ -286,18 +292,13 @@ class Mover:
         for g, pages in side.items():
             rest = pages[done:]
             state.sides.fetching[g] -= int((rest >= 0).sum()) * ps
-            state._free_side("host", g, rest)
+            state.free_side("host", g, rest)
 
     def _prefetch_groups(self, handle, tokens, salt, last, start, host, side, parent_key) -> None:
         state, ps, done = self.state, self.state.page_size, 0
         full = state.sides.full
         try:
-            keys = extend_keys(parent_key, tokens[start:start + handle.target], ps, state.namespace, salt,
-                               state.hash)
-            for c in range(0, len(keys), PREFETCH_CHUNK_PAGES):
-                if handle._cancel.is_set():
-                    break
-                chunk = keys[c:c + PREFETCH_CHUNK_PAGES]
+            for c, chunk in self._chunks(handle, tokens, salt, start, parent_key):
                 k = len(chunk)
                 slots = {name: host[c * ps:(c + k) * ps] for name in full}
                 picked = {name: list(range(k)) for name in full}

@@ -104,15 +104,6 @@ class Sides:
         """Token slots of ``pages`` (no holes)."""
         return torch.from_numpy(page_token_slots(pages, self.page_size))
 
-    def slots_with_holes(self, pages: np.ndarray) -> np.ndarray:
-        """Token slots of ``pages``, ``-1`` for every token of a hole."""
-        ps = self.page_size
-        out = page_token_slots(np.maximum(pages, 0), ps)
-        holes = pages < 0
-        if holes.any():
-            out[np.repeat(holes, ps)] = HOLE
-        return out
-
     def pages_of(self, slots: torch.Tensor) -> np.ndarray:
         """Page numbers of whole-page slots."""
         flat = slots.cpu().numpy().astype(np.int64, copy=False)

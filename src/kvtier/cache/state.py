@@ -496,7 +496,7 @@ class CacheState(HybridState):
         if side is not None:
             for g, pages in side.items():
                 self.sides.fetching[g] -= int((pages >= 0).sum()) * ps
-                self._free_side("host", g, pages[:(matched - start) // ps])
+                self.free_side("host", g, pages[:(matched - start) // ps])
         if matched > start:  # someone cached part of it meanwhile: keep theirs
             self.host_pool.free(host_slots[:matched - start])
         if matched < len(tokens):
