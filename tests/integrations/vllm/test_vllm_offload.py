@@ -32,7 +32,8 @@ def test_store_lookup_load_round_trip_is_byte_exact(geometry):
 
 @pytest.mark.parametrize("geometry", [CPU_GQA, UNKNOWN], ids=["cpu", "opaque"])
 def test_offloaded_blocks_of_three_vllm_blocks_round_trip_from_their_middle(geometry):
-    """blocks_per_chunk 3: a key holds three vLLM blocks; a load may start inside one."""
+    """blocks_per_chunk 3: a key holds three vLLM blocks; a load may start and end inside one
+    (vLLM's sliding window loads do), never span fewer keys than its blocks need."""
     rig = Rig(geometry, host_blocks=3, per_key=3)
     ks = keys("a", "b")
     blocks = [4, 9, 2, 11, 0, 6]
@@ -46,8 +47,14 @@ def test_offloaded_blocks_of_three_vllm_blocks_round_trip_from_their_middle(geom
     assert rig.worker.submit_load(1, spec, GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[2]))
     for layer, want in zip(rig.engine.kv, before):
         assert torch.equal(layer[targets], want[2:])
-    with pytest.raises(ValueError, match="4 vLLM blocks .skipping 1. for 6 host pages"):
-        rig.worker.submit_load(2, spec, GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[1]))
+    rig.engine.wipe(blocks + targets)
+    assert rig.worker.submit_load(2, spec, GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[1]))
+    for layer, want in zip(rig.engine.kv, before):
+        assert torch.equal(layer[targets], want[1:5])  # request blocks 1..4: inside both keys
+    with pytest.raises(ValueError, match="2 vLLM blocks .skipping 0. for 6 host pages"):
+        rig.worker.submit_load(3, spec, GPULoadStoreSpec(targets[:2], group_sizes=[2], block_indices=[0]))
+    with pytest.raises(ValueError, match="5 vLLM blocks .skipping 2. for 6 host pages"):
+        rig.worker.submit_load(4, spec, GPULoadStoreSpec(targets + [1], group_sizes=[5], block_indices=[2]))
 
 
 def test_cpu_blocks_become_canonical_k_and_v_pages():

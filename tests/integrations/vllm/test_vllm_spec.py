@@ -37,7 +37,7 @@ def test_bad_extra_config_fails_at_construction_on_one_line(extra, message):
 
 @pytest.mark.parametrize("kw, says", [({"pp_size": 2}, "pipeline parallel size 2"),
                                       ({"dcp_size": 2}, "context parallel sizes"),
-                                      ({"groups": 2}, "2 offloadable KV cache groups")])
+                                      ({"groups": 0}, "no offloadable KV cache group")])
 def test_unsupported_setups_say_what_to_change(kw, says):
     with pytest.raises(UnsupportedVLLMSetupError, match=says):
         KVTierOffloadingSpec(offloading_config({"host_bytes": 1 << 20}, **kw))

@@ -269,7 +269,7 @@ class _Ranks:
             pool = HostKVPool(fmt.spec, 8 * BLOCK, BLOCK, layout="page_head")
             pools.append(pool)
             self.engines.append(rows)
-            self.workers.append(KVTierOffloadingWorker(pool, fmt, rows))
+            self.workers.append(KVTierOffloadingWorker.single(pool, fmt, rows))
         self.tier = HostTier(pools, fmt, storage=storage, key_prefix=prefix, buffer_pages=8)
         self.manager = KVTierOffloadingManager(lambda: self.tier)
 

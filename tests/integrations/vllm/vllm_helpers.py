@@ -94,7 +94,7 @@ class Rig:
         self.tier = HostTier([pool], fmt, blocks_per_key=per_key, storage=storage, key_prefix=key_prefix,
                              timeout_s=timeout_s, events=events, **tier)
         self.manager = KVTierOffloadingManager(lambda: self.tier)
-        self.worker = KVTierOffloadingWorker(pool, fmt, self.engine.kv, blocks_per_key=per_key)
+        self.worker = KVTierOffloadingWorker.single(pool, fmt, self.engine.kv, blocks_per_key=per_key)
         self._job = 0
 
     def store(self, offload_keys, block_ids: list[int], req=None):

@@ -26,6 +26,8 @@ KVTIER_KEYS = {
     "storage_buffer_bytes": "bytes of staging memory for storage reads and writes; while it is full, further "
                             "storage writes are dropped (default: a quarter of host_bytes)",
     "host_dir": "directory of the host tier's shared memory files (/dev/shm)",
+    "sliding_host_share": "host pages of each sliding window KV cache group, as a fraction of a full attention "
+                          "group's (0.25): vLLM stores only the window before each resume point of those",
 }
 
 
@@ -38,6 +40,7 @@ class KVTierConfig:
     io_threads: int = 2
     storage_buffer_bytes: int | None = None
     host_dir: str = "/dev/shm"
+    sliding_host_share: float = 0.25
 
     def __post_init__(self) -> None:
         if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes <= 0:
@@ -56,6 +59,9 @@ class KVTierConfig:
         buffer = self.storage_buffer_bytes
         if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int) or buffer <= 0):
             raise ValueError(f"kvtier: storage_buffer_bytes must be a positive int (bytes), got {buffer!r}")
+        share = self.sliding_host_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"kvtier: sliding_host_share must be a number in (0, 1], got {share!r}")
         if not isinstance(self.host_dir, str) or not self.host_dir.startswith("/"):
             raise ValueError(f"kvtier: host_dir must be an absolute directory path, got {self.host_dir!r}")
 

@@ -13,7 +13,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .metrics import TierMetrics
 from .pages import Source
-from .tier import HostTier, Lookup, Probe
+from .tier import HostTier, Lookup
 
 #: Seconds a scheduler step may wait for storage look-ups in flight (see HostTier.yield_to_io).
 IO_YIELD_S = 0.002
@@ -25,26 +25,39 @@ _SOURCES = {Source.HOST: CacheHitSource.HOST, Source.STORAGE: CacheHitSource.DIS
 
 class KVTierLoadStoreSpec(LoadStoreSpec):
     """Host pages of kvtier's tier: ``blocks_per_key`` per offloaded block, in the order
-    of its keys. vLLM sends it to the workers with the job (it holds only page numbers)."""
+    of its keys, and each key's group (its position among the KV cache groups: the
+    pages are that group's). vLLM sends it to the workers with the job (it holds only
+    page numbers)."""
 
-    def __init__(self, pages) -> None:
+    def __init__(self, pages, groups=None) -> None:
         self.pages = np.asarray(pages, dtype=np.int64)
+        self.groups = np.asarray(groups, dtype=np.int64) if groups is not None else None
 
     def __repr__(self) -> str:
-        return f"KVTierLoadStoreSpec({self.pages.tolist()})"
+        groups = "" if self.groups is None else f", groups={self.groups.tolist()}"
+        return f"KVTierLoadStoreSpec({self.pages.tolist()}{groups})"
+
+
+class _RequestProbe:
+    """The tier's probe of one request, kept in vLLM's per-request context."""
+
+    def __init__(self, probe) -> None:
+        self.probe = probe
 
 
 class KVTierOffloadingManager(OffloadingManager):
     """Keyed by vLLM's ``OffloadKey`` (chained block hash + group): vLLM's hashes already
-    match prefixes, so each key is looked up on its own.
+    match prefixes, so each key is looked up on its own, in its group (vLLM's scheduler
+    asks full groups for a prefix and sliding groups for the window before the hit).
 
-    ``tier`` is a callable returning the engine's :class:`HostTier`, or None (then
-    everything misses and nothing is stored)."""
+    ``tier`` is a callable returning the engine's :class:`HostTier` (one group) or
+    :class:`~.groups.GroupedTier` (several), or None (then everything misses and
+    nothing is stored)."""
 
     def __init__(self, tier: Callable[[], HostTier | None]) -> None:
         self._tier_fn = tier
         self._metrics = TierMetrics()
-        self._probes: list[Probe] = []  # probes with keys queued this scheduler step
+        self._probes: list = []  # probes with keys queued this scheduler step
 
     @property
     def tier(self) -> HostTier | None:
@@ -56,10 +69,11 @@ class KVTierOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         if tier.storage is None:
             return _RESULTS[tier.lookup(bytes(key))]
-        probe = req_context.get_state(Probe)
-        if probe is None:
-            probe = Probe()
-            req_context.set_state(probe)
+        held = req_context.get_state(_RequestProbe)
+        if held is None:
+            held = _RequestProbe(tier.new_probe())
+            req_context.set_state(held)
+        probe = held.probe
         idle = not probe.queued
         result = tier.lookup(bytes(key), probe)
         if idle and probe.queued:  # its first key this step: send the batch at the step's end
@@ -71,7 +85,9 @@ class KVTierOffloadingManager(OffloadingManager):
         return _SOURCES[tier.source(bytes(key))] if tier is not None else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return KVTierLoadStoreSpec(self.tier.pin([bytes(k) for k in keys]))
+        tier = self.tier
+        raw = [bytes(k) for k in keys]
+        return KVTierLoadStoreSpec(tier.pin(raw), tier.positions(raw))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         tier = self.tier
@@ -90,7 +106,7 @@ class KVTierOffloadingManager(OffloadingManager):
         if got is None:
             return None
         return PrepareStoreOutput(keys_to_store=[by_bytes[k] for k in got.keys],
-                                  store_spec=KVTierLoadStoreSpec(got.pages),
+                                  store_spec=KVTierLoadStoreSpec(got.pages, tier.positions(got.keys)),
                                   evicted_keys=[OffloadKey(k) for k in got.evicted])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:

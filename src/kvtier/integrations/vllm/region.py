@@ -12,7 +12,8 @@ between the two the same way.)
 
 So each worker rank creates ``<dir>/kvtier-<engine>-r<rank>.pool`` (``dir`` is
 ``/dev/shm``: memory, not disk) holding a header and its host pool, and the scheduler
-maps the same files. One layout per file::
+maps the same files. A hybrid model's KV cache groups each have their own pool and
+file: ``-r<rank>-g<position>.pool`` for groups after the first. One layout per file::
 
     [0, HEADER_BYTES)   b"KVTIERPOOL" + u32 version + u32 length + JSON (what the pool holds)
     [HEADER_BYTES, ..)  each component's buffer in the pool's layout order, page-aligned
@@ -65,8 +66,9 @@ def _safe_name(engine_id: str) -> str:
     return "h" + hashlib.sha256(engine_id.encode()).hexdigest()[:32]
 
 
-def region_path(directory: str | os.PathLike, engine_id: str, rank: int) -> Path:
-    return Path(directory) / f"kvtier-{_safe_name(engine_id)}-r{rank}.pool"
+def region_path(directory: str | os.PathLike, engine_id: str, rank: int, group: int = 0) -> Path:
+    suffix = f"-g{group}" if group else ""
+    return Path(directory) / f"kvtier-{_safe_name(engine_id)}-r{rank}{suffix}.pool"
 
 
 def _round_up(n: int, to: int) -> int:
@@ -84,6 +86,7 @@ class RegionInfo:
     format: BlockFormat
     layout: str
     num_pages: int
+    group: int = 0  # position of the KV cache group among the engine's groups
 
     def buffers(self) -> list[tuple[str, int, tuple[int, ...]]]:
         """``(component, offset, shape)`` of each component's buffer in the file, the
@@ -104,7 +107,7 @@ class RegionInfo:
     def to_json(self) -> bytes:
         return json.dumps({"engine_id": self.engine_id, "rank": self.rank, "world_size": self.world_size,
                            "pid": self.pid, "format": format_to_json(self.format), "layout": self.layout,
-                           "num_pages": self.num_pages}, sort_keys=True).encode()
+                           "num_pages": self.num_pages, "group": self.group}, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "RegionInfo":
@@ -117,9 +120,12 @@ class RegionInfo:
                 raise ValueError(f"header field {name!r} is {d.get(name)!r}")
         if d["num_pages"] <= 0 or not 0 <= d["rank"] < d["world_size"]:
             raise ValueError(f"header has {d['num_pages']} pages, rank {d['rank']} of {d['world_size']}")
+        group = d.get("group", 0)
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise ValueError(f"header field 'group' is {group!r}")
         get_layout(d["layout"])
         return cls(d["engine_id"], d["rank"], d["world_size"], d["pid"], format_from_json(d["format"]),
-                   d["layout"], d["num_pages"])
+                   d["layout"], d["num_pages"], group)
 
 
 class Region:
@@ -149,7 +155,7 @@ class Region:
         if not directory.is_dir():
             raise RegionError(f"kvtier: host_dir {directory} is not a directory; give host_dir, a directory on a "
                               "memory file system (tmpfs) that the engine core's process can read too")
-        path = region_path(directory, info.engine_id, info.rank)
+        path = region_path(directory, info.engine_id, info.rank, info.group)
         sweep_stale(directory)
         need = info.file_bytes
         free = _free_bytes(directory)
@@ -183,10 +189,11 @@ class Region:
 
     # -- the scheduler's side -----------------------------------------------------------------
     @classmethod
-    def attach(cls, directory: str | os.PathLike, engine_id: str, rank: int) -> "Region | None":
-        """Map rank ``rank``'s pool file of ``engine_id``; ``None`` if it does not exist
-        (yet). ``RegionError`` for a file that is not a pool kvtier wrote for this engine."""
-        path = region_path(directory, engine_id, rank)
+    def attach(cls, directory: str | os.PathLike, engine_id: str, rank: int, group: int = 0) -> "Region | None":
+        """Map rank ``rank``'s pool file of ``engine_id`` (of its group ``group``); ``None``
+        if it does not exist (yet). ``RegionError`` for a file that is not a pool kvtier
+        wrote for this engine."""
+        path = region_path(directory, engine_id, rank, group)
         try:
             fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
@@ -197,8 +204,9 @@ class Region:
             info = _read_header(fd, path)
             if info is None:
                 return None
-            if (info.engine_id, info.rank) != (engine_id, rank):
-                raise RegionError(f"kvtier: {path} holds rank {info.rank} of engine {info.engine_id!r}")
+            if (info.engine_id, info.rank, info.group) != (engine_id, rank, group):
+                raise RegionError(f"kvtier: {path} holds rank {info.rank} (group {info.group}) of engine "
+                                  f"{info.engine_id!r}")
             mm = mmap.mmap(fd, info.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

@@ -92,7 +92,8 @@ class HostTier:
 
     def __init__(self, pools: Sequence[HostKVPool], fmt: BlockFormat, *, blocks_per_key: int = 1,
                  storage: Storage | None = None, key_prefix: str = "vllm", timeout_s: float = 2.0,
-                 io_threads: int = 2, buffer_pages: int | None = None, events: bool = False) -> None:
+                 io_threads: int = 2, buffer_pages: int | None = None, events: bool = False,
+                 owns_storage: bool = True) -> None:
         num_pages = {p.num_pages for p in pools}
         if len(num_pages) != 1 or not pools:
             raise ValueError(f"kvtier: every rank's host pool needs one page count, got {sorted(num_pages)}")
@@ -102,6 +103,7 @@ class HostTier:
                              "vLLM blocks; raise host_bytes")
         self.format, self.pools, self.blocks_per_key = fmt, list(pools), blocks_per_key
         self.storage, self.key_prefix, self.timeout_s = storage, key_prefix, timeout_s
+        self._owns_storage = owns_storage  # False: the client is shared (one per group) and closed by its owner
         self._table = PageTable(self.num_pages, blocks_per_key, events)
         self.stats = self._table.stats
         self.stats.update(bytes_read=0, bytes_written=0, read_time=0.0, write_time=0.0, probed=0)
@@ -145,6 +147,13 @@ class HostTier:
         return page_slots(torch.from_numpy(np.asarray(pages, dtype=np.int64)), pool.page_size)
 
     # -- what is where ----------------------------------------------------------------------
+    def new_probe(self) -> Probe:
+        return Probe()
+
+    def positions(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The group position of each key: 0 (one tier serves one group)."""
+        return np.zeros(len(keys), dtype=np.int64)
+
     def lookup(self, key: bytes, probe: Probe | None = None) -> Lookup:
         """Where ``key`` is. With storage, unknown keys are queued on ``probe`` (sent by
         :meth:`send`) and answer RETRY until storage answers or ``timeout_s`` passes."""
@@ -425,7 +434,7 @@ class HostTier:
                 ex.shutdown(wait=True)
         if self._guard is not None:
             self._guard.close()
-        if self.storage is not None:
+        if self.storage is not None and self._owns_storage:
             self.storage.close()
 
 

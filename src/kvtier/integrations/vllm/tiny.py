@@ -1,7 +1,9 @@
 """Tiny random-weight checkpoints that vLLM loads from disk (nothing is downloaded).
 
-A Llama config with random weights, saved by transformers, and a byte-level BPE
-tokenizer trained offline on a synthetic corpus of words ``w0 .. w{words-1}``.
+A Llama, Gemma 3 or gpt-oss config with random weights, saved by transformers, and a
+byte-level BPE tokenizer trained offline on a synthetic corpus of words
+``w0 .. w{words-1}``. Gemma 3 (5 sliding : 1 full) and gpt-oss (alternating sliding
+and full, sinks, 4 experts) are hybrid: vLLM splits their KV into 6 and 2 groups.
 vLLM's CPU attention wants head sizes in {32, 64, 80, 96, ...} and blocks that are a
 multiple of 32 tokens. A wide ``initializer_range`` keeps logits far from flat, so a
 wrong KV block changes the greedy tokens.
@@ -15,9 +17,47 @@ from pathlib import Path
 def save_llama(path: str | Path, *, layers: int = 4, hidden: int = 256, heads: int = 8, kv_heads: int = 2,
                head_dim: int = 32, words: int = 300, seed: int = 0, dtype: str = "bfloat16") -> Path:
     """Write a tiny Llama checkpoint with its tokenizer to ``path``; returns ``path``."""
+    from transformers import LlamaConfig
+
+    return _save(path, words, seed, dtype, lambda vocab: LlamaConfig(
+        **_common(vocab, hidden, layers), num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim))
+
+
+def save_hybrid(path: str | Path, family: str, *, window: int = 64, layers: int | None = None, hidden: int = 256,
+                words: int = 300, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Write a tiny hybrid checkpoint: ``family`` ``"gemma3"`` (6 layers, 5 sliding : 1
+    full) or ``"gpt-oss"`` (4 layers alternating sliding and full, sinks, 4 experts),
+    sliding layers attending to ``window`` tokens, 8 query heads over 2 KV heads of 64."""
+    if family == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        def config(vocab):
+            # NOTE: untied embeddings and this range give varied greedy tokens; tied ones
+            # with a large range repeat one token whatever the KV (blind to wrong KV)
+            return Gemma3TextConfig(**_common(vocab, hidden, layers or 6), num_attention_heads=8,
+                                    num_key_value_heads=2, head_dim=64, sliding_window=window,
+                                    sliding_window_pattern=6, query_pre_attn_scalar=64)
+    elif family == "gpt-oss":
+        from transformers import GptOssConfig
+
+        def config(vocab):
+            return GptOssConfig(**_common(vocab, hidden, layers or 4), num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=64, sliding_window=window, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        raise ValueError(f"unknown hybrid family {family!r}; choose gemma3 or gpt-oss")
+    return _save(path, words, seed, dtype, config)
+
+
+def _common(vocab: int, hidden: int, layers: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                max_position_embeddings=4096, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+                tie_word_embeddings=False)
+
+
+def _save(path, words: int, seed: int, dtype: str, config) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -31,11 +71,7 @@ def save_llama(path: str | Path, *, layers: int = 4, hidden: int = 256, heads: i
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, max_position_embeddings=4096, initializer_range=0.3,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
+    AutoModelForCausalLM.from_config(config(len(fast))).to(getattr(torch, dtype)).save_pretrained(out)
     return out
 
 
