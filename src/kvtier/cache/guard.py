@@ -54,6 +54,15 @@ class StorageGuard:
             return self._fault("storage_exists", "answer", f"batch_exists answered {n!r} for {len(keys)} keys")
         return n
 
+    def exists_each(self, keys: list[str]) -> list[bool]:
+        """Per key, whether storage holds it; all ``False`` on any fault or after ``timeout``."""
+        if not keys:
+            return []
+        got = self._ask(lambda: self.storage.exists_each(keys), "exists_each")
+        if got is None:
+            return [False] * len(keys)
+        return self._per_key("storage_exists", "exists_each", got, len(keys))
+
     def reusable(self, grouped, keys: list[str], held) -> int:
         """:meth:`GroupedStorage.reusable` (a hybrid model's lookup), guarded as
         :meth:`exists`: 0 on any fault or after ``timeout``."""

@@ -93,7 +93,7 @@ def test_other_namespace_or_geometry_never_reads_the_blocks(tmp_path):
 class _SlowStorage:
     """A storage whose ``ops`` each take ``delay`` seconds."""
 
-    def __init__(self, inner, delay, ops=("batch_exists", "batch_get", "batch_set")):
+    def __init__(self, inner, delay, ops=("batch_exists", "exists_each", "batch_get", "batch_set")):
         self.inner, self.delay, self.ops = inner, delay, ops
 
     def __getattr__(self, name):
@@ -158,14 +158,14 @@ class _Faulty:
         if name != self.op:
             return attr
 
-        def faulty(keys, pool, slots):
+        def faulty(*args):
             self.calls += 1
             if self.how == "short":
-                return attr(keys, pool, slots)[:-1]
+                return attr(*args)[:-1]
             if self.how == "raise":
                 raise ConnectionError("storage went away")
             self.release.wait(30)
-            return attr(keys, pool, slots)
+            return attr(*args)
         return faulty
 
 
@@ -188,6 +188,21 @@ def test_faulty_storage_reads_are_misses_and_pin_nothing(tmp_path, how):
     faulty.release.set()
     rig.tier.flush(5)
     assert _pins(rig.tier) == 0
+
+
+@pytest.mark.parametrize("how", ["short", "raise", "hang"])
+def test_faulty_storage_lookups_are_misses_and_read_nothing(tmp_path, how):
+    """Storage is asked per key (a sliding group's keys come from the request's end
+    backwards); an answer of the wrong length, a raise or a hang is a miss for all."""
+    _, ks = _stored_rig(tmp_path, ["a", "b", "c"])
+    faulty = _Faulty(kvtier.storage.open(f"file://{tmp_path}"), how, "exists_each")
+    rig = Rig(CPU_GQA, host_blocks=4, storage=faulty, timeout_s=0.3)
+    assert _settle(rig.manager, context(), ks) == [LookupResult.MISS] * 3
+    assert faulty.calls == 1
+    rig.tier.flush(5)
+    assert rig.tier.stats["storage_exists_errors"] == 1 and rig.tier.stats["fetched"] == 0
+    assert rig.tier.free_keys() == 4 and _pins(rig.tier) == 0
+    faulty.release.set()
 
 
 @pytest.mark.parametrize("how", ["short", "raise", "hang"])

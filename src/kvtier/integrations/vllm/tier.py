@@ -15,8 +15,8 @@ slower than the stores arriving therefore holds only staging pages, and while th
 buffer is full further storage writes are dropped (counted), never queued behind
 it: the host tier keeps serving.
 
-- *probe*: a request's keys not in the host tier, asked of storage (``batch_exists``)
-  at the end of the scheduler step; those present are read into staging, then into
+- *probe*: a request's keys not in the host tier, asked of storage (``exists_each``:
+  each key on its own) at the end of the scheduler step; those present are read into staging, then into
   fresh host pages, READY. Until storage answers, or ``timeout_s`` passes, their
   look-ups answer RETRY; a fault or a timeout is a miss.
 - *write*: a committed store not yet in storage is staged and written by one of
@@ -347,10 +347,13 @@ class HostTier:
     def _fetch(self, probe: Probe, keys: list[bytes], sent: float) -> None:
         staging = None
         try:
-            present = self._guard.exists(self._expand(keys)) // self.blocks_per_key
+            # NOTE: per key, not the longest present prefix: a sliding window group's keys
+            # come from the end of the request backwards, and any of them may be missing
+            present = np.array(self._guard.exists_each(self._expand(keys)), dtype=bool)
+            held = present.reshape(len(keys), self.blocks_per_key).all(axis=1)
             with self._lock:
                 self.stats["probed"] += len(keys)
-                wanted = [k for k in keys[:present] if self._table.get(k) is None]
+                wanted = [k for k, ok in zip(keys, held) if ok and self._table.get(k) is None]
                 staging = self._staging.take(len(wanted), self.blocks_per_key)
                 fits = len(staging) // self.blocks_per_key
                 self.stats["fetch_dropped"] += len(wanted) - fits
