@@ -24,8 +24,11 @@ model — ``vllm:<path or hub id>@<revision>:<dtype>:w<checkpoint digest>`` unle
 ``namespace`` is given — and the block format (KV geometry and block size, or the
 backend for opaque pages).
 
-Limits: one KV cache group (full attention: hybrid models are refused at start),
-pipeline and context parallel size 1.
+Hybrid models: every KV cache group vLLM hands over (sliding window groups included)
+has its own host pools, page table and storage keys (:mod:`.groups`); vLLM's scheduler
+decides which of a sliding group's blocks to store and load.
+
+Limits: pipeline and context parallel size 1.
 """
 
 from __future__ import annotations
