@@ -8,6 +8,14 @@ the pool's own tensors in place (:mod:`.pools`) and stores each page as canonica
 checksummed objects under ``<namespace>/<sglang page hash>``: the same object for every
 host layout, and per head group, so any tensor-parallel size reads what another wrote.
 A storage fault is a miss and a counted error, never an exception on sglang's threads.
+
+Hybrid models (sliding window layers: MiMo-V2-Flash, gpt-oss) have more host pools,
+named (``KV`` for the full layers, ``SWA`` for the sliding ones, ``DRAFT_SWA`` for an
+MTP draft's), which sglang registers with ``register_mem_host_pool_v2`` and moves with
+the v2 calls (:meth:`KVTierStorage.batch_exists_v2`, ``batch_get_v2``,
+``batch_set_v2``). Each pool has its own geometry and objects: a page of pool ``P``
+is stored under ``<namespace>/<page hash>~<P>`` (``KV`` under the plain page hash, so
+v1 and v2 share its objects), so pools of one geometry never read each other's pages.
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
+                                                  PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult)
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from ... import storage as kvstorage
@@ -70,6 +80,27 @@ def _checkpoint(model_name: str) -> tuple[str, str | None]:
         return model_name, None
 
 
+@dataclass
+class _Binding:
+    """One registered host pool: sglang's, kvtier's view of it, and the store bound to its geometry."""
+
+    name: str
+    sglang_pool: Any
+    pool: HostKVPool
+    topology: Topology
+    store: kvstorage.Storage
+    prefix: str  # namespace
+    tag: str     # after each page hash: "" for KV, "~<pool name>" for the others
+
+    def keys(self, keys: List[str]) -> list[str]:
+        return [f"{self.prefix}{k}{self.tag}" for k in keys]
+
+
+def _pool_name(name) -> str:
+    """sglang names pools with ``PoolName`` members or their string values."""
+    return name.value if isinstance(name, PoolName) else str(name)
+
+
 class KVTierStorage(HiCacheStorage):
     """sglang ``HiCacheStorage`` over a kvtier store (see the module docstring).
 
@@ -94,25 +125,75 @@ class KVTierStorage(HiCacheStorage):
         self._topology = Topology()
         self._prefix = ""
         self._throughput = _Throughput()
+        self._pools: dict[str, _Binding] = {}  # bound host pools by sglang name (v1's is "kv")
+        self._pool_counts: dict[str, dict[str, int]] = {}  # pages moved through v2, by pool
         self.mem_pool_host = None
 
     # -- set-up --------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Wrap sglang's host pool in place and bind the store to its geometry."""
-        family = family_of(mem_pool_host)
-        cfg = self.config
-        topology = Topology(cfg.tp_rank, cfg.tp_size, replicated=bool(cfg.is_mla_model) or family.name == "mla")
-        pool = wrap_pool(mem_pool_host, topology)
-        spec = pool.spec
+        binding = self._bind(mem_pool_host, PoolName.KV.value)
+        spec = binding.pool.spec
         # NOTE: kvtier's own host pool (install_host_pool) has flat pages for every geometry.
         flat_pages = getattr(mem_pool_host, "kvtier_pool", None) is not None
         if not self.settings.interface_v1 and not flat_pages and \
                 any(c.head_dim != spec.components[0].head_dim for c in spec.components):
+            binding.store.close()
             raise UnsupportedPoolError(
                 "kvtier: this pool's K and V differ in head_dim, and without \"interface_v1\": 1 sglang moves pages "
                 "through the pool's flat-page methods, which raise for sglang's own pool; add \"interface_v1\": 1 to "
                 "--hicache-storage-backend-extra-config, or let kvtier build the host pool "
                 "(kvtier.integrations.sglang.install_host_pool)")
+        with self._lock:
+            old, self._store, self._bound = self._store, binding.store, True
+            self._pool, self._sglang_pool, self._topology = binding.pool, mem_pool_host, binding.topology
+            self._prefix = binding.prefix
+            self.mem_pool_host = mem_pool_host
+            replaced = self._pools.get(binding.name)
+            self._pools[binding.name] = binding
+        old.close()
+        if replaced is not None and replaced.store is not old:
+            replaced.store.close()
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """Bind one named host pool of a hybrid model (``KV``, ``SWA``, ``DRAFT_SWA``, ...)
+        to its own geometry and objects. The ``KV`` pool is usually the one
+        :meth:`register_mem_pool_host` bound already (the group's anchor): then its
+        binding is kept. ``UnsupportedPoolError`` for a pool kvtier cannot read in place
+        (a Mamba state pool, for example), naming it: sglang then fails at start."""
+        name = _pool_name(host_pool_name)
+        with self._lock:
+            current = self._pools.get(name)
+        if current is not None and current.sglang_pool is host_pool:
+            return
+        try:
+            binding = self._bind(host_pool, name)
+        except UnsupportedPoolError as e:
+            raise UnsupportedPoolError(f"kvtier: cannot serve sglang's host pool {name!r} "
+                                       f"({type(host_pool).__name__}): {e}") from e
+        with self._lock:
+            replaced = self._pools.get(name)
+            self._pools[name] = binding
+        if replaced is not None and replaced.store is not self._store:
+            replaced.store.close()
+
+    def on_host_pools_registered(self) -> None:
+        """The pool set is complete: it must hold the KV pool; logs what is served."""
+        with self._lock:
+            pools = dict(self._pools)
+        if PoolName.KV.value not in pools:
+            raise UnsupportedPoolError(f"kvtier: sglang registered host pools {sorted(pools)} without a KV pool")
+        log.info("kvtier storage serves sglang host pools: %s",
+                 ", ".join(f"{n} ({b.pool.spec.fingerprint()}, {type(b.sglang_pool).__name__})"
+                           for n, b in sorted(pools.items())))
+
+    def _bind(self, mem_pool_host, name: str) -> _Binding:
+        """kvtier's view of one sglang host pool and a store bound to its geometry."""
+        family = family_of(mem_pool_host)
+        cfg = self.config
+        topology = Topology(cfg.tp_rank, cfg.tp_size, replicated=bool(cfg.is_mla_model) or family.name == "mla")
+        pool = wrap_pool(mem_pool_host, topology)
+        spec = pool.spec
         options: dict[str, Any] = {"spec": spec, "page_size": pool.page_size}
         if cfg.tp_lcm_size and not topology.replicated:
             # NOTE: sglang's tp_lcm_size names the TP sizes that share pages; head groups of
@@ -124,15 +205,12 @@ class KVTierStorage(HiCacheStorage):
             store = kvstorage.open(self.settings.url, **options)
         except UnsupportedLayoutError as e:
             raise UnsupportedPoolError(f"kvtier: {e} (sglang: --hicache-mem-layout page_head)") from e
-        with self._lock:
-            old, self._store, self._bound = self._store, store, True
-            self._pool, self._sglang_pool, self._topology = pool, mem_pool_host, topology
-            self._prefix = namespace_tag(self._namespace(mem_pool_host, spec)) + "/"
-            self.mem_pool_host = mem_pool_host
-        old.close()
-        log.info("kvtier storage %s bound: spec %s, shard %s/%s, page_size %d, layout %s (sglang %s), keys %s*",
-                 type(store).scheme, spec.fingerprint(), topology.tp_rank, topology.tp_size, pool.page_size,
-                 pool.layout, mem_pool_host.layout, self._prefix)
+        prefix = namespace_tag(self._namespace(mem_pool_host, spec)) + "/"
+        tag = "" if name == PoolName.KV.value else f"~{name}"
+        log.info("kvtier storage %s bound to sglang pool %s: spec %s, shard %s/%s, page_size %d, layout %s "
+                 "(sglang %s), keys %s*%s", type(store).scheme, name, spec.fingerprint(), topology.tp_rank,
+                 topology.tp_size, pool.page_size, pool.layout, mem_pool_host.layout, prefix, tag)
+        return _Binding(name, mem_pool_host, pool, topology, store, prefix, tag)
 
     def _namespace(self, mem_pool_host, spec) -> str:
         """The model part of every key: the configured namespace, else the checkpoint
@@ -174,10 +252,11 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        """Store host page ``i`` of ``host_indices`` under ``keys[i]``."""
+        """Store host page ``i`` of ``host_indices`` under ``keys[i]``; a page stored
+        already is kept (``True``): sglang's page hashes name their content."""
         pool = self._bound_pool()
         t0 = time.perf_counter()
-        stored = self._store.batch_set(self._keys(keys), pool, host_indices)
+        stored = self._set_new(self._pools[PoolName.KV.value], keys, host_indices) if keys else []
         self._throughput.record("backup", sum(stored), sum(stored) * pool.page_bytes, time.perf_counter() - t0)
         return stored
 
@@ -208,6 +287,8 @@ class KVTierStorage(HiCacheStorage):
             target_sizes: Optional[Any] = None) -> bool:
         """Store ``value``, a flat page of the pool (its ``get_data_page(i)``), under ``key``."""
         page = self._page_pool(value)
+        if self._store.exists_each(self._keys([key]))[0]:
+            return True  # kept: the page hash names its content
         return self._store.batch_set(self._keys([key]), page, torch.arange(page.page_size))[0]
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
@@ -219,14 +300,130 @@ class KVTierStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    # -- v2: the named pools of hybrid models ----------------------------------------------------------
+    def _binding(self, name) -> _Binding | None:
+        with self._lock:
+            return None if self._closed else self._pools.get(_pool_name(name))
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The page counts a request may restore from storage.
+
+        ``KV``: the longest run of leading pages stored. Each extra pool then keeps the
+        prefix lengths it can serve: ``ALL_PAGES`` every page before it, ``TRAILING_PAGES``
+        the last ``len(transfer.keys)`` pages before it (a sliding window; the transfer's
+        keys only count). ``restorable_prefix_pages`` is the ascending list of lengths
+        every pool can serve, ``kv_hit_pages`` the longest: a missing sliding page is
+        never a hit. A pool that was never registered serves none. A storage fault is a
+        miss. ``UnsupportedPoolError`` for a hit policy kvtier cannot serve, naming it."""
+        kv = self._binding(PoolName.KV)
+        if kv is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        for transfer in pool_transfers or ():
+            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                policy = getattr(transfer.hit_policy, "value", transfer.hit_policy)
+                raise UnsupportedPoolError(f"kvtier: hit policy {policy!r} of sglang pool "
+                                           f"{_pool_name(transfer.name)!r} is not served; kvtier serves all_pages and "
+                                           "trailing_pages")
+        kv_pages = kv.store.batch_exists(kv.keys(keys))
+        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or ():
+            if not restorable:
+                break
+            name, binding = _pool_name(transfer.name), self._binding(transfer.name)
+            present = binding.store.exists_each(binding.keys(keys[:kv_pages])) if binding is not None \
+                else [False] * kv_pages
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                run = present.index(False) if False in present else kv_pages
+                served = set(range(1, run + 1))
+            else:
+                window = max(1, len(transfer.keys or ()))
+                served = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
+            if served:
+                hits[name] = max(served)
+            restorable &= served
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        """Fill each transfer's host pages of its pool from its keys; per pool, per key,
+        whether the page was filled (never raises: a fault is ``False``)."""
+        return {_pool_name(t.name): self._move_v2(t, "prefetch") for t in transfers}
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        """Store each transfer's host pages of its pool under its keys; per pool, per key,
+        whether the page is stored (a page stored already is kept: ``True``). Never
+        raises: sglang writes the SWA pages first, and a raise would drop the KV write."""
+        return {_pool_name(t.name): self._move_v2(t, "backup") for t in transfers}
+
+    def _move_v2(self, transfer: PoolTransfer, op: str) -> list[bool]:
+        keys = list(transfer.keys or ())
+        name, binding = _pool_name(transfer.name), self._binding(transfer.name)
+        if not keys:
+            return []
+        done = [False] * len(keys)
+        indices = transfer.host_indices
+        if binding is None:
+            log.warning("kvtier: %s of %d pages of sglang pool %r, which was never registered", op, len(keys), name)
+        elif indices is None or indices.numel() != binding.pool.page_size * len(keys):
+            log.warning("kvtier: %s of sglang pool %r: %d keys need %d host slots, got %s", op, name, len(keys),
+                        binding.pool.page_size * len(keys), None if indices is None else indices.numel())
+        else:
+            try:
+                t0 = time.perf_counter()
+                if op == "prefetch":
+                    done = list(binding.store.batch_get(binding.keys(keys), binding.pool, indices))
+                else:
+                    done = self._set_new(binding, keys, indices)
+                self._throughput.record(op, sum(done), sum(done) * binding.pool.page_bytes, time.perf_counter() - t0)
+            except Exception:  # a bug, not a storage fault (the store takes those): misses, never a raise
+                log.exception("kvtier: %s of sglang pool %r failed", op, name)
+                done = [False] * len(keys)
+        self._count(name, op, done)
+        return done
+
+    def _set_new(self, binding: _Binding, keys: List[str], indices: torch.Tensor) -> list[bool]:
+        """Store the pages of ``keys`` not stored yet (page hashes name their content:
+        a stored page is kept, as sglang's contract has it); per key, whether stored."""
+        full = binding.keys(keys)
+        held = binding.store.exists_each(full)
+        todo = [i for i, h in enumerate(held) if not h]
+        if not todo:
+            return [True] * len(keys)
+        size = binding.pool.page_size
+        pick = torch.cat([indices[i * size:(i + 1) * size] for i in todo])
+        stored = binding.store.batch_set([full[i] for i in todo], binding.pool, pick)
+        out = list(held)
+        for i, ok in zip(todo, stored):
+            out[i] = bool(ok)
+        return out
+
+    def _count(self, name: str, op: str, done: List[bool]) -> None:
+        with self._lock:
+            counts = self._pool_counts.setdefault(name, {"prefetch_pages": 0, "prefetch_misses": 0,
+                                                         "backup_pages": 0, "backup_failures": 0})
+            ok = sum(done)
+            counts[f"{op}_pages"] += ok
+            counts["prefetch_misses" if op == "prefetch" else "backup_failures"] += len(done) - ok
+
     # -- the rest of sglang's interface --------------------------------------------------------------
     def clear(self) -> None:
         """Remove everything this store holds (every namespace under its URL)."""
         self._store.clear()
 
     def stats(self) -> dict:
-        """kvtier's counters: hits, misses, bytes, errors, corrupt objects, latency."""
-        return self._store.stats()
+        """kvtier's counters: hits, misses, bytes, errors, corrupt objects, latency (of
+        the KV pool's store), and under ``"pools"`` each registered pool's store
+        counters with the pages v2 moved for it."""
+        out = self._store.stats()
+        with self._lock:
+            pools, counts = dict(self._pools), {n: dict(c) for n, c in self._pool_counts.items()}
+        if pools:
+            out["pools"] = {n: {**b.store.stats(), **counts.get(n, {})} for n, b in sorted(pools.items())}
+        return out
 
     def get_stats(self) -> StorageMetrics:
         """sglang's per-interval metrics (pages and GB/s per batch, then reset), with
@@ -236,12 +433,15 @@ class KVTierStorage(HiCacheStorage):
         return metrics
 
     def close(self) -> None:
-        """Release the store's connections; later transfers raise. Idempotent."""
+        """Release the stores' connections; later transfers raise. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed, self._pool = True, None
-        self._store.close()
+            stores = {id(b.store): b.store for b in self._pools.values()}
+            stores[id(self._store)] = self._store
+        for store in stores.values():
+            store.close()
 
     def __repr__(self) -> str:
         return f"KVTierStorage({self.settings.url!r}, keys {self._prefix!r}, bound={self._bound})"
