@@ -11,9 +11,15 @@ one-token generate (median over ``--repeats``). Rows, all measured in one run:
 - ``kvtier, nothing cached``: prompts seen nowhere before, so kvtier's cost on a miss
   (its storage look-up defers the request by at least one scheduler step).
 
+``--model-family gemma3`` or ``gpt-oss`` builds a tiny hybrid checkpoint instead of
+the Llama (sliding window layers of ``--window`` tokens beside full attention ones:
+vLLM makes 6 and 2 KV cache groups of them, and kvtier a host tier and storage prefix
+per group).
+
 Run in .venv-vllm (``make test-vllm`` creates it)::
 
     .venv-vllm/bin/python scripts/vllm_ttft.py --prefix-words 1500 --repeats 5
+    .venv-vllm/bin/python scripts/vllm_ttft.py --model-family gpt-oss --prefix-words 1500 --repeats 5
 """
 
 from __future__ import annotations
@@ -69,17 +75,31 @@ def main() -> None:
     ap.add_argument("--prefix-words", type=int, default=1500, help="shared prefix length in words (~2 tokens each)")
     ap.add_argument("--suffix-words", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--model-family", choices=["llama", "gemma3", "gpt-oss"], default="llama",
+                    help="the tiny random checkpoint built here: Llama, or a hybrid of sliding window and full "
+                         "attention layers (Gemma 3: 5 sliding to 1 full; gpt-oss: alternating)")
+    ap.add_argument("--layers", type=int, help="layers (default: 8 for llama, 6 for gemma3, 4 for gpt-oss)")
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--model", help="a checkpoint directory (default: a tiny random Llama built here)")
+    ap.add_argument("--window", type=int, default=64, help="sliding window in tokens (gemma3, gpt-oss)")
+    ap.add_argument("--model", help="a checkpoint directory (default: a tiny random checkpoint built here)")
     args = ap.parse_args()
 
     from kvtier.integrations.vllm import engine_tier
-    from kvtier.integrations.vllm.tiny import prompt, save_llama
+    from kvtier.integrations.vllm.tiny import prompt, save_hybrid, save_llama
 
     work = tempfile.mkdtemp(prefix="kvtier-ttft-")
-    model = args.model or str(save_llama(f"{work}/model", layers=args.layers, hidden=args.hidden,
-                                         heads=args.hidden // 64, kv_heads=max(1, args.hidden // 256), head_dim=64))
+    if args.model:
+        model, shape = args.model, args.model
+    elif args.model_family == "llama":
+        layers = args.layers or 8
+        model = str(save_llama(f"{work}/model", layers=layers, hidden=args.hidden, heads=args.hidden // 64,
+                               kv_heads=max(1, args.hidden // 256), head_dim=64))
+        shape = f"tiny Llama, {layers} layers, hidden {args.hidden}"
+    else:
+        layers = args.layers or {"gemma3": 6, "gpt-oss": 4}[args.model_family]
+        model = str(save_hybrid(f"{work}/model", args.model_family, window=args.window, layers=layers,
+                                hidden=args.hidden))
+        shape = f"tiny {args.model_family}, {layers} layers, hidden {args.hidden}, sliding window {args.window}"
     prefix = prompt(args.prefix_words)
 
     def prompts(row: int) -> list[str]:  # each row its own suffixes, the first one a warm-up
@@ -100,7 +120,9 @@ def main() -> None:
     # second generate runs that step
     llm.generate([prefix, prefix], use_tqdm=False)
     llm.generate([prefix], use_tqdm=False)
-    engine_tier(llm.llm_engine.vllm_config.kv_transfer_config.engine_id).flush()
+    tier = engine_tier(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+    tier.flush()
+    groups = len(getattr(tier, "tiers", [tier]))  # a GroupedTier for several KV cache groups
     rows.append(("kvtier host tier", *_ttft(llm, prompts(2), llm.reset_prefix_cache)))
     rows.append(("kvtier storage (file://)",
                  *_ttft(llm, prompts(3), lambda: llm.reset_prefix_cache(reset_connector=True))))
@@ -111,8 +133,8 @@ def main() -> None:
 
     base = rows[0][1]
     tokens = len(llm.get_tokenizer().encode(prompts(0)[0]))
-    print(f"\nprompt {tokens} tokens (shared prefix {args.prefix_words} words), {args.layers} layers, "
-          f"hidden {args.hidden}, bf16, CPU backend, median of {args.repeats}\n")
+    print(f"\nprompt {tokens} tokens (shared prefix {args.prefix_words} words), {shape}, {groups} KV cache "
+          f"group(s), bf16, CPU backend, median of {args.repeats}\n")
     print("| path | TTFT ms | vs recompute | cached prompt tokens |")
     print("|---|---:|---:|---:|")
     for name, secs, cached in rows:
