@@ -26,7 +26,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
-from sglang_harness import PAGE_SIZE, bits, fill_random, kvtier_config, page_keys, token_major  # noqa: E402
+from sglang_harness import (PAGE_SIZE, bits, fill_random, kvtier_config, mha_pools, page_keys,  # noqa: E402
+                            token_major)
 
 from kvtier.integrations.sglang.pools import UnsupportedPoolError  # noqa: E402
 from kvtier.integrations.vllm.tiny import save_llama  # noqa: E402
@@ -52,9 +53,11 @@ def cpu_host_memory(monkeypatch):
     monkeypatch.setattr(sglang_host_common, "_cuda_host_register", lambda *a, **k: None)
 
 
-def hybrid_group(checkpoint: str, model: str, layout: str, seed: int = 1):
-    """sglang's HostPoolGroup for ``model``'s pools in ``layout``, filled with random bytes."""
+def hybrid_group(checkpoint: str, model: str, layout: str, seed: int = 1, tp_size: int = 1, heads: int = 1):
+    """sglang's HostPoolGroup for ``model``'s pools in ``layout``, filled with random bytes:
+    ``heads`` times the geometry's heads, this rank's share of ``tp_size``."""
     full_heads, swa_heads, k_dim, v_dim, full_layers, swa_layers = GEOMETRIES[model]
+    full_heads, swa_heads = full_heads * heads // tp_size, swa_heads * heads // tp_size
     get_context().set_server_args(ServerArgs(model_path=checkpoint, device="cpu", enable_hierarchical_cache=True,
                                              hicache_mem_layout=layout, hicache_ratio=2.0))
 
@@ -75,16 +78,17 @@ def pools(group) -> dict:
     return {e.name: e.host_pool for e in group.entries}
 
 
-def config(extra: dict, model_name: str = "tiny-hybrid") -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+def config(extra: dict, model_name: str = "tiny-hybrid", tp_rank: int = 0, tp_size: int = 1) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                 is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
                                 model_name=model_name, extra_config=extra)
 
 
-def attach(group, url: str):
+def attach(group, url: str, tp_rank: int = 0, tp_size: int = 1):
     """The backend as HybridCacheController.attach_storage_backend sets it up."""
     anchor = group.anchor_entry.host_pool
-    backend = StorageBackendFactory.create_backend("dynamic", config(kvtier_config(url)), anchor)
+    backend = StorageBackendFactory.create_backend("dynamic", config(kvtier_config(url), tp_rank=tp_rank,
+                                                                     tp_size=tp_size), anchor)
     backend.register_mem_pool_host(anchor)  # the controller's attach: the anchor first, then the v2 burst
     for entry in group.entries:
         backend.register_mem_host_pool_v2(entry.host_pool, entry.name)
@@ -127,8 +131,9 @@ def restore(backend, group, hashes: list[str]):
     return result, kv, swa, got["swa"]
 
 
-def same(host_a, slots_a, host_b, slots_b) -> bool:
-    return all(torch.equal(bits(token_major(host_a, n)[slots_a]), bits(token_major(host_b, n)[slots_b]))
+def same(host_a, slots_a, host_b, slots_b, heads_a: slice = slice(None)) -> bool:
+    """Whether heads ``heads_a`` of ``host_a``'s tokens hold bit for bit what ``host_b``'s hold."""
+    return all(torch.equal(bits(token_major(host_a, n)[slots_a][:, :, heads_a]), bits(token_major(host_b, n)[slots_b]))
                for n in ("k", "v"))
 
 
@@ -300,3 +305,59 @@ def test_sglang_file_backend_stores_mimo_pages_through_kvtiers_host_pools(checkp
         moved[name] = (src, dst)
     for name, (src, dst) in moved.items():
         assert same(pools(writer)[name], src, pools(reader)[name], dst)
+
+
+@pytest.mark.parametrize("reader_tp", [1, 4])
+def test_pages_of_both_pools_written_at_tp2_are_read_at_tp1_and_tp4(checkpoint, reader_tp, tmp_path):
+    """MiMo in small with twice the heads (KV 4, SWA 8): each rank of TP 2 writes its
+    heads of both pools; each rank of TP 1 or 4 reads its own heads of both."""
+    url = f"file://{tmp_path}"
+    hashes = page_keys(tokens(4))
+    writers = []
+    for rank in range(2):
+        group = hybrid_group(checkpoint, "mimo", "page_first", seed=20 + rank, tp_size=2, heads=2)
+        writers.append((group, *backup(attach(group, url, rank, 2), group, hashes)))
+    for rank in range(reader_tp):
+        group = hybrid_group(checkpoint, "mimo", "page_first_direct", seed=30 + rank, tp_size=reader_tp, heads=2)
+        result, kv, swa, ok = restore(attach(group, url, rank, reader_tp), group, hashes)
+        assert (result.kv_hit_pages, ok) == (4, [True, True])
+        for name, slots in ((PoolName.KV, kv), (PoolName.SWA, swa)):
+            mine = pools(group)[name]
+            per_reader = mine.head_num
+            for w, (wgroup, kv_w, swa_w) in enumerate(writers):
+                theirs, src = pools(wgroup)[name], (kv_w if name == PoolName.KV else swa_w)
+                per_writer = theirs.head_num
+                lo, hi = w * per_writer, (w + 1) * per_writer  # the writer's global heads
+                mlo, mhi = rank * per_reader, (rank + 1) * per_reader  # the reader's
+                if max(lo, mlo) >= min(hi, mhi):
+                    continue
+                a, b = max(lo, mlo), min(hi, mhi)
+                assert all(torch.equal(
+                    bits(token_major(mine, n)[slots][:, :, a - mlo:b - mlo]),
+                    bits(token_major(theirs, n)[src][:, :, a - lo:b - lo])) for n in ("k", "v")), (name, w, rank)
+
+
+def test_a_draft_swa_sidecar_with_indices_from_kv_round_trips(checkpoint, tmp_path):
+    """MTP's DRAFT_SWA pool: ALL_PAGES, its host indices the KV pool's (the controller
+    resolves them before the call); registered like the others, kept apart."""
+    url = f"file://{tmp_path}"
+    group = hybrid_group(checkpoint, "gpt-oss", "page_first", seed=6)
+    _, draft = mha_pools("page_first", head_num=2, head_dim=16, v_head_dim=16)
+    fill_random(draft, 9)
+    backend = attach(group, url)
+    backend.register_mem_host_pool_v2(draft, PoolName.DRAFT_SWA)
+    hashes = page_keys(tokens(3))
+    kv_slots = pools(group)[PoolName.KV].alloc(3 * PAGE_SIZE)
+    sidecar = PoolTransfer(name=PoolName.DRAFT_SWA, host_indices=kv_slots, keys=hashes,
+                           hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV)
+    assert backend.batch_set_v2([sidecar]) == {"draft_swa": [True] * 3}
+    assert backend.batch_set_v1(hashes, kv_slots) == [True] * 3
+    check = PoolTransfer(name=PoolName.DRAFT_SWA, keys=hashes, hit_policy=PoolHitPolicy.ALL_PAGES)
+    assert backend.batch_exists_v2(hashes, [check]).restorable_prefix_pages == [1, 2, 3]
+    _, other = mha_pools("page_first", head_num=2, head_dim=16, v_head_dim=16)
+    fresh = attach(hybrid_group(checkpoint, "gpt-oss", "page_first", seed=7), url)
+    fresh.register_mem_host_pool_v2(other, PoolName.DRAFT_SWA)
+    into = other.alloc(3 * PAGE_SIZE)
+    got = fresh.batch_get_v2([PoolTransfer(name=PoolName.DRAFT_SWA, host_indices=into, keys=hashes)])
+    assert got == {"draft_swa": [True] * 3}
+    assert same(draft, kv_slots, other, into)
