@@ -57,7 +57,8 @@ def hybrid_group(checkpoint: str, model: str, layout: str, seed: int = 1, tp_siz
     """sglang's HostPoolGroup for ``model``'s pools in ``layout``, filled with random bytes:
     ``heads`` times the geometry's heads, this rank's share of ``tp_size``."""
     full_heads, swa_heads, k_dim, v_dim, full_layers, swa_layers = GEOMETRIES[model]
-    full_heads, swa_heads = full_heads * heads // tp_size, swa_heads * heads // tp_size
+    # NOTE: sglang gives each rank max(1, heads // tp_size) heads: replicas beyond the head count
+    full_heads, swa_heads = max(1, full_heads * heads // tp_size), max(1, swa_heads * heads // tp_size)
     get_context().set_server_args(ServerArgs(model_path=checkpoint, device="cpu", enable_hierarchical_cache=True,
                                              hicache_mem_layout=layout, hicache_ratio=2.0))
 
@@ -361,3 +362,23 @@ def test_a_draft_swa_sidecar_with_indices_from_kv_round_trips(checkpoint, tmp_pa
     got = fresh.batch_get_v2([PoolTransfer(name=PoolName.DRAFT_SWA, host_indices=into, keys=hashes)])
     assert got == {"draft_swa": [True] * 3}
     assert same(draft, kv_slots, other, into)
+
+
+def test_full_layer_pages_written_beyond_the_head_count_are_a_clean_miss_elsewhere(checkpoint, tmp_path):
+    """TP 8 on MiMo's 4 full-layer KV heads: sglang gives each rank one head, shared by
+    two ranks. Those pages read back at TP 8; at TP 4 (one head each, none shared) they
+    are a clean miss, never another rank's or another geometry's heads."""
+    url = f"file://{tmp_path}"
+    hashes = page_keys(tokens(2))
+    written = []
+    for rank in range(8):
+        group = hybrid_group(checkpoint, "mimo", "page_first", seed=40 + rank, tp_size=8, heads=2)
+        assert pools(group)[PoolName.KV].head_num == 1
+        written.append((group, *backup(attach(group, url, rank, 8), group, hashes)))
+    again = hybrid_group(checkpoint, "mimo", "page_first", seed=50, tp_size=8, heads=2)
+    result, kv, swa, ok = restore(attach(again, url, 3, 8), again, hashes)
+    assert (result.kv_hit_pages, ok) == (2, [True, True])
+    assert same(pools(written[3][0])[PoolName.KV], written[3][1], pools(again)[PoolName.KV], kv)
+    assert same(pools(written[3][0])[PoolName.SWA], written[3][2], pools(again)[PoolName.SWA], swa)
+    other = hybrid_group(checkpoint, "mimo", "page_first", seed=51, tp_size=4, heads=2)
+    assert attach(other, url, 1, 4).batch_exists_v2(hashes, [trailing()]).kv_hit_pages == 0
