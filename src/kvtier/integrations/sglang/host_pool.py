@@ -101,7 +101,8 @@ class KVTierMHAHostPool(HostKVCache):
                                                f"device) {geometry}, the target {target}")
         # Geometry first: HostKVCache.__init__ sizes the pool from it, then calls init_kv_buffer.
         self.dtype = buffer_info.dtype
-        self.head_num, self.head_dim, self.v_head_dim = buffer_info.head_num, buffer_info.head_dim, buffer_info.v_head_dim
+        self.head_num, self.head_dim = buffer_info.head_num, buffer_info.head_dim
+        self.v_head_dim = buffer_info.v_head_dim
         self.target_layer_num = len(buffer_info.buffers.k)
         self.layer_num = self.target_layer_num + len(draft_buffer_infos)
         self.head_group_num = head_group_num
