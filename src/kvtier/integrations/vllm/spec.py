@@ -226,11 +226,11 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
         total = sum(r.info.file_bytes for regions in per_group for r in regions)
         for g, regions in enumerate(per_group):
             info = regions[0].info
-            log.info("kvtier: host tier of KV cache group %d: %d offloaded blocks (%d vLLM blocks of %d tokens each) "
-                     "on %d worker(s), format %s", g, info.num_pages // self.blocks_per_key, self.blocks_per_key,
-                     info.format.page_size, par.world_size, info.format.name)
-        log.info("kvtier: host tier of %d group(s), %.1f MiB; storage %s; keys %s/*", len(per_group), total / 2**20,
-                 self.kvtier.storage or "none", self.namespace())
+            log.info("kvtier: host tier of %d offloaded blocks (%d vLLM blocks of %d tokens each) on %d worker(s), "
+                     "KV cache group %d of %d, format %s", info.num_pages // self.blocks_per_key, self.blocks_per_key,
+                     info.format.page_size, par.world_size, g, len(per_group), info.format.name)
+        log.info("kvtier: host tier of %d group(s), %.1f MiB; storage %s; keys %s/*", len(per_group),
+                 total / 2**20, self.kvtier.storage or "none", self.namespace())
         return tier
 
     def namespace(self) -> str:
