@@ -114,3 +114,18 @@ def test_tier_keys_name_the_model_its_format_and_block_span(tmp_path):
     assert tier.key_prefix == f"vllm%3A%2Fmodels%2Ftiny-llama%40unversioned%3Abfloat16/{tier.format.name}"
     named = KVTierOffloadingSpec(offloading_config({"host_bytes": 1 << 20, "namespace": "team-a/llama"}))
     assert named.namespace() == "team-a/llama"
+
+
+def test_a_group_of_several_block_sizes_is_refused_saying_what_to_do(tmp_path):
+    """A state cache group (Mamba keeps several tensors per layer) has blocks of several
+    sizes: refused by name before any pool file exists."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from kvtier.errors import UnsupportedLayoutError
+
+    worker_spec, _ = _pair(tmp_path)
+    tensors = [CanonicalKVCacheTensor(torch.zeros(4, n, dtype=torch.int8), n) for n in (4096, 1024)]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 1024)]])
+    with pytest.raises(UnsupportedLayoutError, match=r"blocks of \[1024, 4096\] bytes .*without kvtier"):
+        worker_spec.get_worker(caches)
+    assert list((tmp_path / "shm").iterdir()) == []

@@ -320,8 +320,10 @@ def _layer_rows(kv_caches: CanonicalKVCaches, group: int) -> list:
     refs = kv_caches.group_data_refs[group]
     sizes = {r.page_size_bytes for r in refs}
     if len(sizes) != 1:
-        raise UnsupportedLayoutError(f"kvtier: layers of KV cache group {group} have page sizes {sorted(sizes)}; "
-                                     "kvtier needs one per group")
+        raise UnsupportedLayoutError(
+            f"kvtier: the layers of KV cache group {group} have blocks of {sorted(sizes)} bytes (state caches such as "
+            "Mamba's keep several tensors per layer); kvtier's vLLM spec serves attention KV cache groups, one block "
+            "size each: serve this model without kvtier's kv_transfer_config")
     return [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
 
 
