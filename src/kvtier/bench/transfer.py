@@ -3,8 +3,11 @@
 Backup copies every layer of ``pages`` pages in one call; load copies the same
 pages one layer per call, for every layer. Page order is randomly permuted on
 both sides, so no two pages coalesce. Each GB/s figure is reported as a ratio to
-a contiguous memcpy of the same number of bytes between the same two pools, in the
-same direction, measured in the same process.
+the limit: the fastest contiguous copy of the same number of bytes seen in the same
+process (:func:`~kvtier.bench.timing.memcpy_gbps`: torch's ``copy_`` and kvtier's
+compiled copy, between the same two pools and between a fresh written pair). Every
+buffer is written before it is timed (never-written memory reads as the shared zero
+page, nearly free).
 
 A hybrid spec's copies (one pool per layer group, one resume point) are in
 :mod:`kvtier.bench.transfer_hybrid`.
@@ -35,7 +38,7 @@ class TransferRow:
     direction: str  # "backup" (device->host, all layers) or "load" (host->device, per layer)
     gbytes: float
     gbps: float
-    memcpy_gbps: float  # a memcpy between the same two pools, same direction, same run
+    memcpy_gbps: float  # the limit: the fastest contiguous copy of the bytes this run saw (timing.memcpy_gbps)
     ratio: float  # gbps / memcpy_gbps
 
 

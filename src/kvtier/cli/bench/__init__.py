@@ -1,4 +1,5 @@
-"""``kvtier bench transfer|meta|storage|cache|overlap|replay``: each figure a ratio to a limit measured in the same run."""
+"""``kvtier bench transfer|meta|storage|cache|overlap|replay``: each figure a ratio to a limit
+measured in the same run."""
 
 from __future__ import annotations
 
