@@ -395,7 +395,8 @@ def test_host_pool_group_and_hybrid_controller_move_target_and_packed_draft_laye
     layers = [(device, layer, layer) for layer in range(LAYERS)] + [(draft, 0, LAYERS)]  # (pool, its layer, host layer)
 
     def host_holds(host_pool, slots, dev_slots):
-        return all(torch.equal(bits(token_major(host_pool, n)[slots][:, hl]), bits(getattr(p, f"{n}_buffer")[l][dev_slots]))
+        return all(torch.equal(bits(token_major(host_pool, n)[slots][:, hl]),
+                               bits(getattr(p, f"{n}_buffer")[l][dev_slots]))
                    for n in ("k", "v") for p, l, hl in layers)
 
     assert host_holds(host, host_slots, src)
