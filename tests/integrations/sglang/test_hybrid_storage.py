@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheFile, HiCacheStorageCon
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_hybrid_swa_group  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
-from sglang.srt.runtime_context import get_context  # noqa: E402
+from sglang.srt.runtime_context import get_context, restore_context, snapshot_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_harness import (PAGE_SIZE, bits, fill_random, kvtier_config, mha_pools, page_keys,  # noqa: E402
                             token_major)
@@ -44,6 +44,15 @@ WINDOW = 2  # pages of the sliding window
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return str(save_llama(tmp_path_factory.mktemp("stand-in"), layers=2))  # ServerArgs needs a model
+
+
+@pytest.fixture(autouse=True)
+def published_config():
+    """sglang's process-wide configuration as it was: the assembler needs published server
+    args, and other tests' parallel overrides and namespaces must not see them."""
+    state = snapshot_context()
+    yield
+    restore_context(state)
 
 
 @pytest.fixture(autouse=True)
