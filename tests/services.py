@@ -193,3 +193,32 @@ class RedisCluster:
         for node in self.nodes:
             node.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def stop_process_group(proc, grace_s: float = 20.0) -> None:
+    """SIGTERM to ``proc``'s process group (an engine server and the processes it spawned),
+    SIGKILL to whatever of it is left after ``grace_s`` (they clean up their shared memory
+    on SIGTERM, so they get the time to), then reap ``proc``."""
+    import os
+    import signal
+    import time
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)  # anyone of the group left?
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services import unavailable
+from services import stop_process_group, unavailable
 
 from kvtier.bench.servers import free_port
 
@@ -243,25 +242,7 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM to the process group, SIGKILL to what is left after 20 s."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            self.proc.poll()
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+        stop_process_group(self.proc)
         self._out.close()
 
 

@@ -3,7 +3,6 @@ random-weight checkpoints: cold runs store, reruns take prompt tokens from kvtie
 host tier, new engines take them from storage, and greedy tokens never change —
 not with corrupt objects, nor with storage down."""
 
-import gc
 import os
 import shutil
 import socket
@@ -20,6 +19,8 @@ pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
+
+from vllm_helpers import close_llm, generate  # noqa: E402
 
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.integrations.vllm.tiny import prompt, save_llama  # noqa: E402
@@ -55,15 +56,10 @@ def _tier(llm: LLM):
 
 
 def _run(llm: LLM, prompts: list[str]):
-    outs = llm.generate(prompts, SAMPLING, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs], \
-        [len(o.prompt_token_ids) for o in outs]
+    return generate(llm, prompts, SAMPLING)
 
 
-def _close(llm: LLM) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+_close = close_llm
 
 
 def _prompts():

@@ -12,7 +12,6 @@ check throughout: greedy tokens equal those of the same model run without
 offloading, so a wrong KV block in any group would show as different tokens.
 """
 
-import gc
 import os
 import shutil
 
@@ -28,6 +27,8 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
 from kvtier.bench.servers import free_port  # noqa: E402
+from vllm_helpers import close_llm, generate  # noqa: E402
+
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.integrations.vllm.groups import GroupedTier  # noqa: E402
 from kvtier.integrations.vllm.tiny import prompt, save_hybrid  # noqa: E402
@@ -80,15 +81,10 @@ def _full_attention(llm: LLM, tier: GroupedTier) -> list[bool]:
 
 
 def _run(llm: LLM, prompts: list[str]):
-    outs = llm.generate(prompts, SAMPLING, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs], \
-        [len(o.prompt_token_ids) for o in outs]
+    return generate(llm, prompts, SAMPLING)
 
 
-def _close(llm: LLM) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+_close = close_llm
 
 
 def _assert_mostly_cached(cached, lengths):

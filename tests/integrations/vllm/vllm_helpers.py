@@ -120,3 +120,19 @@ class Rig:
         self.worker.wait({self._job})
         assert [r.job_id for r in self.worker.get_finished() if r.success] == [self._job]
         self.manager.complete_load(offload_keys, req)
+
+
+def generate(llm, prompts: list[str], sampling) -> tuple[list[list[int]], list[int], list[int]]:
+    """``(tokens, cached prompt tokens, prompt tokens)`` of each prompt, ``llm.generate``'s order."""
+    outs = llm.generate(prompts, sampling, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs], \
+        [len(o.prompt_token_ids) for o in outs]
+
+
+def close_llm(llm) -> None:
+    """Shut an in-process ``LLM``'s engine core down and drop it (its KV memory with it)."""
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from services import stop_process_group
 
 from kvtier.bench.servers import free_port
 
@@ -113,23 +114,5 @@ class Server:
         """SIGTERM to the server's process group; SIGKILL to whatever of it is left after
         20 s (vLLM's engine core and workers included: they clean up their shared memory
         on SIGTERM, so they get the time to)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            self.proc.poll()
-            try:
-                os.killpg(self.proc.pid, 0)  # anyone of the group left?
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+        stop_process_group(self.proc)
         self._out.close()
