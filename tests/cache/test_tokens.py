@@ -78,3 +78,52 @@ def test_the_compiled_reader_checks_its_arguments(compiled):
         compiled(b"\0" * 8, [1])  # read-only
     with pytest.raises((TypeError, ValueError, BufferError)):
         compiled(np.zeros(4, dtype=np.int64)[::2], [1, 2])  # not contiguous
+
+
+def test_the_compiled_run_comparison_equals_the_slice_comparison(compiled):
+    """``same_at(tokens, pos, key)`` is ``tokens[pos:pos + len(key)] == key`` for every
+    position, length and one-id change, out-of-range runs included (False, never a read
+    past the end)."""
+    from kvtier.cache import radix
+
+    rng = random.Random(5)
+    tokens = array("q", [rng.randrange(-(1 << 62), 1 << 62) for _ in range(40)])
+    for pos in range(0, 44):
+        for n in (0, 1, 7, 40 - pos, 41 - pos):
+            if n < 0:
+                continue
+            key = tokens[pos:pos + n] + (array("q", [1]) if pos + n > 40 else array("q"))
+            assert radix._same_at(tokens, pos, key) is (pos + len(key) <= 40 and tokens[pos:pos + len(key)] == key)
+            if len(key) and pos + len(key) <= 40:
+                changed = array("q", key)
+                changed[rng.randrange(len(key))] ^= 1 << 40
+                assert radix._same_at(tokens, pos, changed) is False
+    with pytest.raises(TypeError, match="int64 buffers"):
+        radix._same_at(tokens, 0, b"\0" * 8)
+
+
+def test_the_radix_walk_matches_the_same_with_either_comparison(monkeypatch, compiled):
+    """A tree walked with the compiled comparison and with array slices finds the same
+    prefixes (prompts sharing prefixes of every length, in and out of page bounds)."""
+    import torch
+
+    from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, KVSpec
+    from kvtier.cache import radix
+
+    rng = random.Random(6)
+    spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)
+    cache = HierarchicalCache(DeviceKVPool(spec, 4096, 4), HostKVPool(spec, 64, 4), write_policy="write_back")
+    base = [rng.randrange(50) for _ in range(80)]
+    prompts = [base[:rng.randrange(0, 80)] + [rng.randrange(50) for _ in range(rng.randrange(0, 30))]
+               for _ in range(60)]
+    for p in prompts[:40]:
+        p = p[:len(p) - len(p) % 4]
+        slots = cache.alloc_device(len(p))
+        cache.free_device(slots[:cache.insert(p, slots)])
+    found = {}
+    for same in (radix._same_at, None):
+        monkeypatch.setattr(radix, "_same_at", same)
+        found[same is None] = [cache.peek(p).device_len for p in prompts]
+    assert found[False] == found[True]
+    assert len(set(found[True])) > 5
+    cache.close()

@@ -1,4 +1,5 @@
-/* kvtier.cache._tokens: token ids from a Python list or tuple into an int64 buffer.
+/* kvtier.cache._tokens: token ids from a Python list or tuple into an int64 buffer, and
+ * the radix walk's run comparison in place.
  *
  * The pure-Python conversion (one struct.pack over the list) costs ~27 us for 8K ids;
  * this loop reads each exact int's value directly. It handles only the common case
@@ -10,6 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The value of an exact int of at most one digit (|v| < 2**30, every token id), read
  * straight from the object: 1 when read, 0 to take the general call instead. */
@@ -87,14 +89,50 @@ static PyObject *fill_int64(PyObject *self, PyObject *args) {
     Py_RETURN_FALSE;
 }
 
+PyDoc_STRVAR(same_at_doc,
+"same_at(tokens, pos, key) -> bool\n\n"
+"Whether ``tokens[pos:pos + len(key)] == key`` for two int64 buffers (``array('q')``),\n"
+"compared in place: the slice a Python comparison makes would copy the run first.\n"
+"False when the run would end past ``tokens``.");
+
+static PyObject *same_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "same_at(tokens, pos, key) takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer a, b;
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[2], &b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    int same = 0;
+    if (a.itemsize != 8 || b.itemsize != 8) {
+        PyErr_SetString(PyExc_TypeError, "same_at: tokens and key must be int64 buffers");
+    } else if (pos >= 0 && pos <= a.len / 8 && b.len <= a.len - pos * 8) {
+        same = memcmp((const char *)a.buf + pos * 8, b.buf, (size_t)b.len) == 0;
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(same);
+}
+
 static PyMethodDef methods[] = {
     {"fill_int64", fill_int64, METH_VARARGS, fill_int64_doc},
+    {"same_at", (PyCFunction)(void (*)(void))same_at, METH_FASTCALL, same_at_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier.cache._tokens",
-    "Token ids from Python lists into int64 buffers (optional; kvtier.cache.tokens falls back).", -1, methods,
+    "Token ids into int64 buffers, and runs compared in place (optional; pure paths fall back).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

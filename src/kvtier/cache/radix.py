@@ -21,7 +21,11 @@ from typing import Iterator
 
 import numpy as np
 
+from ..compiled import load
 from .residency import DeviceCopy, HostCopy, StorageCopy
+
+# the compiled in-place run comparison (``kvtier.compiled``: where built, unless KVTIER_NATIVE=0 at import)
+_same_at = getattr(load("kvtier.cache._tokens"), "same_at", None)
 
 _tick = itertools.count(1)
 _serial = itertools.count(1)
@@ -149,9 +153,10 @@ class RadixTree:
         usable = len(tokens) - len(tokens) % self.page_size
         append = path.append
         # NOTE: the inner loop is the hot path of every match: one int lookup and one
-        # memcmp of a whole key per node (array slices of one typecode compare with
-        # memcmp). The rare cases (a first-id collision, a match ending inside a node)
-        # take the outer loop.
+        # memcmp of a whole key per node (compiled: in place; else array slices of one
+        # typecode, which compare with memcmp after a copy). The rare cases (a first-id
+        # collision, a match ending inside a node) take the outer loop.
+        same = _same_at
         while True:
             while pos < usable:
                 child = node.children.get(tokens[pos])
@@ -159,7 +164,7 @@ class RadixTree:
                     break
                 key = child.key
                 end = pos + len(key)
-                if end > usable or tokens[pos:end] != key:
+                if end > usable or not (same(tokens, pos, key) if same is not None else tokens[pos:end] == key):
                     break
                 append(child)
                 pos, inner, node = end, len(key), child

@@ -385,6 +385,8 @@ class CacheState(HybridState):
             return True
         if node.device is None or node.device.loading is not None or node.backup is not None:
             return node.backup is not None
+        if len(node.key) > self.host_pool.size:  # never fits, however much is evicted
+            return False
         host = self.alloc("host", len(node.key))
         if host is None:
             return False
