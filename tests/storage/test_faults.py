@@ -70,6 +70,6 @@ def test_a_failing_disk_warns_once_and_counts_every_fault(tmp_path, caplog):
         assert store.batch_set(keys, host, idx) == [False]
     messages = [r.getMessage() for r in caplog.records if r.name == "kvtier.storage"]
     assert len(messages) == 2, messages
-    assert "write failed: FileExistsError" in messages[0]
-    assert "(repeated 199 times in the last 60s, not shown)" in messages[1]  # 4 parts a page
-    assert store.stats()["errors"] == 51 * 4 and store.stats()["write_failures"] == 51
+    assert "write failed: NotADirectoryError" in messages[0]
+    assert "(repeated 49 times in the last 60s, not shown)" in messages[1]  # one object a page
+    assert store.stats()["errors"] == 51 and store.stats()["write_failures"] == 51

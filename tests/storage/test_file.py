@@ -33,7 +33,7 @@ def test_corrupt_object_is_a_counted_miss_and_is_deleted(tmp_path, damage):
     keys = keys_for(2)
     store.batch_set(keys, host, idx)
     files = object_files(tmp_path)
-    assert len(files) == 2 * 4  # 2 pages x 4 head groups (gcd of the 4 K and 4 V heads)
+    assert len(files) == 2  # one file a page, holding its 4 head groups (gcd of the 4 K and 4 V heads)
     victim = files[0]
     data = bytearray(victim.read_bytes())
     if damage == "flip":
@@ -106,7 +106,7 @@ def test_keys_never_leave_the_directory(tmp_path):
         assert store.batch_set([key], host, idx) == [True]
         assert store.batch_exists([key]) == 1
     assert all(root in p.parents for p in object_files(tmp_path))
-    assert {p.parent.parent.parent.name for p in object_files(tmp_path)} == {"kvtier-v1"}
+    assert {p.parent.parent.parent.name for p in object_files(tmp_path)} == {"kvtier-v2"}
 
 
 def test_open_rejects_bad_urls(tmp_path):
@@ -118,7 +118,7 @@ def test_open_rejects_bad_urls(tmp_path):
         kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=0)
     (tmp_path / "a_file").write_text("")
     for unusable in ("/proc/x", f"{tmp_path}/a_file/below"):
-        with pytest.raises(ValueError, match="file storage: cannot use directory .*/kvtier-v1: "):
+        with pytest.raises(ValueError, match="file storage: cannot use directory .*/kvtier-v2: "):
             kvtier.storage.open(f"file://{unusable}")
     with pytest.raises(ValueError, match="head_groups 3 does not divide"):
         kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, page_size=4, head_groups=3)
@@ -167,20 +167,19 @@ def test_hostile_file_at_an_object_path_is_a_counted_miss(tmp_path, hostile):
 
 
 def test_only_objects_that_call_themselves_corrupt_are_deleted(tmp_path):
-    """An intact object whose header promises another payload length is a counted miss
-    and stays; one with bytes appended after its payload is corrupt and is deleted."""
-    from kvtier.storage.codec import header_size, write_header
+    """An intact object whose header promises another length is a counted miss and
+    stays; one with bytes appended after its last part is corrupt and is deleted."""
+    from kvtier.storage.pagefile import FileLayout
 
     host, idx = filled_host(SPEC, 2)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(2)
     store.batch_set(keys, host, idx)
-    intact, extended = object_files(tmp_path)[0], object_files(tmp_path)[4]
+    intact, extended = object_files(tmp_path)
     assert intact.parent != extended.parent  # one object of each page
     key = next(k for k in keys if store._key_dir(k) == intact.parent)
-    name = f"{key}#{intact.name.replace('.', '/')}"
-    blob = np.zeros(header_size(name) + 100, dtype=np.uint8)
-    write_header(name, blob)  # a whole, checksummed object of 100 payload bytes
+    other = FileLayout(f"{key}#{intact.name.replace('.', '/')}", [100])
+    blob = np.frombuffer(other.header([0]) + bytes(100), dtype=np.uint8)  # a whole object of one 100-byte part
     intact.write_bytes(blob.tobytes())
     extended.write_bytes(extended.read_bytes() + b"tail")
     reader = HostKVPool(SPEC, 8, 4)
@@ -238,7 +237,7 @@ def test_objects_are_owner_only_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     for name, (dirs, files) in {"private": (0o700, 0o600), "shared": (0o770, 0o660)}.items():
-        root = tmp_path / name / "kvtier-v1"
+        root = tmp_path / name / "kvtier-v2"
         found = list(root.rglob("*"))
         assert {stat.S_IMODE(p.stat().st_mode) for p in found if p.is_dir()} | {stat.S_IMODE(root.stat().st_mode)} \
             == {dirs}

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import kvtier.storage
-from kvtier import KVSpec
+from kvtier import Component, KVSpec
+from kvtier.storage.pagefile import ALIGN
 from kvtier.layout import LAYOUTS
-from helpers import SPECS
-from storage_helpers import blank_host, filled_host, flat_pages
+from helpers import SPECS, bits
+from storage_helpers import blank_host, filled_host, flat_pages, shard_flat
 
-SPEC = SPECS["asym"]  # 4 objects per page (head groups of the 4 K and 4 V heads)
+SPEC = SPECS["asym"]  # one file a page of 4 parts (head groups of the 4 K and 4 V heads), 480 bytes each
 
 
 def keys_for(n, start=0, namespace="r"):
@@ -43,7 +44,7 @@ def test_reused_staging_never_lends_one_page_bytes_to_another(tmp_path, io_threa
     second, _ = filled_host(SPEC, 6, seed=2)
     assert store.batch_set(keys_for(6, namespace="a"), first, idx) == [True] * 6
     assert store.batch_set(keys_for(6, namespace="b"), second, idx) == [True] * 6
-    victim = object_files(store, keys_for(6, namespace="b")[3])[1]
+    victim, = object_files(store, keys_for(6, namespace="b")[3])
     victim.write_bytes(victim.read_bytes()[:-5])
     reader, ridx = blank_host(SPEC, 24)
     assert store.batch_get(keys_for(6, namespace="a"), reader, ridx) == [True] * 6
@@ -60,49 +61,54 @@ def test_reused_staging_never_lends_one_page_bytes_to_another(tmp_path, io_threa
 @pytest.mark.parametrize("layout", ["page_head", "page_first"])
 def test_a_corrupt_object_mid_batch_is_a_miss_that_leaves_its_page_untouched(tmp_path, io_threads,
                                                                             one_page_steps, layout):
-    """The damaged object is neither the first nor the last of its page, and its page is
-    neither the first nor the last of the batch: the pages around it load, its own page
-    keeps every byte (no part of it is copied before all its parts pass)."""
+    """The damaged part is neither the first nor the last of its page, and its page is
+    neither the first nor the last of the batch: the pages around it load. A staged
+    layout's page keeps every byte (no staged part is copied before all its parts
+    pass); ``page_head`` reads in place, so its miss page holds what was read."""
     store = open_store(tmp_path, io_threads, one_page_steps)
     host, idx = filled_host(SPEC, 7, seed=3)
     keys = keys_for(7)
     assert store.batch_set(keys, host, idx) == [True] * 7
-    victim = object_files(store, keys[4])[2]
+    victim, = object_files(store, keys[4])
     data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    assert len(data) == 4 * ALIGN + 480  # a one-block header, then each part at a block boundary
+    data[3 * ALIGN + 240] ^= 0x01  # inside part 2 of 4
     victim.write_bytes(bytes(data))
     reader, ridx = blank_host(SPEC, 28, layout=layout)
     before = [p.clone() for p in flat_pages(reader, ridx)]
     assert store.batch_get(keys, reader, ridx) == [True] * 4 + [False] + [True] * 2
     pages, want = flat_pages(reader, ridx), flat_pages(host, idx)
     for i in range(7):
-        assert torch.equal(pages[i], before[i] if i == 4 else want[i]), f"page {i}"
+        if i != 4:
+            assert torch.equal(pages[i], want[i]), f"page {i}"
+        elif layout != "page_head":
+            assert torch.equal(pages[i], before[i]), "a staged miss page is untouched"
     stats = store.stats()
     assert (stats["corrupt"], stats["errors"], stats["hits"], stats["misses"]) == (1, 1, 6, 1)
 
 
 def test_a_fault_mid_batch_makes_the_remaining_objects_misses(tmp_path, monkeypatch):
-    """An unexpected error while the backend reads (not an OSError of one object) is one
+    """An unexpected error while the backend reads (not an OSError of one file) is one
     counted error: pages already read load, the rest are misses and stay untouched."""
     store = open_store(tmp_path, 1, False)
     host, idx = filled_host(SPEC, 4, seed=5)
     keys = keys_for(4)
     store.batch_set(keys, host, idx)
-    read, calls = store._read, []
+    read, calls = store._read_file, []
 
     def failing_read(*args):
         calls.append(1)
-        if len(calls) == 7:  # the third object of page 1
+        if len(calls) == 2:  # page 1's file
             raise RuntimeError("boom")
         return read(*args)
 
-    monkeypatch.setattr(store, "_read", failing_read)
+    monkeypatch.setattr(store, "_read_file", failing_read)
     reader, ridx = blank_host(SPEC, 16)
     before = [p.clone() for p in flat_pages(reader, ridx)]
     assert store.batch_get(keys, reader, ridx) == [True, False, False, False]
     pages, want = flat_pages(reader, ridx), flat_pages(host, idx)
     assert torch.equal(pages[0], want[0]) and all(torch.equal(pages[i], before[i]) for i in (1, 2, 3))
-    assert len(calls) == 7 and store.stats()["errors"] == 1
+    assert len(calls) == 2 and store.stats()["errors"] == 1
     assert store.batch_get(keys, reader, ridx) == [True] * 4  # the store still works
 
 
@@ -154,3 +160,35 @@ def test_every_run_width_round_trips_across_layouts(tmp_path, spec, layout):
     assert store.batch_set(keys_for(3, namespace="w"), writer, widx) == [True] * 3
     assert store.batch_get(keys_for(3, namespace="w"), host, idx) == [True] * 3
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(writer, widx)))
+
+
+WITH_REP = KVSpec(2, (Component("k", 4, 12), Component("v", 4, 8), Component("idx", 1, 6)), torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["page_head", "page_first"])
+def test_shards_read_their_ranges_of_one_full_writers_file(tmp_path, layout):
+    """A full writer leaves one file a page: head groups 0-3 and the replicated part.
+    Each rank of 2 finds it (its own-size file is absent), reads only its own groups and
+    the replicated part by their offsets, in place or staged, bit-exactly; then a
+    damaged group the rank does not read leaves its read intact, one it reads is a miss."""
+    full, idx = filled_host(WITH_REP, 3, seed=9)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    keys = keys_for(3)
+    assert store.batch_set(keys, full, idx) == [True] * 3
+    files = [object_files(store, k) for k in keys]
+    assert [[f.name.rsplit(".", 1)[1] for f in page] for page in files] == [["g0-4of4+rep"]] * 3
+    truth = flat_pages(full, idx)
+    for rank in range(2):
+        shard = WITH_REP.shard(rank, 2)
+        reader, ridx = blank_host(shard, 12, layout=layout)
+        assert store.exists_each(keys) == [True] * 3
+        assert store.batch_get(keys, reader, ridx) == [True] * 3
+        for got, want in zip(flat_pages(reader, ridx), truth):
+            assert torch.equal(got, bits(shard_flat(want.view(WITH_REP.dtype), WITH_REP, 4, rank, 2)))
+    data = bytearray(files[1][0].read_bytes())
+    data[4 * ALIGN + 10] ^= 0x01  # inside head group 3: rank 1's, not rank 0's
+    files[1][0].write_bytes(bytes(data))
+    for rank, want in ((0, [True] * 3), (1, [True, False, True])):
+        reader, ridx = blank_host(WITH_REP.shard(rank, 2), 12, layout=layout)
+        assert store.batch_get(keys, reader, ridx) == want, rank
+    assert store.stats()["corrupt"] == 1 and not files[1][0].exists()

@@ -2,9 +2,10 @@
 
 For 64-token pages of the reference spec, kvtier's ``batch_set``/``batch_get``
 move pages between a host pool and the backend; the raw client moves the same
-number of objects of the same payload sizes from/to one contiguous buffer:
-plain ``open``/``write``/``readinto`` files, redis-py pipelined ``SET``/``GET``,
-Mooncake ``batch_put_from``/``batch_get_into``. Each kvtier figure is reported as
+number of objects of the same payload sizes from/to one contiguous, written buffer:
+plain files (one per page, ``os.writev``/``os.readv`` on as many threads as kvtier's
+``io_threads``), redis-py pipelined ``SET``/``GET``, Mooncake
+``batch_put_from``/``batch_get_into``. Each kvtier figure is reported as
 a ratio to the raw figure measured in the same run. Objects are removed between
 repetitions (untimed), so every put writes.
 """
@@ -12,9 +13,11 @@ repetitions (untimed), so every put writes.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,27 +54,43 @@ def _best(fn, prepare, repeat: int) -> float:
 
 
 class _RawFile:
-    def __init__(self, root: Path, sizes: list[int]) -> None:
-        self.root, self.sizes = root, sizes
+    """One file per object, written and read whole, the objects split between ``threads``."""
+
+    def __init__(self, root: Path, sizes: list[int], threads: int) -> None:
+        self.root, self.sizes, self.threads = root, sizes, threads
         self.buf = np.ones(sum(sizes), dtype=np.uint8)
+        offsets = np.cumsum([0, *sizes]).tolist()
+        self.views = [memoryview(self.buf)[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True)
 
+    def _each(self, fn) -> None:
+        share = -(-len(self.sizes) // self.threads)
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(lambda t: [fn(i) for i in range(t * share, min(len(self.sizes), (t + 1) * share))],
+                          range(self.threads)))
+
+    def _put_one(self, i: int) -> None:
+        fd = os.open(f"{self.root}/{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            assert os.writev(fd, [self.views[i]]) == self.sizes[i]
+        finally:
+            os.close(fd)
+
+    def _get_one(self, i: int) -> None:
+        fd = os.open(f"{self.root}/{i}", os.O_RDONLY)
+        try:
+            assert os.readv(fd, [self.views[i]]) == self.sizes[i]
+        finally:
+            os.close(fd)
+
     def put(self) -> None:
-        view, off = memoryview(self.buf), 0
-        for i, n in enumerate(self.sizes):
-            with open(self.root / str(i), "wb", buffering=0) as f:
-                f.write(view[off:off + n])
-            off += n
+        self._each(self._put_one)
 
     def get(self) -> None:
-        view, off = memoryview(self.buf), 0
-        for i, n in enumerate(self.sizes):
-            with open(self.root / str(i), "rb", buffering=0) as f:
-                f.readinto(view[off:off + n])
-            off += n
+        self._each(self._get_one)
 
 
 class _RawRedis:
@@ -175,7 +194,8 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
     host.backup_from_device_all_layer(dev, idx, torch.arange(size))
     keys = storage.page_keys(list(range(size)), page_size, namespace="bench")
     plan = PagePlan(spec, page_size)
-    sizes = [p.nbytes for _ in range(pages) for p in plan.write_parts]
+    sizes = [p.nbytes for _ in range(pages) for p in plan.write_parts]  # one object per part
+    page_sizes = [sum(p.nbytes for p in plan.write_parts)] * pages  # files: one object per page
     payload = sum(sizes)
     rows, skipped = [], {}
     workdir = Path(directory or tempfile.mkdtemp(prefix="kvtier-bench-"))
@@ -185,7 +205,7 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
                 try:
                     if name == "file":
                         store = storage.open(f"file://{workdir / 'kvtier'}", io_threads=io_threads)
-                        raw = _RawFile(workdir / "raw", sizes)
+                        raw = _RawFile(workdir / "raw", page_sizes, io_threads)
                     elif name == "redis":
                         server = stack.enter_context(RedisServer())
                         store = storage.open(server.url, io_threads=io_threads)
@@ -200,13 +220,15 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
                 except ServerUnavailable as e:
                     skipped[name] = str(e)
                     continue
-                rows += _measure(name, store, raw, host, idx, keys, payload, len(sizes), repeat)
+                objects = pages if name == "file" else len(sizes)
+                rows += _measure(name, store, raw, host, idx, keys, payload, objects, repeat)
     finally:
         if directory is None:
             shutil.rmtree(workdir, ignore_errors=True)
     return {
         "config": {"spec": spec.fingerprint(), "page_size": page_size, "pages": pages, "layout": layout,
-                   "objects_per_page": len(plan.write_parts), "repeat": repeat, "io_threads": io_threads,
+                   "objects_per_page": {"file": 1, "redis": len(plan.write_parts),
+                                        "mooncake": len(plan.write_parts)}, "repeat": repeat, "io_threads": io_threads,
                    "dir": str(workdir),
                    "filesystem_note": "files go through the page cache; no fsync"},
         "rows": [asdict(r) for r in rows],

@@ -1,4 +1,5 @@
-"""Stored object format of the copy backends: a checked header, then the payload.
+"""Stored object format of the Redis backend (one object per page part): a checked
+header, then the payload. Files use ``kvtier.storage.pagefile``.
 
     offset  size  field
     0       4     magic b"KVT1"

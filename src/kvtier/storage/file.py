@@ -1,54 +1,132 @@
-"""``file:///dir``: one file per page part, in sharded directories; the embedded default.
+"""``file:///dir``: one file per page (and writer), in sharded directories; the embedded default.
 
-    <dir>/kvtier-v1/<h[0:2]>/<h[2:]>/<field>     h = sha256(key), field = "<fingerprint>.p<page size>.<part>"
+    <dir>/kvtier-v2/<h[0:2]>/<h[2:]>/<field>    h = sha256(key), field = "<fingerprint>.p<page size>.g<a>-<b>of<G>"
+    (plus "+rep" for the replicated part; "<fingerprint>.p<page size>.rep" when that is all)
+
+The file format is ``kvtier.storage.pagefile``: a checked header, then the page's
+parts at aligned offsets, so a ``page_head`` pool reads and writes its parts in
+place (``preadv``/``writev`` straight between the file and the pool, no staging
+copy) and other layouts go through a per-thread staging arena. A reader of another
+tensor-parallel size than the writer finds the files holding its head groups in the
+key's directory and reads only their ranges. Objects of the version-1 format (one
+file per part, under ``kvtier-v1``) are not read: they are misses.
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
 sensitive as the prompts it came from: directories are created 0700 and objects 0600
 (owner only, whatever the umask), or 0770 / 0660 with ``shared`` for a cache that a
-group of users' engines share. Writes
-go to a temporary file in the same directory and are renamed into place
-(``os.replace``), so readers see a whole object or none. With ``capacity_bytes``
-the least recently used keys are evicted; the LRU order is seeded from directory
-mtimes at open, and a hit touches its directory, so it survives restarts.
+group of users' engines share. Writes go to a temporary file in the same directory
+and are renamed into place (``os.replace``), so readers see a whole object or none.
+With ``capacity_bytes`` the least recently used keys are evicted; the LRU order is
+seeded from directory mtimes at open, and a hit touches its directory, so it
+survives restarts.
 
 Reads trust nothing found in the directory: an object is opened with
 ``O_NOFOLLOW | O_NONBLOCK`` (a symlink or a FIFO neither redirects nor blocks the
-read), must be a regular file, and is read only if its size is the size the
-reader's plan expects, into a buffer of that size. A file of another size gives at
-most its header to judge it by. Anything else is a miss and a counted error.
+read), must be a regular file, and is read only if its size is the size its name
+implies; a file of another size gives at most its header to judge it by. Every part
+read is checked against its header's checksum before its page counts as loaded. A
+miss's destination page may hold bytes read before a check failed: it is never
+reported loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
 import shutil
 import stat
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
+import torch
+import xxhash
 
-from .codec import Partial, header_size
-from .objectstore import ObjectStorage
+from ..pools import HostKVPool
+from .base import _check_keys
+from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject
+from .objects import PagePlan, Part
 from .options import Opt, check_options
+from .pagefile import ALIGN, FileLayout, field_parts, file_field, part_name
+from .threaded import ThreadedStorage
 
-_ROOT = "kvtier-v1"
+_ROOT = "kvtier-v2"
 _counter = itertools.count()
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_ZEROS = bytes(ALIGN)
 
 
 class NotAnObject(OSError):
     """Something other than a regular file sits at an object's path."""
 
 
-class FileStorage(ObjectStorage):
+class _Page:
+    """One batch's copies between a pool's pages and the parts of ``plan``: per part, its
+    pieces' numpy views over every page (see ``PagePlan.part_views``)."""
+
+    def __init__(self, plan: PagePlan, pool: HostKVPool, parts: list[Part]) -> None:
+        self.parts = {part_name(p): (p, plan.part_views(pool, p)) for p in parts}
+
+    def buffers(self, name: str, page: int, staging) -> tuple[list, list]:
+        """Buffers of part ``name`` of ``page`` in file order: each piece in place when the
+        pool holds it contiguously, else a slice of ``staging`` (the part's bytes); and the
+        ``(view, slice)`` pairs that go through staging."""
+        part, views = self.parts[name]
+        bufs, staged = [], []
+        for view, offset, nbytes in views:
+            piece = view[page]
+            if piece.flags.c_contiguous:
+                bufs.append(memoryview(piece.reshape(-1).view(np.uint8)))
+            else:
+                if staging is None:
+                    staging = np.empty(part.nbytes, dtype=np.uint8)
+                buf = staging[offset:offset + nbytes]
+                bufs.append(memoryview(buf))
+                staged.append((piece, buf))
+        return bufs, staged
+
+    def staged_bytes(self, name: str) -> int:
+        """Bytes of part ``name`` that go through staging (0 when the pool holds it in place)."""
+        part, views = self.parts[name]
+        return 0 if all(view[0].flags.c_contiguous for view, _, _ in views) else part.nbytes
+
+
+def _checksum(bufs: list) -> int:
+    if len(bufs) == 1:
+        return xxhash.xxh3_64_intdigest(bufs[0])
+    h = xxhash.xxh3_64()
+    for b in bufs:
+        h.update(b)
+    return h.intdigest()
+
+
+def _io_all(call, fd: int, bufs: list, offset: int) -> None:
+    """``preadv``/``pwritev`` of every byte of ``bufs`` at ``offset`` (a call may move fewer)."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        n = call(fd, bufs[:1024], offset)  # at most IOV_MAX buffers a call
+        if n == 0:
+            raise OSError(errno.EIO, "the file ended early (changed while it was read)")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+
+class FileStorage(ThreadedStorage):
     scheme = "file"
-    OPTIONS = {**ObjectStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool),
+    OPTIONS = {**ThreadedStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool),
                "shared": Opt(bool)}
-    CHUNK_BYTES = 4 << 20  # about a core's share of the CPU cache (see ObjectStorage.CHUNK_BYTES)
+    CHUNK_BYTES = 4 << 20  # about a core's share of the CPU cache: staged parts are checked while cached
 
     def __init__(self, path: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = False,
                  shared: bool = False, **options) -> None:
@@ -77,31 +155,256 @@ class FileStorage(ObjectStorage):
         return Path(self._key_dir_name(key))
 
     def _key_dir_name(self, key: str) -> str:
-        """``_key_dir`` as a str: reads build their paths as strings (pathlib costs more per
-        object than the open, fstat and close together)."""
+        """``_key_dir`` as a str: the I/O paths build their paths as strings (pathlib costs
+        more per object than the open, fstat and close together)."""
         h = hashlib.sha256(key.encode()).hexdigest()
         return f"{self._root_name}/{h[:2]}/{h[2:]}"
 
     @staticmethod
     def _file_name(field: str) -> str:
-        return field.replace("/", ".")  # fingerprints and part names hold [A-Za-z0-9=-_] only
+        return field.replace("/", ".")  # fingerprints and part names hold [A-Za-z0-9=_+-] only
 
-    def _path(self, key: str, field: str) -> Path:
-        return self._key_dir(key) / self._file_name(field)
+    # -- which files -----------------------------------------------------------------------------
+    @staticmethod
+    def _sources(plan: PagePlan) -> list[tuple[str, list[str]]]:
+        """``(field, parts to read)`` of the files a writer of the reader's own
+        tensor-parallel size wrote: the reader's head groups, and ``rep`` from rank 0's file."""
+        groups = [p for p in plan.read_parts if part_name(p) != "rep"]
+        if not groups or plan.write_parts == plan.read_parts:  # rank 0, or only replicated parts
+            return [(file_field(plan, plan.read_parts), [part_name(p) for p in plan.read_parts])]
+        out = [(file_field(plan, groups), [part_name(p) for p in groups])]
+        if len(groups) < len(plan.read_parts):  # rep, which rank 0 wrote after its own groups
+            out.append((f"{plan.prefix}/g0-{len(groups)}of{plan.groups}+rep", ["rep"]))
+        return out
 
-    # -- primitives ------------------------------------------------------------------------------
-    def _put(self, items) -> list[bool]:
-        ok = []
-        for key, field, blob in items:
+    def _cover(self, key_dir: str, plan: PagePlan) -> list[tuple[str, list[str]]] | None:
+        """Files in ``key_dir`` that together hold every part the reader needs (written by
+        another tensor-parallel size than the reader's), with the parts to read from each."""
+        prefix = self._file_name(plan.prefix) + "."
+        holders: dict[str, str] = {}
+        try:
+            names = sorted(e.name for e in os.scandir(key_dir) if e.name.startswith(prefix))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        for name in names:
+            field = f"{plan.prefix}/{name[len(prefix):]}"
+            for part, _ in field_parts(plan, name[len(prefix):]) or ():
+                holders.setdefault(part, field)
+        wanted = [part_name(p) for p in plan.read_parts]
+        if any(w not in holders for w in wanted):
+            return None
+        out: dict[str, list[str]] = {}
+        for w in wanted:
+            out.setdefault(holders[w], []).append(w)
+        return list(out.items())
+
+    @staticmethod
+    def _layout(key: str, plan: PagePlan, field: str) -> tuple[FileLayout, list[str]]:
+        parts = field_parts(plan, field.rsplit("/", 1)[1])
+        return FileLayout(f"{key}#{field}", [n for _, n in parts]), [name for name, _ in parts]
+
+    # -- the contract ----------------------------------------------------------------------------
+    def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        keys = _check_keys(keys)
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        try:
+            if self._bound is None:
+                return self._has_any(keys)
+            sources = self._sources(self._bound)
+            out = []
+            for key in keys:
+                d = self._key_dir_name(key)
+                out.append(all(self._is_object(f"{d}/{self._file_name(f)}") for f, _ in sources)
+                           or self._cover(d, self._bound) is not None)
+            return out
+        except Exception as e:  # a storage fault is a miss, never an exception for the caller
+            self._fault("exists", e)
+            return [False] * len(keys)
+        finally:
+            self._stats.timed("exists", time.perf_counter() - t0)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        present = self.exists_each(keys)
+        return next((i for i, p in enumerate(present) if not p), len(present))
+
+    def _checked(self, keys, host_pool, host_indices, writing: bool):
+        keys, pages = self._check_pages(keys, host_pool, host_indices, writing=writing)
+        plan = self._plan(host_pool)
+        longest = max((len(k.encode()) for k in keys), default=0) + 1 + len(plan.prefix) + 32
+        if longest > MAX_NAME_BYTES:
+            raise ValueError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
+                             f"{MAX_NAME_BYTES}; use shorter keys")
+        return keys, pages, plan
+
+    def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=True)
+        copies = _Page(plan, host_pool, plan.write_parts)
+        field = file_field(plan, plan.write_parts)
+        staged = sum(copies.staged_bytes(part_name(p)) for p in plan.write_parts)
+        stored = [False] * len(keys)
+        t0 = time.perf_counter()
+
+        def set_chunk(chunk: range) -> None:
+            arena = self._arena(staged) if staged else None
+            for i in chunk:
+                try:
+                    self._write_page(keys[i], plan, field, copies, pages[i], arena)
+                    stored[i] = True
+                except Exception as e:
+                    self._fault("write", e)
+
+        self._run(set_chunk, len(keys), sum(p.nbytes for p in plan.write_parts))
+        written = sum(stored)
+        self._stats.add(pages_written=written, write_failures=len(keys) - written,
+                        bytes_written=written * sum(p.nbytes for p in plan.write_parts))
+        self._stats.timed("set", time.perf_counter() - t0)
+        return stored
+
+    def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
+        keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=False)
+        copies = _Page(plan, host_pool, plan.read_parts)
+        sources = self._sources(plan)
+        staged = sum(copies.staged_bytes(part_name(p)) for p in plan.read_parts)
+        loaded = [False] * len(keys)
+        t0 = time.perf_counter()
+
+        def get_chunk(chunk: range) -> None:
+            arena = self._arena(staged + ALIGN)
+            for i in chunk:
+                loaded[i] = self._get_page(keys[i], plan, sources, copies, pages[i], arena)
+
+        try:
+            self._run(get_chunk, len(keys), sum(p.nbytes for p in plan.read_parts))
+        except Exception as e:  # an unexpected fault: the pages not yet loaded stay misses
+            self._fault("get", e)
+        hits = sum(loaded)
+        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_read=hits * sum(p.nbytes for p in plan.read_parts))
+        self._stats.timed("get", time.perf_counter() - t0)
+        return loaded
+
+    def delete(self, keys: Sequence[str]) -> None:
+        keys = _check_keys(keys)
+        try:
+            self._remove_keys(keys)
+        except Exception as e:
+            self._fault("delete", e)
+
+    def clear(self) -> None:
+        try:
+            self._remove_all()
+        except Exception as e:
+            self._fault("clear", e)
+
+    # -- one page ----------------------------------------------------------------------------------
+    def _write_page(self, key: str, plan: PagePlan, field: str, copies: _Page, page: int, arena) -> None:
+        layout, names = self._layout(key, plan, field)
+        bufs, sums, used = [None], [], 0
+        for i, name in enumerate(names):
+            staging = arena[used:used + copies.staged_bytes(name)] if copies.staged_bytes(name) else None
+            used += copies.staged_bytes(name)
+            part_bufs, staged = copies.buffers(name, page, staging)
+            for piece, buf in staged:
+                np.copyto(buf.view(piece.dtype).reshape(piece.shape), piece)
+            sums.append(_checksum(part_bufs))
+            bufs += [_ZEROS[:layout.pad_before(i)], *part_bufs]
+        bufs[0] = layout.header(sums)
+        self._write(self._key_dir_name(key), self._file_name(field), bufs, layout.total)
+
+    def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, arena) -> bool:
+        """Read one page's parts into the pool (checked); False: a miss (faults counted)."""
+        d = self._key_dir_name(key)
+        try:
             try:
-                self._write(self._path(key, field), blob)
-                ok.append(True)
-            except OSError as e:
-                self._fault("write", e)
-                ok.append(False)
-        return ok
+                self._read_parts(d, key, plan, sources, copies, page, arena)
+            except FileNotFoundError:
+                cover = self._cover(d, plan)
+                if cover is None or cover == sources:
+                    return False
+                self._read_parts(d, key, plan, cover, copies, page, arena)
+        except FileNotFoundError:
+            return False
+        except UnexpectedObject as e:
+            self._fault("get", e)
+            return False
+        except CorruptObject as e:
+            self._stats.add(corrupt=1, errors=1)
+            self._warnings.warn(("corrupt",), "kvtier storage %s: %s; deleting it", self.scheme, e)
+            try:
+                os.unlink(e.path)
+            except OSError as err:
+                if not isinstance(err, FileNotFoundError):
+                    self._fault("remove", err)
+            return False
+        except OSError as e:
+            self._fault("read", e)
+            return False
+        if self.capacity_bytes is not None:
+            self._touch(Path(d))
+        return True
 
-    def _mkdir(self, path: Path) -> None:
+    def _read_parts(self, d: str, key: str, plan: PagePlan, sources, copies: _Page, page: int, arena) -> None:
+        """Every part of ``sources`` read and checked, then staged parts copied into the pool.
+        Raises what the caller counts (``CorruptObject`` carries the file's path)."""
+        staged_all, used = [], ALIGN  # arena[:ALIGN] takes the zeros between parts
+        for field, wanted in sources:
+            layout, names = self._layout(key, plan, field)
+            dests = {}
+            for name in wanted:
+                n = copies.staged_bytes(name)
+                dests[name] = copies.buffers(name, page, arena[used:used + n] if n else None)
+                used += n
+            path = f"{d}/{self._file_name(field)}"
+            try:
+                self._read_file(path, layout, names, dests, arena[:ALIGN])
+            except CorruptObject as e:
+                e.path = path  # the caller deletes it
+                raise
+            staged_all += [s for _, staged in dests.values() for s in staged]
+        for piece, buf in staged_all:  # every part checked before any staged byte reaches the pool
+            np.copyto(piece, buf.view(piece.dtype).reshape(piece.shape))
+
+    @staticmethod
+    def _read_file(path: str, layout: FileLayout, names: list[str], dests: dict, sink) -> None:
+        """Parts ``dests`` (part name -> (buffers, staged)) of the file at ``path``, read and
+        checked against its header; the file must be a regular file of ``layout.total`` bytes."""
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotAnObject(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+            if st.st_size != layout.total:
+                raise layout.judge(os.pread(fd, min(st.st_size, layout.header_len), 0), st.st_size)
+            head = None
+            wanted = [i for i, name in enumerate(names) if name in dests]
+            runs = [[i] for i in wanted[:1]]
+            for i in wanted[1:]:
+                if i == runs[-1][-1] + 1:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            for run in runs:
+                bufs, offset = [], layout.offsets[run[0]]
+                if run[0] == 0:  # the header comes with the first part
+                    head, offset = bytearray(layout.header_len), 0
+                    bufs.append(memoryview(head))
+                for i in run:
+                    if i != run[0]:
+                        bufs.append(sink[:layout.pad_before(i)])
+                    bufs += dests[names[i]][0]
+                _io_all(os.preadv, fd, bufs, offset)
+            if head is None:
+                head = os.pread(fd, layout.header_len, 0)
+        finally:
+            os.close(fd)
+        sums = layout.checksums(head)
+        for i in wanted:
+            if _checksum(dests[names[i]][0]) != sums[i]:
+                raise CorruptObject(f"{path.rsplit('/', 1)[1]}: part {names[i]} fails its checksum")
+
+    # -- files --------------------------------------------------------------------------------------
+    def _mkdir(self, path) -> None:
         """``path`` as a directory of this store's mode (an existing one is left as it is)."""
         try:
             os.mkdir(path, self._dir_mode)
@@ -111,73 +414,34 @@ class FileStorage(ObjectStorage):
             raise
         os.chmod(path, self._dir_mode)  # exactly: the umask may have taken bits the mode wants
 
-    def _write(self, path: Path, blob: np.ndarray) -> None:
-        if not path.parent.is_dir():
-            self._mkdir(path.parent.parent)
-            self._mkdir(path.parent)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp")
+    def _write(self, key_dir: str, name: str, bufs: list, nbytes: int) -> None:
+        tmp = f"{key_dir}/.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self._file_mode)
-            os.fchmod(fd, self._file_mode)
-            with open(fd, "wb", buffering=0) as f:
-                view = memoryview(blob)
-                while view:  # one raw write may take fewer bytes than offered
-                    view = view[f.write(view):]
+            fd = os.open(tmp, _WRITE_FLAGS, self._file_mode)
+        except FileNotFoundError:  # the key's first object: make its directory
+            self._mkdir(os.path.dirname(key_dir))
+            self._mkdir(key_dir)
+            fd = os.open(tmp, _WRITE_FLAGS, self._file_mode)
+        try:
+            try:
+                os.fchmod(fd, self._file_mode)
+                _io_all(os.pwritev, fd, bufs, 0)
                 if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, f"{key_dir}/{name}")
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
             raise
         if self.capacity_bytes is not None:
-            self._account(path.parent, blob.nbytes)
-
-    def _get(self, items, dest):
-        """A generator: each object is read when the caller asks for it (see ObjectStorage._get)."""
-        dirs: dict[str, str] = {}  # key -> its directory (shared by the parts of a page)
-        touched = set()
-        for (key, field), buf in zip(items, dest):
-            d = dirs.get(key)
-            if d is None:
-                d = dirs[key] = self._key_dir_name(key)
-            try:
-                blob = self._read(f"{d}/{self._file_name(field)}", buf, f"{key}#{field}")
-            except FileNotFoundError:
-                blob = None
-            except OSError as e:
-                self._fault("read", e)
-                blob = None
-            if blob is not None and self.capacity_bytes is not None and d not in touched:
-                touched.add(d)
-                self._touch(Path(d))
-            yield blob
+            self._account(Path(key_dir), nbytes)
 
     @staticmethod
-    def _read(path: str, buf: np.ndarray, name: str):
-        """The object at ``path`` read into ``buf`` if it is a regular file of exactly
-        ``buf.nbytes`` bytes or fewer; else a :class:`Partial` of its first bytes, at most
-        the header an object ``name`` would have."""
-        fd = os.open(path, _READ_FLAGS)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotAnObject(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
-            want = st.st_size if st.st_size <= buf.nbytes else min(header_size(name), buf.nbytes)
-            view, got = memoryview(buf)[:want], 0
-            while got < want:  # a read may return fewer bytes than asked
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    break
-                got += n
-            return buf[:got] if st.st_size <= buf.nbytes else Partial(view[:got], st.st_size)
-        finally:
-            os.close(fd)
-
-    def _has(self, items) -> list[bool]:
-        return [self._is_object(self._path(k, f)) for k, f in items]
-
-    @staticmethod
-    def _is_object(path: Path) -> bool:
+    def _is_object(path) -> bool:
         try:
             return stat.S_ISREG(os.lstat(path).st_mode)
         except (FileNotFoundError, NotADirectoryError):
@@ -186,16 +450,11 @@ class FileStorage(ObjectStorage):
     def _has_any(self, keys) -> list[bool]:
         out = []
         for key in keys:
-            d = self._key_dir(key)
             try:
-                out.append(any(not e.name.startswith(".") for e in os.scandir(d)))
-            except FileNotFoundError:
+                out.append(any(not e.name.startswith(".") for e in os.scandir(self._key_dir_name(key))))
+            except (FileNotFoundError, NotADirectoryError):
                 out.append(False)
         return out
-
-    def _remove(self, items) -> None:
-        for key, field in items:
-            self._path(key, field).unlink(missing_ok=True)
 
     def _remove_keys(self, keys) -> None:
         for key in keys:

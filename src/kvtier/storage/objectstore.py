@@ -3,61 +3,32 @@ checked object ``(key, field) -> header + payload``."""
 
 from __future__ import annotations
 
-import threading
 import time
 from abc import abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from ..pools import HostKVPool
-from .base import Storage, _check_keys
+from .base import _check_keys
 from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject, decode, header_size, write_header
 from .objects import pack_part, unpack_part
-from .options import Opt, check_options
-
-#: Payload bytes packed per backend round trip: bounds memory for large batches.
-BATCH_BYTES = 64 << 20
+from .threaded import BATCH_BYTES, ThreadedStorage
 
 
-class ObjectStorage(Storage):
+
+class ObjectStorage(ThreadedStorage):
     """A copy backend: each page part is one object ``(key, field) -> header + payload``.
 
     Subclasses implement the primitives below on their medium; this class does
     validation, packing, checksums, batching, statistics and fault handling.
-    Objects are packed into (and read into) a per-thread staging arena that is
-    reused across calls: fresh buffers of this size would be page-faulted in on
-    every call, which costs as much as the copy itself.
+    Objects are packed into (and read into) the per-thread staging arena.
     """
 
-    OPTIONS = {**Storage.OPTIONS, "io_threads": Opt(int, 1)}
     #: Payload bytes one worker moves per step: one ``_get``/``_put`` call, then its checks
-    #: and copies. Round-trip backends keep it large. NOTE: a local medium (files) sets it
-    #: near the CPU cache, so a step's staging is still cached when its checksum and its
-    #: copy into the pool read it: each byte then crosses memory about as often as in a
-    #: plain read into the pool (one page is the least a step takes).
+    #: and copies; round-trip backends keep it large.
     CHUNK_BYTES = BATCH_BYTES
-
-    def __init__(self, *, io_threads: int = 2, **options) -> None:
-        super().__init__(**options)
-        check_options(self.OPTIONS, io_threads=io_threads)
-        self.io_threads = io_threads
-        self._local = threading.local()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-
-    def _arena(self, nbytes: int) -> np.ndarray:
-        arena = getattr(self._local, "arena", None)
-        if arena is None or arena.nbytes < nbytes:
-            arena = self._local.arena = np.empty(nbytes, dtype=np.uint8)
-        return arena[:nbytes]
-
-    @staticmethod
-    def _carve(arena: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
-        offsets = np.cumsum([0, *sizes]).tolist()
-        return [arena[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
     # -- primitives ---------------------------------------------------------------------
     @abstractmethod
@@ -193,51 +164,6 @@ class ObjectStorage(Storage):
             self._fault("clear", e)
 
     # -- internals ---------------------------------------------------------------------------
-    def _run(self, fn, n: int, page_bytes: int) -> None:
-        """``fn(range)`` over chunks of the ``n`` pages: at most ``CHUNK_BYTES`` each (at
-        least one page), taken in turn by up to ``io_threads`` workers, the calling thread
-        being one of them. File reads, socket I/O, checksums and numpy copies release the
-        GIL, so one worker's I/O overlaps another's checks and copies."""
-        per_thread = -(-n // self.io_threads)
-        step = max(1, min(per_thread, self.CHUNK_BYTES // max(page_bytes, 1)))
-        chunks = [range(a, min(n, a + step)) for a in range(0, n, step)]
-        helpers = min(self.io_threads, len(chunks)) - 1
-        if helpers <= 0:
-            for chunk in chunks:
-                fn(chunk)
-            return
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads - 1, thread_name_prefix=f"kvtier-{self.scheme}")
-            pool = self._pool
-        todo, todo_lock = iter(chunks), threading.Lock()
-
-        def work() -> None:
-            # NOTE: workers take the next chunk when done with one, so a worker slowed by
-            # a busy core takes fewer chunks instead of holding up the call.
-            while True:
-                with todo_lock:
-                    chunk = next(todo, None)
-                if chunk is None:
-                    return
-                fn(chunk)
-
-        futures = [pool.submit(work) for _ in range(helpers)]
-        try:
-            work()
-        finally:  # never return (or raise) while a helper may still write into the pool
-            for future in futures:
-                future.exception()
-        for future in futures:
-            future.result()
-
-    def close(self) -> None:
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        super().close()
-
     def _fetch(self, items, dest) -> Iterator:
         """``_get``'s objects one by one, exactly ``len(items)`` of them; a fault of the
         backend (counted) makes the objects not yet given ``None``."""

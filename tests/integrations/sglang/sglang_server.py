@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -28,10 +27,10 @@ from pathlib import Path
 from services import stop_process_group, unavailable
 
 from kvtier.bench.servers import free_port
+from kvtier.storage.pagefile import object_name
 
 HERE = Path(__file__).parent
 PAGE, MAX_NEW = 16, 16
-_HEAD = struct.Struct("<4sHHQQH")  # kvtier.storage.codec's fixed header; the object's name follows
 #: What sglang's HTTP server imports (scripts/sglang-env.sh installs them; elsewhere the tests skip).
 SERVER_MODULES = ["fastapi", "uvicorn", "uvloop", "setproctitle", "interegular", "multipart", "prometheus_client",
                   "einops", "jsonschema", "xgrammar", "soundfile"]
@@ -247,14 +246,13 @@ class Server:
 
 
 def stored_keys(store: Path) -> dict[str, list[Path]]:
-    """Each stored object's key (the name in its headers, less ``#<field>``) with its files (one per head group)."""
+    """Each stored object's key (the name in its header, less ``#<field>``) with its files (one per page and writer)."""
     keys = {}
     for path in store.rglob("*"):
         if path.is_file() and not path.name.startswith("."):
-            head = path.read_bytes()[:4096]
-            magic, *_, n = _HEAD.unpack_from(head)
-            if magic == b"KVT1":
-                keys.setdefault(head[_HEAD.size:_HEAD.size + n].decode().split("#")[0], []).append(path)
+            name = object_name(path.read_bytes()[:4096])
+            if name is not None:
+                keys.setdefault(name.split("#")[0], []).append(path)
     return keys
 
 

@@ -124,10 +124,10 @@ def test_a_flushed_prompt_comes_back_from_storage(model, store, standin, work):
         assert b.cached == 0 and b.text == texts["b"]
         server.flush()
         keys = {k: v for k, v in stored_keys(store).items() if k not in before}
-        # an object per whole page of each prompt and its answer (less the last token), a file per KV head
+        # an object per whole page of each prompt and its answer (less the last token): one file, both KV heads
         pages = sum((p.prompt_tokens + MAX_NEW - 1) // PAGE for p in (cold, b))
         assert len(keys) == pages, (len(keys), pages)
-        assert all("~" not in k and sorted(f.name for f in files) == [f"{SPEC}.p{PAGE}.h0of2", f"{SPEC}.p{PAGE}.h1of2"]
+        assert all("~" not in k and [f.name for f in files] == [f"{SPEC}.p{PAGE}.g0-2of2"]
                    for k, files in keys.items()), sorted(keys.items())[:2]
         assert_clean(server.log_text())
     finally:

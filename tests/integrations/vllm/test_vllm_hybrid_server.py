@@ -7,7 +7,6 @@ prefix of every KV cache group, storage hits in a fresh server, and no pool file
 in ``host_dir``."""
 
 import re
-import struct
 from collections import Counter
 from pathlib import Path
 
@@ -18,12 +17,12 @@ pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test
 from vllm_server import Server  # noqa: E402
 
 from kvtier.integrations.vllm.tiny import prompt, save_hybrid  # noqa: E402
+from kvtier.storage.pagefile import object_name  # noqa: E402
 
 #: KV cache groups vLLM makes of each tiny model (sliding window 64: 2 blocks of 32).
 GROUPS = {"gpt-oss": 2, "gemma3": 6}
 PROMPTS = [prompt(200, offset=0), prompt(200, offset=1)]  # ~425 tokens each, far longer than the window
 FULL_BLOCKS = 13 * 32  # the whole blocks of each prompt before its last token: what a hit can cover
-_HEAD = struct.Struct("<4sHHQQH")  # kvtier.storage.codec's fixed header; the object's name follows
 
 
 @pytest.fixture(scope="module", params=sorted(GROUPS, reverse=True))
@@ -61,18 +60,16 @@ def _kvtier(work: Path) -> dict:
 
 def _stored_keys(store: Path) -> Counter:
     """Keys in file storage by ``(key prefix, KV cache group)``: file storage hashes key
-    names into its paths (a directory per key, a file per part), but every object's
+    names into its paths (a directory per key, a file per page), but every object's
     header names its ``<key>#<field>``; kvtier's keys are ``<prefix>/<hex of vLLM's
     OffloadKey>``, whose last 4 bytes are the group's index."""
     keys = set()
     for path in store.rglob("*"):
         if not path.is_file() or path.name.startswith("."):
             continue
-        head = path.read_bytes()[:4096]
-        magic, _, _, _, _, n = _HEAD.unpack_from(head)
-        assert magic == b"KVT1", path
-        key = head[_HEAD.size:_HEAD.size + n].decode().split("#")[0]
-        keys.add(key)
+        name = object_name(path.read_bytes()[:4096])
+        assert name is not None, path
+        keys.add(name.split("#")[0])
     return Counter((prefix, int(hex_key[-8:], 16)) for prefix, hex_key in (k.rsplit("/", 1) for k in keys))
 
 

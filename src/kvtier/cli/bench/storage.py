@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="existing directory for the file backend (default: a temporary one)")
     p.add_argument("--repeat", type=positive_int, default=3)
     p.add_argument("--io-threads", type=positive_int, default=2,
-                   help="kvtier's io_threads for file and Redis (default 2, the storage default); raw uses one")
+                   help="kvtier's io_threads for file and Redis (default 2, the storage default); raw files use "
+                        "as many threads, raw Redis one pipeline")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
@@ -46,9 +47,10 @@ def command(args: argparse.Namespace) -> int:
         print(json_text(result))
         return 0
     cfg = result["config"]
-    print(f"{cfg['spec']}, page_size {cfg['page_size']}, {cfg['pages']} pages ({cfg['objects_per_page']} objects "
-          f"each), layout {cfg['layout']}, io_threads {cfg['io_threads']}; raw = the backend's own client moving "
-          f"the same objects")
+    per_page = ", ".join(f"{n} {b}" for b, n in cfg["objects_per_page"].items())
+    print(f"{cfg['spec']}, page_size {cfg['page_size']}, {cfg['pages']} pages (objects per page: {per_page}), "
+          f"layout {cfg['layout']}, io_threads {cfg['io_threads']}; raw = the backend's own client moving the "
+          f"same objects")
     rows = [[r["backend"], r["op"], r["objects"], f"{r['gbytes']:.3f}", f"{r['kvtier_gbps']:.2f}",
              f"{r['raw_gbps']:.2f}", f"{r['ratio']:.2f}x"] for r in result["rows"]]
     print_table("storage (ratio = kvtier GB/s / raw client GB/s, same run)",

@@ -1,0 +1,135 @@
+"""Stored format of ``file://`` objects (version 2): one file per page and writer.
+
+A file holds the consecutive parts of one page that its writer held (see
+``kvtier.storage.objects``): head groups ``a..b-1`` of ``G`` (``h{j}of{G}``), then,
+from rank 0, the single-head components (``rep``). Its field says which:
+``<fingerprint>/p<page size>/g{a}-{b}of{G}`` with ``+rep``, or ``.../rep`` alone. A
+reader of any tensor-parallel size reads the parts it needs by their offsets.
+
+    offset  size  field
+    0       4     magic b"KVT2"
+    4       2     format version (2)
+    6       2     part count n
+    8       4     header length (a multiple of 4096)
+    12      4     zero
+    16      8     file length
+    24      2     name length m
+    26      m     name: "<key>#<field>" in UTF-8 (the object's own identity)
+    26+m    8n    xxh3-64 checksum of each part's bytes
+    pad           zeros up to the header length
+
+Each part starts at a 4096-byte boundary (zeros between parts; the last one ends
+the file), so a part reads with one ``preadv`` straight into a pool whose head
+groups are contiguous (``page_head``), and every part stays aligned for direct I/O.
+Everything in the header but the checksums follows from the name and the reader's
+plan: a reader builds it and compares bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+from .codec import CorruptObject, UnexpectedObject
+from .objects import PagePlan, Part
+
+MAGIC = b"KVT2"
+VERSION = 2
+ALIGN = 4096
+_FIXED = struct.Struct("<4sHHIIQH")
+_FIELD = re.compile(r"g(\d+)-(\d+)of(\d+)(\+rep)?|rep")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class FileLayout:
+    """Where each part of one file sits, and the header a file of that name must have."""
+
+    def __init__(self, name: str, sizes: list[int]) -> None:
+        raw = name.encode()
+        self.header_len = _align(_FIXED.size + len(raw) + 8 * len(sizes))
+        self.offsets, end = [], self.header_len
+        for i, nbytes in enumerate(sizes):
+            self.offsets.append(end)
+            end = end + nbytes if i == len(sizes) - 1 else _align(end + nbytes)
+        self.sizes, self.total = sizes, end
+        self._prefix = _FIXED.pack(MAGIC, VERSION, len(sizes), self.header_len, 0, end, len(raw)) + raw
+        self._sums = struct.Struct(f"<{len(sizes)}Q")
+
+    def pad_before(self, i: int) -> int:
+        """Zero bytes between part ``i - 1`` and part ``i``."""
+        return 0 if i == 0 else self.offsets[i] - self.offsets[i - 1] - self.sizes[i - 1]
+
+    def header(self, checksums: list[int]) -> bytes:
+        head = self._prefix + self._sums.pack(*checksums)
+        return head + bytes(self.header_len - len(head))
+
+    def checksums(self, head) -> tuple[int, ...]:
+        """The parts' checksums from ``head`` (the file's first ``header_len`` bytes), if
+        it is this file's intact header; else :class:`CorruptObject`."""
+        view = memoryview(head)
+        n = len(self._prefix)
+        if len(view) != self.header_len or view[:n] != self._prefix or any(view[n + self._sums.size:]):
+            magic, version = bytes(view[:4]), bytes(view[4:6])
+            raise CorruptObject(f"{self._name()}: bad header (magic {magic!r}, version {version.hex()})")
+        return self._sums.unpack_from(view, n)
+
+    def judge(self, head, size: int) -> Exception:
+        """The error for a file of ``size`` bytes (not ``total``) whose first bytes are
+        ``head``: it is intact but another object if its header names this object and
+        says it is ``size`` bytes long, else corrupt."""
+        view = memoryview(head)
+        if len(view) >= _FIXED.size:
+            magic, version, _, _, _, length, name_len = _FIXED.unpack_from(view)
+            named = bytes(view[_FIXED.size:_FIXED.size + name_len]) == self._prefix[_FIXED.size:]
+            if magic == MAGIC and version == VERSION and named and length == size:
+                return UnexpectedObject(f"{self._name()}: an intact object of {size} bytes, expected {self.total}")
+        return CorruptObject(f"{self._name()}: {size} bytes, expected {self.total}")
+
+    def _name(self) -> str:
+        return self._prefix[_FIXED.size:].decode(errors="replace")
+
+
+def part_name(part: Part) -> str:
+    return part.field.rsplit("/", 1)[1]
+
+
+def file_field(plan: PagePlan, parts: list[Part]) -> str:
+    """The field of a file holding ``parts`` (consecutive head groups, then ``rep``)."""
+    groups = [int(part_name(p)[1:].split("of")[0]) for p in parts if part_name(p) != "rep"]
+    rep = "+rep" if any(part_name(p) == "rep" for p in parts) else ""
+    if not groups:
+        return f"{plan.prefix}/rep"
+    return f"{plan.prefix}/g{groups[0]}-{groups[-1] + 1}of{plan.groups}{rep}"
+
+
+def field_parts(plan: PagePlan, tail: str) -> list[tuple[str, int]] | None:
+    """``(part name, bytes)`` of the parts a file of field ``<plan.prefix>/<tail>`` holds,
+    in file order; ``None`` when ``tail`` is no field of this plan's geometry."""
+    m = _FIELD.fullmatch(tail)
+    if m is None:
+        return None
+    sizes = {part_name(p): p.nbytes for p in plan.read_parts}
+    rep = sizes.get("rep")
+    if m.group(0) == "rep":
+        return [("rep", rep)] if rep is not None else None
+    a, b, groups = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    group_bytes = next((n for name, n in sizes.items() if name != "rep"), None)
+    if groups != plan.groups or not 0 <= a < b <= groups or group_bytes is None or (m.group(4) and rep is None):
+        return None
+    parts = [(f"h{j}of{groups}", group_bytes) for j in range(a, b)]
+    return parts + [("rep", rep)] if m.group(4) else parts
+
+
+def object_name(head) -> str | None:
+    """The ``<key>#<field>`` a file's first bytes name, or ``None`` if they are no
+    version-2 header (for tools that list a store's objects)."""
+    view = memoryview(head)
+    if len(view) < _FIXED.size:
+        return None
+    magic, version, _, _, _, _, name_len = _FIXED.unpack_from(view)
+    if magic != MAGIC or version != VERSION or len(view) < _FIXED.size + name_len:
+        return None
+    return bytes(view[_FIXED.size:_FIXED.size + name_len]).decode(errors="replace")
