@@ -34,11 +34,13 @@ class ThreadedStorage(Storage):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
-    def _arena(self, nbytes: int) -> np.ndarray:
+    def _arena(self, nbytes: int, align: int = 1) -> np.ndarray:
+        """This thread's staging, ``nbytes`` starting at a multiple of ``align`` bytes."""
         arena = getattr(self._local, "arena", None)
-        if arena is None or arena.nbytes < nbytes:
-            arena = self._local.arena = np.empty(nbytes, dtype=np.uint8)
-        return arena[:nbytes]
+        if arena is None or arena.nbytes < nbytes + align - 1:
+            arena = self._local.arena = np.empty(nbytes + align - 1, dtype=np.uint8)
+        skip = -arena.ctypes.data % align
+        return arena[skip:skip + nbytes]
 
     @staticmethod
     def _carve(arena: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
