@@ -16,10 +16,10 @@ def test_json_reports_both_figures_and_their_ratio(capsys):
             "--page-size", "4", "--pages", "4", "--repeat", "1", "--io-threads", "1", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["config"]["io_threads"] == 1 and out["skipped"] == {}
+    assert out["config"]["io_threads"] == 1 and set(out["skipped"]) <= {"vllm fs", "vllm fs o_direct"}
     assert out["config"]["objects_per_page"] == {"file": 1, "redis": 2, "mooncake": 2}
     # one file a page; read from the page cache, then out of it
-    assert [(r["backend"], r["op"], r["objects"]) for r in out["rows"]] == \
+    assert [(r["backend"], r["op"], r["objects"]) for r in out["rows"]][:3] == \
         [("file", "put", 4), ("file", "get", 4), ("file", "cold get", 4)]
     for r in out["rows"]:
         assert math.isclose(r["ratio"], r["kvtier_gbps"] / r["raw_gbps"], rel_tol=1e-9)

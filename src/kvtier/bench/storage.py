@@ -33,6 +33,7 @@ from ..pools.indices import page_slots
 from ..spec import KVSpec
 from ..storage.objects import PagePlan
 from .servers import MooncakeMaster, RedisServer, ServerUnavailable
+from .storage_peers import VllmFsTier, vllm_fs_io
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ def _evict_cached(root: Path) -> None:
                 os.close(fd)
 
 
-def _measure(name, store, raw, host, idx, keys, payload, objects, repeat) -> list[StorageRow]:
+def _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers=()) -> list[StorageRow]:
+    """kvtier against ``raw``, then (files) against each of ``peers``: ``(name, client)``."""
     rows = []
     for op in ("put", "get"):
         if op == "put":
@@ -176,11 +178,34 @@ def _measure(name, store, raw, host, idx, keys, payload, objects, repeat) -> lis
         base = _best(raw.get, lambda: _evict_cached(raw.root), repeat)
         rows.append(StorageRow(name, "cold get", objects, payload / 1e9, payload / ours / 1e9, payload / base / 1e9,
                                base / ours))
+        mine = {row.op: payload / (row.kvtier_gbps * 1e9) for row in rows}
+        for peer_name, peer in peers:
+            times = {"put": _best(peer.put, peer.clear, repeat)}
+            times["get"] = _best(peer.get, lambda: None, repeat)
+            times["cold get"] = _best(peer.get, lambda: _evict_cached(peer.root), repeat)
+            peer.clear()
+            rows += [StorageRow(f"file vs {peer_name}", op, objects, payload / 1e9, payload / mine[op] / 1e9,
+                                payload / t / 1e9, t / mine[op]) for op, t in times.items()]
     stats = store.stats()
     assert stats["errors"] == 0 and stats["misses"] == 0, f"{name}: storage errors during the benchmark: {stats}"
     store.clear()
     raw.clear()
     return rows
+
+
+def _file_peers(workdir: Path, pages: int, page_bytes: int, threads: int, skipped: dict) -> list:
+    """vLLM's fs tier, buffered and O_DIRECT, where vLLM is installed (else noted in ``skipped``)."""
+    io = vllm_fs_io()
+    if io is None:
+        skipped["vllm fs"] = "vLLM (0.32 or later) is not installed in this environment"
+        return []
+    root = workdir / "vllm-fs"
+    peers = [("vllm fs buffered", VllmFsTier(io, root, pages, page_bytes, threads, o_direct=False))]
+    if VllmFsTier.available(io, root):
+        peers.append(("vllm fs o_direct", VllmFsTier(io, root, pages, page_bytes, threads, o_direct=True)))
+    else:
+        skipped["vllm fs o_direct"] = f"O_DIRECT does not work in {root}"
+    return peers
 
 
 BACKENDS = ("file", "redis", "mooncake")
@@ -198,7 +223,7 @@ def memory_bytes(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_hea
 
 def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
         page_size: int = 64, pages: int = 32, layout: str = "page_head", backends=BACKENDS,
-        directory: str | None = None, repeat: int = 3, io_threads: int = 2) -> dict:
+        directory: str | None = None, repeat: int = 3, io_threads: int = 2, direct_writes: bool = False) -> dict:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         raise ValueError(f"backends {list(backends)!r}: choose from {', '.join(BACKENDS)}")
@@ -225,7 +250,8 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
             with contextlib.ExitStack() as stack:
                 try:
                     if name == "file":
-                        store = storage.open(f"file://{workdir / 'kvtier'}", io_threads=io_threads)
+                        store = storage.open(f"file://{workdir / 'kvtier'}", io_threads=io_threads,
+                                             direct_writes=direct_writes)
                         raw = _RawFile(workdir / "raw", page_sizes, io_threads)
                     elif name == "redis":
                         server = stack.enter_context(RedisServer())
@@ -242,7 +268,8 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
                     skipped[name] = str(e)
                     continue
                 objects = pages if name == "file" else len(sizes)
-                rows += _measure(name, store, raw, host, idx, keys, payload, objects, repeat)
+                peers = _file_peers(workdir, pages, page_sizes[0], io_threads, skipped) if name == "file" else ()
+                rows += _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers)
     finally:
         if directory is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -250,8 +277,10 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
         "config": {"spec": spec.fingerprint(), "page_size": page_size, "pages": pages, "layout": layout,
                    "objects_per_page": {"file": 1, "redis": len(plan.write_parts),
                                         "mooncake": len(plan.write_parts)}, "repeat": repeat, "io_threads": io_threads,
+                   "direct_writes": direct_writes,
                    "dir": str(workdir),
-                   "filesystem_note": "files go through the page cache; no fsync"},
+                   "filesystem_note": "puts go through the page cache, no fsync; cold gets read what "
+                                      "posix_fadvise dropped from it"},
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,
     }

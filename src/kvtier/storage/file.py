@@ -59,7 +59,6 @@ _ROOT = "kvtier-v2"
 _counter = itertools.count()
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_ZEROS = bytes(ALIGN)
 # Cold reads bypass the page cache where the platform and the filesystem allow it
 _O_DIRECT, _RWF_NOWAIT = getattr(os, "O_DIRECT", 0), getattr(os, "RWF_NOWAIT", 0)
 
@@ -139,16 +138,22 @@ def _aligned(bufs: list, offset: int) -> bool:
 class FileStorage(ThreadedStorage):
     scheme = "file"
     OPTIONS = {**ThreadedStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool),
-               "shared": Opt(bool), "direct_io": Opt(bool)}
+               "shared": Opt(bool), "direct_io": Opt(bool), "direct_writes": Opt(bool)}
     CHUNK_BYTES = 4 << 20  # about a core's share of the CPU cache: staged parts are checked while cached
 
     def __init__(self, path: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = False,
-                 shared: bool = False, direct_io: bool = True, **options) -> None:
+                 shared: bool = False, direct_io: bool = True, direct_writes: bool = False, **options) -> None:
         super().__init__(**options)
-        check_options(self.OPTIONS, capacity_bytes=capacity_bytes, fsync=fsync, shared=shared, direct_io=direct_io)
-        #: Read what the page cache lacks with O_DIRECT (where the platform, the filesystem
-        #: and the buffers' alignment allow; turned off by the first filesystem that refuses).
+        check_options(self.OPTIONS, capacity_bytes=capacity_bytes, fsync=fsync, shared=shared, direct_io=direct_io,
+                      direct_writes=direct_writes)
+        #: Read files whose header is not in the page cache with O_DIRECT (where the
+        #: platform, the filesystem and the buffers' alignment allow; a filesystem that
+        #: refuses turns it off).
         self.direct_io = direct_io and bool(_O_DIRECT and _RWF_NOWAIT)
+        #: Write with O_DIRECT too (same conditions): steady write speed on disks whose
+        #: page cache writeback stalls, at the cost of recent pages no longer being
+        #: read from the page cache.
+        self.direct_writes = direct_writes and bool(_O_DIRECT)
         self.root = Path(path).resolve() / _ROOT
         self._dir_mode, self._file_mode = (0o770, 0o660) if shared else (0o700, 0o600)
         try:
@@ -263,8 +268,12 @@ class FileStorage(ThreadedStorage):
         stored = [False] * len(keys)
         t0 = time.perf_counter()
 
+        head_room = max((self._head_room(k, plan) for k in keys), default=0)
+        staged += len(plan.write_parts) * ALIGN  # each part's staging starts at a multiple of ALIGN
+
         def set_chunk(chunk: range) -> None:
-            arena = self._arena(staged) if staged else None
+            arena = self._arena(ALIGN + head_room + staged, align=ALIGN)
+            arena[:ALIGN] = 0
             for i in chunk:
                 try:
                     self._write_page(keys[i], plan, field, copies, pages[i], arena)
@@ -319,17 +328,20 @@ class FileStorage(ThreadedStorage):
 
     # -- one page ----------------------------------------------------------------------------------
     def _write_page(self, key: str, plan: PagePlan, field: str, copies: _Page, page: int, arena) -> None:
+        """Write one page's file from the pool. ``arena``: ``ALIGN`` zero bytes (the pads
+        between parts), room for a header, then staging (see ``batch_set``)."""
         layout, names = self._layout(key, plan, field)
-        bufs, sums, used = [None], [], 0
+        zeros, head = arena[:ALIGN], arena[ALIGN:ALIGN + layout.header_len]
+        bufs, sums, used = [head], [], ALIGN + self._head_room(key, plan)
         for i, name in enumerate(names):
-            staging = arena[used:used + copies.staged_bytes(name)] if copies.staged_bytes(name) else None
-            used += copies.staged_bytes(name)
-            part_bufs, staged = copies.buffers(name, page, staging)
+            n = copies.staged_bytes(name)
+            part_bufs, staged = copies.buffers(name, page, arena[used:used + n] if n else None)
+            used += -(-n // ALIGN) * ALIGN
             for piece, buf in staged:
                 np.copyto(buf.view(piece.dtype).reshape(piece.shape), piece)
             sums.append(_checksum(part_bufs))
-            bufs += [_ZEROS[:layout.pad_before(i)], *part_bufs]
-        bufs[0] = layout.header(sums)
+            bufs += [zeros[:layout.pad_before(i)], *part_bufs]
+        head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
         self._write(self._key_dir_name(key), self._file_name(field), bufs, layout.total)
 
     def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, arena) -> bool:
@@ -477,12 +489,7 @@ class FileStorage(ThreadedStorage):
 
     def _write(self, key_dir: str, name: str, bufs: list, nbytes: int) -> None:
         tmp = f"{key_dir}/.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
-        try:
-            fd = os.open(tmp, _WRITE_FLAGS, self._file_mode)
-        except FileNotFoundError:  # the key's first object: make its directory
-            self._mkdir(os.path.dirname(key_dir))
-            self._mkdir(key_dir)
-            fd = os.open(tmp, _WRITE_FLAGS, self._file_mode)
+        fd = self._create(key_dir, tmp, self.direct_writes and _aligned(bufs, 0))
         try:
             try:
                 os.fchmod(fd, self._file_mode)
@@ -500,6 +507,24 @@ class FileStorage(ThreadedStorage):
             raise
         if self.capacity_bytes is not None:
             self._account(Path(key_dir), nbytes)
+
+    def _create(self, key_dir: str, tmp: str, direct: bool) -> int:
+        """A new file ``tmp`` open for writing (with O_DIRECT when ``direct``; a filesystem
+        that refuses it turns direct writes off for this store)."""
+        made = False
+        while True:
+            try:
+                return os.open(tmp, _WRITE_FLAGS | (_O_DIRECT if direct else 0), self._file_mode)
+            except FileNotFoundError:  # the key's first object: make its directory
+                if made:
+                    raise
+                self._mkdir(os.path.dirname(key_dir))
+                self._mkdir(key_dir)
+                made = True
+            except OSError as e:
+                if not (direct and e.errno == errno.EINVAL):
+                    raise
+                self.direct_writes = direct = False
 
     @staticmethod
     def _is_object(path) -> bool:
