@@ -272,8 +272,7 @@ class FileStorage(ThreadedStorage):
         staged += len(plan.write_parts) * ALIGN  # each part's staging starts at a multiple of ALIGN
 
         def set_chunk(chunk: range) -> None:
-            arena = self._arena(ALIGN + head_room + staged, align=ALIGN)
-            arena[:ALIGN] = 0
+            arena = self._arena(head_room + staged, align=ALIGN)
             for i in chunk:
                 try:
                     self._write_page(keys[i], plan, field, copies, pages[i], arena)
@@ -328,21 +327,18 @@ class FileStorage(ThreadedStorage):
 
     # -- one page ----------------------------------------------------------------------------------
     def _write_page(self, key: str, plan: PagePlan, field: str, copies: _Page, page: int, arena) -> None:
-        """Write one page's file from the pool. ``arena``: ``ALIGN`` zero bytes (the pads
-        between parts), room for a header, then staging (see ``batch_set``)."""
+        """Write one page's file from the pool. ``arena``: room for a header, then staging
+        (see ``batch_set``)."""
         layout, names = self._layout(key, plan, field)
-        zeros, head = arena[:ALIGN], arena[ALIGN:ALIGN + layout.header_len]
-        bufs, sums, used = [head], [], ALIGN + self._head_room(key, plan)
+        head, parts, used = arena[:layout.header_len], [], self._head_room(key, plan)
         for i, name in enumerate(names):
             n = copies.staged_bytes(name)
             part_bufs, staged = copies.buffers(name, page, arena[used:used + n] if n else None)
             used += -(-n // ALIGN) * ALIGN
             for piece, buf in staged:
                 np.copyto(buf.view(piece.dtype).reshape(piece.shape), piece)
-            sums.append(_checksum(part_bufs))
-            bufs += [zeros[:layout.pad_before(i)], *part_bufs]
-        head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
-        self._write(self._key_dir_name(key), self._file_name(field), bufs, layout.total)
+            parts.append((layout.offsets[i], part_bufs))
+        self._write(self._key_dir_name(key), self._file_name(field), layout, head, parts)
 
     def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, arena) -> bool:
         """Read one page's parts into the pool (checked); False: a miss (faults counted)."""
@@ -487,13 +483,23 @@ class FileStorage(ThreadedStorage):
             raise
         os.chmod(path, self._dir_mode)  # exactly: the umask may have taken bits the mode wants
 
-    def _write(self, key_dir: str, name: str, bufs: list, nbytes: int) -> None:
+    def _write(self, key_dir: str, name: str, layout: FileLayout, head, parts: list) -> None:
+        """Write ``parts`` (``(offset, buffers)`` each) and then the header (into ``head``)
+        to a new file, renamed to ``name`` once whole. Each part is checksummed just
+        before it is written, so the kernel's copy reads it from the CPU's cache; the
+        zeros between parts are holes of the file."""
         tmp = f"{key_dir}/.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
-        fd = self._create(key_dir, tmp, self.direct_writes and _aligned(bufs, 0))
+        direct = self.direct_writes and all(_aligned(bufs, offset) for offset, bufs in parts)
+        fd = self._create(key_dir, tmp, direct)
         try:
             try:
                 os.fchmod(fd, self._file_mode)
-                _io_all(os.pwritev, fd, bufs, 0)
+                sums = []
+                for offset, bufs in parts:
+                    sums.append(_checksum(bufs))
+                    _io_all(os.pwritev, fd, bufs, offset)
+                head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
+                _io_all(os.pwritev, fd, [head], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -506,7 +512,7 @@ class FileStorage(ThreadedStorage):
                 pass
             raise
         if self.capacity_bytes is not None:
-            self._account(Path(key_dir), nbytes)
+            self._account(Path(key_dir), layout.total)
 
     def _create(self, key_dir: str, tmp: str, direct: bool) -> int:
         """A new file ``tmp`` open for writing (with O_DIRECT when ``direct``; a filesystem
