@@ -11,6 +11,7 @@ import torch
 
 import kvtier.storage
 from kvtier import Component, KVSpec
+from kvtier.bench.storage import evict_cached
 from kvtier.storage.pagefile import ALIGN
 from kvtier.layout import LAYOUTS
 from helpers import SPECS, bits
@@ -200,19 +201,6 @@ def test_shards_read_their_ranges_of_one_full_writers_file(tmp_path, layout):
 ALIGNED = KVSpec.mha(2, 2, 64)  # 16-token pages: each head's K or V piece is 4 KiB, every part 8 KiB
 
 
-def _evict_from_page_cache(root) -> int:
-    """Drop the clean cached pages of every object under ``root`` (no root rights needed)."""
-    files = [p for p in root.rglob("*") if p.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return len(files)
-
-
 NEEDS_DIRECT = pytest.mark.skipif(not (hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")),
                                   reason="needs Linux's O_DIRECT and RWF_NOWAIT")
 
@@ -273,7 +261,7 @@ def test_a_file_out_of_the_page_cache_is_cold(tmp_path):
         os.pread(fd, ALIGN, 0)
         assert store._is_cold(fd, head) is False and bytes(head[:256]) == bytes(range(256))
         for _ in range(20):
-            _evict_from_page_cache(tmp_path)
+            evict_cached(tmp_path)
             if store._is_cold(fd, np.zeros(ALIGN, dtype=np.uint8)):
                 break
             time.sleep(0.05)

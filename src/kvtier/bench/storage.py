@@ -144,17 +144,19 @@ class _RawMooncake:
         assert all(rc > 0 for rc in rcs), f"raw batch_get_into codes {sorted(set(rcs))}"
 
 
-def _evict_cached(root: Path) -> None:
+def evict_cached(root: Path) -> int:
     """Drop the page cache's copy of every file under ``root`` (written back first; no
-    root rights needed, unlike ``drop_caches``)."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    root rights needed, unlike ``drop_caches``); returns how many files. A page just used
+    may stay cached a moment (pages in per-CPU batches are not dropped)."""
+    files = [p for p in Path(root).rglob("*") if p.is_file()]
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)
 
 
 def _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers=()) -> list[StorageRow]:
@@ -174,15 +176,15 @@ def _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers=
         rows.append(StorageRow(name, op, objects, payload / 1e9, payload / ours / 1e9, payload / base / 1e9,
                                base / ours))
     if name == "file":  # and out of the page cache, as after a restart or under memory pressure
-        ours = _best(lambda: store.batch_get(keys, host, idx), lambda: _evict_cached(store.root), repeat)
-        base = _best(raw.get, lambda: _evict_cached(raw.root), repeat)
+        ours = _best(lambda: store.batch_get(keys, host, idx), lambda: evict_cached(store.root), repeat)
+        base = _best(raw.get, lambda: evict_cached(raw.root), repeat)
         rows.append(StorageRow(name, "cold get", objects, payload / 1e9, payload / ours / 1e9, payload / base / 1e9,
                                base / ours))
         mine = {row.op: payload / (row.kvtier_gbps * 1e9) for row in rows}
         for peer_name, peer in peers:
             times = {"put": _best(peer.put, peer.clear, repeat)}
             times["get"] = _best(peer.get, lambda: None, repeat)
-            times["cold get"] = _best(peer.get, lambda: _evict_cached(peer.root), repeat)
+            times["cold get"] = _best(peer.get, lambda: evict_cached(peer.root), repeat)
             peer.clear()
             rows += [StorageRow(f"file vs {peer_name}", op, objects, payload / 1e9, payload / mine[op] / 1e9,
                                 payload / t / 1e9, t / mine[op]) for op, t in times.items()]

@@ -67,35 +67,41 @@ class NotAnObject(OSError):
     """Something other than a regular file sits at an object's path."""
 
 
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 class _Page:
     """One batch's copies between a pool's pages and the parts of ``plan``: per part, its
-    pieces' numpy views over every page (see ``PagePlan.part_views``)."""
+    pieces' numpy views over every page (see ``PagePlan.part_views``), and the staging
+    bytes it needs (0 when the pool holds each piece contiguously: it moves in place)."""
 
     def __init__(self, plan: PagePlan, pool: HostKVPool, parts: list[Part]) -> None:
         self.parts = {part_name(p): (p, plan.part_views(pool, p)) for p in parts}
+        self.staged = {name: 0 if all(view[0].flags.c_contiguous for view, _, _ in views) else part.nbytes
+                       for name, (part, views) in self.parts.items()}
+        #: Staging for every part at once, each starting at a multiple of ``ALIGN`` (direct I/O)
+        self.staging_bytes = sum(_align(n) for n in self.staged.values())
 
-    def buffers(self, name: str, page: int, staging) -> tuple[list, list]:
-        """Buffers of part ``name`` of ``page`` in file order: each piece in place when the
-        pool holds it contiguously, else a slice of ``staging`` (the part's bytes); and the
-        ``(view, slice)`` pairs that go through staging."""
-        part, views = self.parts[name]
-        bufs, staged = [], []
-        for view, offset, nbytes in views:
-            piece = view[page]
-            if piece.flags.c_contiguous:
-                bufs.append(piece.reshape(-1).view(np.uint8))
-            else:
-                if staging is None:
-                    staging = np.empty(part.nbytes, dtype=np.uint8)
-                buf = staging[offset:offset + nbytes]
+    def buffers(self, names: list[str], page: int, staging) -> dict[str, tuple[list, list]]:
+        """Per part of ``names``, of ``page``: its buffers in file order (each piece in place,
+        or a slice of the part's own stretch of ``staging``) and the ``(view, slice)`` pairs
+        that go through staging."""
+        out, used = {}, 0
+        for name in names:
+            part, views = self.parts[name]
+            bufs, staged = [], []
+            for view, offset, nbytes in views:
+                piece = view[page]
+                if not self.staged[name]:
+                    bufs.append(piece.reshape(-1).view(np.uint8))
+                    continue
+                buf = staging[used + offset:used + offset + nbytes]
                 bufs.append(buf)
                 staged.append((piece, buf))
-        return bufs, staged
-
-    def staged_bytes(self, name: str) -> int:
-        """Bytes of part ``name`` that go through staging (0 when the pool holds it in place)."""
-        part, views = self.parts[name]
-        return 0 if all(view[0].flags.c_contiguous for view, _, _ in views) else part.nbytes
+            out[name] = bufs, staged
+            used += _align(self.staged[name])
+        return out
 
 
 def _checksum(bufs: list) -> int:
@@ -247,10 +253,6 @@ class FileStorage(ThreadedStorage):
         finally:
             self._stats.timed("exists", time.perf_counter() - t0)
 
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        present = self.exists_each(keys)
-        return next((i for i, p in enumerate(present) if not p), len(present))
-
     def _checked(self, keys, host_pool, host_indices, writing: bool):
         keys, pages = self._check_pages(keys, host_pool, host_indices, writing=writing)
         plan = self._plan(host_pool)
@@ -264,18 +266,15 @@ class FileStorage(ThreadedStorage):
         keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=True)
         copies = _Page(plan, host_pool, plan.write_parts)
         field = file_field(plan, plan.write_parts)
-        staged = sum(copies.staged_bytes(part_name(p)) for p in plan.write_parts)
+        head_room = max((self._head_room(k, plan) for k in keys), default=0)
         stored = [False] * len(keys)
         t0 = time.perf_counter()
 
-        head_room = max((self._head_room(k, plan) for k in keys), default=0)
-        staged += len(plan.write_parts) * ALIGN  # each part's staging starts at a multiple of ALIGN
-
         def set_chunk(chunk: range) -> None:
-            arena = self._arena(head_room + staged, align=ALIGN)
+            _, head, staging = self._scratch(head_room, copies)
             for i in chunk:
                 try:
-                    self._write_page(keys[i], plan, field, copies, pages[i], arena)
+                    self._write_page(keys[i], plan, field, copies, pages[i], head, staging)
                     stored[i] = True
                 except Exception as e:
                     self._fault("write", e)
@@ -291,17 +290,14 @@ class FileStorage(ThreadedStorage):
         keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=False)
         copies = _Page(plan, host_pool, plan.read_parts)
         sources = self._sources(plan)
-        staged = sum(copies.staged_bytes(part_name(p)) for p in plan.read_parts)
+        head_room = max((self._head_room(k, plan) for k in keys), default=0)
         loaded = [False] * len(keys)
         t0 = time.perf_counter()
 
-        head_room = max((self._head_room(k, plan) for k in keys), default=0)
-        staged += len(plan.read_parts) * ALIGN  # each part's staging starts at a multiple of ALIGN
-
         def get_chunk(chunk: range) -> None:
-            arena = self._arena(ALIGN + head_room + staged, align=ALIGN)
+            scratch = self._scratch(head_room, copies)
             for i in chunk:
-                loaded[i] = self._get_page(keys[i], plan, sources, copies, pages[i], arena)
+                loaded[i] = self._get_page(keys[i], plan, sources, copies, pages[i], scratch)
 
         try:
             self._run(get_chunk, len(keys), sum(p.nbytes for p in plan.read_parts))
@@ -312,45 +308,35 @@ class FileStorage(ThreadedStorage):
         self._stats.timed("get", time.perf_counter() - t0)
         return loaded
 
-    def delete(self, keys: Sequence[str]) -> None:
-        keys = _check_keys(keys)
-        try:
-            self._remove_keys(keys)
-        except Exception as e:
-            self._fault("delete", e)
-
-    def clear(self) -> None:
-        try:
-            self._remove_all()
-        except Exception as e:
-            self._fault("clear", e)
-
     # -- one page ----------------------------------------------------------------------------------
-    def _write_page(self, key: str, plan: PagePlan, field: str, copies: _Page, page: int, arena) -> None:
-        """Write one page's file from the pool. ``arena``: room for a header, then staging
-        (see ``batch_set``)."""
+    def _scratch(self, head_room: int, copies: _Page) -> tuple:
+        """This thread's ``(sink, head, staging)`` from its aligned arena: ``ALIGN`` bytes that
+        take the zeros between parts a read skips, ``head_room`` for a header, then staging."""
+        arena = self._arena(ALIGN + head_room + copies.staging_bytes, align=ALIGN)
+        return arena[:ALIGN], arena[ALIGN:ALIGN + head_room], arena[ALIGN + head_room:]
+
+    def _write_page(self, key: str, plan: PagePlan, field: str, copies: _Page, page: int, head, staging) -> None:
+        """Write one page's file from the pool, its header through ``head``."""
         layout, names = self._layout(key, plan, field)
-        head, parts, used = arena[:layout.header_len], [], self._head_room(key, plan)
+        dests, parts = copies.buffers(names, page, staging), []
         for i, name in enumerate(names):
-            n = copies.staged_bytes(name)
-            part_bufs, staged = copies.buffers(name, page, arena[used:used + n] if n else None)
-            used += -(-n // ALIGN) * ALIGN
+            part_bufs, staged = dests[name]
             for piece, buf in staged:
                 np.copyto(buf.view(piece.dtype).reshape(piece.shape), piece)
             parts.append((layout.offsets[i], part_bufs))
-        self._write(self._key_dir_name(key), self._file_name(field), layout, head, parts)
+        self._write(self._key_dir_name(key), self._file_name(field), layout, head[:layout.header_len], parts)
 
-    def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, arena) -> bool:
+    def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, scratch) -> bool:
         """Read one page's parts into the pool (checked); False: a miss (faults counted)."""
         d = self._key_dir_name(key)
         try:
             try:
-                self._read_parts(d, key, plan, sources, copies, page, arena)
+                self._read_parts(d, key, plan, sources, copies, page, scratch)
             except FileNotFoundError:
                 cover = self._cover(d, plan)
                 if cover is None or cover == sources:
                     return False
-                self._read_parts(d, key, plan, cover, copies, page, arena)
+                self._read_parts(d, key, plan, cover, copies, page, scratch)
         except FileNotFoundError:
             return False
         except UnexpectedObject as e:
@@ -372,27 +358,23 @@ class FileStorage(ThreadedStorage):
             self._touch(Path(d))
         return True
 
-    def _read_parts(self, d: str, key: str, plan: PagePlan, sources, copies: _Page, page: int, arena) -> None:
+    def _read_parts(self, d: str, key: str, plan: PagePlan, sources, copies: _Page, page: int, scratch) -> None:
         """Every part of ``sources`` read and checked, then staged parts copied into the pool.
         Raises what the caller counts (a ``CorruptObject`` carries the file's ``path``).
-        ``arena``: ``ALIGN`` bytes that take the zeros between parts, room for a header,
-        then staging (see ``batch_get``)."""
-        staged_all, head_room = [], self._head_room(key, plan)
-        used = ALIGN + head_room
+        ``scratch``: ``(sink, head, staging)`` (see ``_scratch``)."""
+        sink, head, staging = scratch
+        dests = copies.buffers([name for _, wanted in sources for name in wanted], page, staging)
+        staged_all = []
         for field, wanted in sources:
             layout, names = self._layout(key, plan, field)
-            dests = {}
-            for name in wanted:
-                n = copies.staged_bytes(name)
-                dests[name] = copies.buffers(name, page, arena[used:used + n] if n else None)
-                used += -(-n // ALIGN) * ALIGN
+            mine = {name: dests[name] for name in wanted}
             path = f"{d}/{self._file_name(field)}"
             try:
-                self._read_file(path, layout, names, dests, arena[:ALIGN], arena[ALIGN:ALIGN + layout.header_len])
+                self._read_file(path, layout, names, mine, sink, head[:layout.header_len])
             except CorruptObject as e:
                 e.path = path  # the caller deletes it
                 raise
-            staged_all += [s for _, staged in dests.values() for s in staged]
+            staged_all += [s for _, staged in mine.values() for s in staged]
         for piece, buf in staged_all:  # every part checked before any staged byte reaches the pool
             np.copyto(piece, buf.view(piece.dtype).reshape(piece.shape))
 
@@ -400,7 +382,7 @@ class FileStorage(ThreadedStorage):
     def _head_room(key: str, plan: PagePlan) -> int:
         """Bytes enough for the header of any file of ``key`` in ``plan``'s geometry."""
         name = len(key.encode()) + len(plan.prefix) + 48  # '#', '/g<a>-<b>of<G>+rep'
-        return -(-(32 + name + 8 * (plan.groups + 1)) // ALIGN) * ALIGN
+        return _align(32 + name + 8 * (plan.groups + 1))
 
     def _read_file(self, path: str, layout: FileLayout, names: list[str], dests: dict, sink, head) -> None:
         """Parts ``dests`` (part name -> (buffers, staged)) of the file at ``path``, read and

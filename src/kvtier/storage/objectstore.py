@@ -57,19 +57,8 @@ class ObjectStorage(ThreadedStorage):
     def _remove(self, items: list[tuple[str, str]]) -> None:
         """Remove single objects (corrupt ones)."""
 
-    @abstractmethod
-    def _remove_keys(self, keys: list[str]) -> None:
-        """Remove every object of each key."""
-
-    @abstractmethod
-    def _remove_all(self) -> None:
-        """Remove every object this backend stored."""
 
     # -- the contract ----------------------------------------------------------------------
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        present = self.exists_each(keys)
-        return next((i for i, p in enumerate(present) if not p), len(present))
-
     def exists_each(self, keys: Sequence[str]) -> list[bool]:
         keys = _check_keys(keys)
         if not keys:
@@ -149,19 +138,6 @@ class ObjectStorage(ThreadedStorage):
         self._stats.add(hits=hits, misses=len(keys) - hits)
         self._stats.timed("get", time.perf_counter() - t0)
         return loaded
-
-    def delete(self, keys: Sequence[str]) -> None:
-        keys = _check_keys(keys)
-        try:
-            self._remove_keys(keys)
-        except Exception as e:
-            self._fault("delete", e)
-
-    def clear(self) -> None:
-        try:
-            self._remove_all()
-        except Exception as e:
-            self._fault("clear", e)
 
     # -- internals ---------------------------------------------------------------------------
     def _fetch(self, items, dest) -> Iterator:

@@ -4,11 +4,13 @@ per-thread staging arena."""
 from __future__ import annotations
 
 import threading
+from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import numpy as np
 
-from .base import Storage
+from .base import Storage, _check_keys
 from .options import Opt, check_options
 
 #: Payload bytes packed per backend round trip: bounds memory for large batches.
@@ -41,6 +43,32 @@ class ThreadedStorage(Storage):
             arena = self._local.arena = np.empty(nbytes + align - 1, dtype=np.uint8)
         skip = -arena.ctypes.data % align
         return arena[skip:skip + nbytes]
+
+    # -- the contract, on each backend's primitives ----------------------------------------------
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        present = self.exists_each(keys)
+        return next((i for i, p in enumerate(present) if not p), len(present))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        keys = _check_keys(keys)
+        try:
+            self._remove_keys(keys)
+        except Exception as e:
+            self._fault("delete", e)
+
+    def clear(self) -> None:
+        try:
+            self._remove_all()
+        except Exception as e:
+            self._fault("clear", e)
+
+    @abstractmethod
+    def _remove_keys(self, keys: list[str]) -> None:
+        """Remove every object of each key."""
+
+    @abstractmethod
+    def _remove_all(self) -> None:
+        """Remove every object this backend stored."""
 
     @staticmethod
     def _carve(arena: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
