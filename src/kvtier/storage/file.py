@@ -52,7 +52,7 @@ from .base import _check_keys
 from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject
 from .objects import PagePlan, Part
 from .options import Opt, check_options
-from .pagefile import ALIGN, FileLayout, field_parts, file_field, part_name
+from .pagefile import ALIGN, FileLayout, align_up, field_parts, file_field, part_name
 from .threaded import ThreadedStorage
 
 _ROOT = "kvtier-v2"
@@ -67,10 +67,6 @@ class NotAnObject(OSError):
     """Something other than a regular file sits at an object's path."""
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 class _Page:
     """One batch's copies between a pool's pages and the parts of ``plan``: per part, its
     pieces' numpy views over every page (see ``PagePlan.part_views``), and the staging
@@ -81,7 +77,7 @@ class _Page:
         self.staged = {name: 0 if all(view[0].flags.c_contiguous for view, _, _ in views) else part.nbytes
                        for name, (part, views) in self.parts.items()}
         #: Staging for every part at once, each starting at a multiple of ``ALIGN`` (direct I/O)
-        self.staging_bytes = sum(_align(n) for n in self.staged.values())
+        self.staging_bytes = sum(align_up(n) for n in self.staged.values())
 
     def buffers(self, names: list[str], page: int, staging) -> dict[str, tuple[list, list]]:
         """Per part of ``names``, of ``page``: its buffers in file order (each piece in place,
@@ -100,7 +96,7 @@ class _Page:
                 bufs.append(buf)
                 staged.append((piece, buf))
             out[name] = bufs, staged
-            used += _align(self.staged[name])
+            used += align_up(self.staged[name])
         return out
 
 
@@ -382,7 +378,7 @@ class FileStorage(ThreadedStorage):
     def _head_room(key: str, plan: PagePlan) -> int:
         """Bytes enough for the header of any file of ``key`` in ``plan``'s geometry."""
         name = len(key.encode()) + len(plan.prefix) + 48  # '#', '/g<a>-<b>of<G>+rep'
-        return _align(32 + name + 8 * (plan.groups + 1))
+        return align_up(32 + name + 8 * (plan.groups + 1))
 
     def _read_file(self, path: str, layout: FileLayout, names: list[str], dests: dict, sink, head) -> None:
         """Parts ``dests`` (part name -> (buffers, staged)) of the file at ``path``, read and
@@ -406,18 +402,18 @@ class FileStorage(ThreadedStorage):
             # NOTE: a cold file is read with O_DIRECT (about twice a buffered read's speed
             # from disk here, and it leaves the page cache to the host tier's own copy);
             # buffers that are not aligned for it are read buffered
-            cold = self.direct_io and self._is_cold(fd, head) and self._open_direct(path, st, direct)
-            read_head = False
+            have_head = self.direct_io and not self._is_cold(fd, head)  # the check reads a cached header
+            cold = self.direct_io and not have_head and self._open_direct(path, st, direct)
             for run in runs:
                 bufs, offset = [], layout.offsets[run[0]]
-                if run[0] == 0:  # the header comes with the first part
-                    bufs, offset, read_head = [head], 0, True
+                if run[0] == 0 and not have_head:  # the header comes with the first part
+                    bufs, offset, have_head = [head], 0, True
                 for i in run:
                     if i != run[0]:
                         bufs.append(sink[:layout.pad_before(i)])
                     bufs += dests[names[i]][0]
                 _io_all(os.preadv, direct[0] if cold and _aligned(bufs, offset) else fd, bufs, offset)
-            if not read_head:
+            if not have_head:
                 _io_all(os.preadv, fd, [head], 0)
         finally:
             os.close(fd)

@@ -40,7 +40,8 @@ _FIXED = struct.Struct("<4sHHIIQH")
 _FIELD = re.compile(r"g(\d+)-(\d+)of(\d+)(\+rep)?|rep")
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
+    """``n`` rounded up to a multiple of ``ALIGN``."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -49,11 +50,11 @@ class FileLayout:
 
     def __init__(self, name: str, sizes: list[int]) -> None:
         raw = name.encode()
-        self.header_len = _align(_FIXED.size + len(raw) + 8 * len(sizes))
+        self.header_len = align_up(_FIXED.size + len(raw) + 8 * len(sizes))
         self.offsets, end = [], self.header_len
         for i, nbytes in enumerate(sizes):
             self.offsets.append(end)
-            end = end + nbytes if i == len(sizes) - 1 else _align(end + nbytes)
+            end = end + nbytes if i == len(sizes) - 1 else align_up(end + nbytes)
         self.sizes, self.total = sizes, end
         self._prefix = _FIXED.pack(MAGIC, VERSION, len(sizes), self.header_len, 0, end, len(raw)) + raw
         self._sums = struct.Struct(f"<{len(sizes)}Q")
