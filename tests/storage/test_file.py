@@ -243,3 +243,34 @@ def test_objects_are_owner_only_whatever_the_umask(tmp_path):
             == {dirs}
         assert {stat.S_IMODE(p.stat().st_mode) for p in found if p.is_file()} == {files}
         assert any(p.is_file() for p in found)
+
+
+def test_a_write_that_fails_midway_leaves_no_file_behind(tmp_path, monkeypatch):
+    """A full disk after the first part (ENOSPC from the second write): the page is not
+    stored, counted once, and neither its temporary file nor a partial object stays;
+    the store writes the page once the disk has room again, and with capacity set its
+    usage counts only what was stored."""
+    import errno
+
+    host, idx = filled_host(SPEC, 2)
+    store = kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=1 << 30)
+    real, calls = os.pwritev, []
+
+    def full_disk(fd, bufs, offset, *args):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset, *args)
+
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    assert store.batch_set(keys_for(1), host, idx[:4]) == [False]
+    monkeypatch.setattr(os, "pwritev", real)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    stats = store.stats()
+    assert (stats["errors"], stats["write_failures"], stats["bytes_written"]) == (1, 1, 0)
+    assert store.usage_bytes() == 0 and store.batch_exists(keys_for(1)) == 0
+    assert store.batch_set(keys_for(1), host, idx[:4]) == [True]
+    reader, ridx = blank_host(SPEC, 4)
+    assert store.batch_get(keys_for(1), reader, ridx) == [True]
+    assert torch.equal(flat_pages(reader, ridx)[0], flat_pages(host, idx)[0])
+    assert store.usage_bytes() == len(object_files(tmp_path)[0].read_bytes())
