@@ -1,7 +1,8 @@
 """Build hook for kvtier's optional compiled parts (metadata lives in pyproject.toml).
 
 ``kvtier.transfer._native`` (the CPU block copy), ``kvtier.cache._tokens`` (token ids
-from lists) and ``kvtier.pools._indices`` (slot checks, page expansion) are
+from lists) and ``kvtier.pools._indices`` (slot checks, page expansion) and ``kvtier.storage._pageio``
+(a page file's parts moved and checksummed) are
 ``optional``: where one fails to compile (no compiler, unusual platform) setuptools
 skips it and kvtier uses its pure-Python path.
 """
@@ -17,4 +18,6 @@ setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_n
                    Extension("kvtier.cache._tokens", ["src/kvtier/cache/_tokens.c"],
                              optional=True, extra_compile_args=_ARGS),
                    Extension("kvtier.pools._indices", ["src/kvtier/pools/_indices.c"],
+                             optional=True, extra_compile_args=_ARGS),
+                   Extension("kvtier.storage._pageio", ["src/kvtier/storage/_pageio.c"],
                              optional=True, extra_compile_args=_ARGS)])

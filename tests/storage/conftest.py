@@ -4,10 +4,11 @@ import uuid
 import pytest
 
 import kvtier.storage
+from kvtier.storage import pageio
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every fault at INFO/WARNING
 
-from services import MooncakeMaster, RedisServer, require_client
+from services import MooncakeMaster, RedisServer, require_client, unavailable
 
 # Every test of a backend's own module needs that backend's Python client, server fixture or not.
 CLIENTS = {"test_redis.py": "redis", "test_mooncake.py": "mooncake.store"}
@@ -59,3 +60,15 @@ def open_store(request, tmp_path):
     for store in opened:
         store.clear()
         store.close()
+
+
+@pytest.fixture(params=["compiled", "pure"])
+def pageio_path(request, monkeypatch):
+    """The compiled part loop of ``kvtier.storage.pageio``, or its Python twin."""
+    if request.param == "compiled":
+        if not pageio.compiled():
+            unavailable("kvtier.storage._pageio is not built or bound (no C compiler at install time?) "
+                        "or KVTIER_NATIVE=0")
+    else:
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+    return request.param

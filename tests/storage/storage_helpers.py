@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import signal
+
 import torch
 
 from kvtier import HostKVPool, KVSpec
@@ -89,3 +93,16 @@ def run_bounded(fn, timeout: float = 60.0):
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Writes past ``nbytes`` of any file fail (EFBIG), as a full disk fails them midway."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)

@@ -12,8 +12,10 @@ import torch
 
 import kvtier.storage
 from kvtier import HostKVPool, KVSpec
+from kvtier.storage.objects import PagePlan
+from kvtier.storage.pagefile import ALIGN, FileLayout, object_name
 from helpers import SPECS
-from storage_helpers import PeakRSS, blank_host, filled_host, flat_pages, run_bounded
+from storage_helpers import PeakRSS, blank_host, file_size_limit, filled_host, flat_pages, run_bounded
 
 SPEC = SPECS["asym"]
 
@@ -245,26 +247,20 @@ def test_objects_are_owner_only_whatever_the_umask(tmp_path):
         assert any(p.is_file() for p in found)
 
 
-def test_a_write_that_fails_midway_leaves_no_file_behind(tmp_path, monkeypatch):
-    """A full disk after the first part (ENOSPC from the second write): the page is not
-    stored, counted once, and neither its temporary file nor a partial object stays;
-    the store writes the page once the disk has room again, and with capacity set its
-    usage counts only what was stored."""
-    import errno
-
+def test_a_write_that_fails_midway_leaves_no_file_behind(tmp_path, pageio_path):
+    """The file system refuses a write in the middle of a page's second part: the page
+    is not stored, counted once, and neither its temporary file nor a partial object
+    stays; the store writes the page once writes succeed again, and with capacity set
+    its usage counts only what was stored."""
     host, idx = filled_host(SPEC, 2)
+    probe = kvtier.storage.open(f"file://{tmp_path / 'probe'}")
+    probe.batch_set(keys_for(1), host, idx[:4])
+    written, = object_files(tmp_path / "probe")
+    layout = FileLayout(object_name(written.read_bytes()[:ALIGN]), [p.nbytes for p in PagePlan(SPEC, 4).write_parts])
+    tmp_path = tmp_path / "store"
     store = kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=1 << 30)
-    real, calls = os.pwritev, []
-
-    def full_disk(fd, bufs, offset, *args):
-        calls.append(offset)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, bufs, offset, *args)
-
-    monkeypatch.setattr(os, "pwritev", full_disk)
-    assert store.batch_set(keys_for(1), host, idx[:4]) == [False]
-    monkeypatch.setattr(os, "pwritev", real)
+    with file_size_limit(layout.offsets[1] + 100):
+        assert store.batch_set(keys_for(1), host, idx[:4]) == [False]
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
     stats = store.stats()
     assert (stats["errors"], stats["write_failures"], stats["bytes_written"]) == (1, 1, 0)

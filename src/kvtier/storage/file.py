@@ -8,7 +8,9 @@ parts at aligned offsets, so a ``page_head`` pool reads and writes its parts in
 place (``preadv``/``writev`` straight between the file and the pool, no staging
 copy) and other layouts go through a per-thread staging arena. A reader of another
 tensor-parallel size than the writer finds the files holding its head groups in the
-key's directory and reads only their ranges. Objects of the version-1 format (one
+key's directory and reads only their ranges. Parts move through
+``kvtier.storage.pageio``, which hashes each chunk while it is in the CPU's cache; a
+file the page cache does not hold is read with O_DIRECT where the filesystem allows. Objects of the version-1 format (one
 file per part, under ``kvtier-v1``) are not read: they are misses.
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
@@ -52,6 +54,7 @@ from .base import _check_keys
 from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject
 from .objects import PagePlan, Part
 from .options import Opt, check_options
+from . import pageio
 from .pagefile import ALIGN, FileLayout, align_up, field_parts, file_field, part_name
 from .threaded import ThreadedStorage
 
@@ -61,6 +64,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # Cold reads bypass the page cache where the platform and the filesystem allow it
 _O_DIRECT, _RWF_NOWAIT = getattr(os, "O_DIRECT", 0), getattr(os, "RWF_NOWAIT", 0)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class NotAnObject(OSError):
@@ -128,6 +132,17 @@ def _io_all(call, fd: int, bufs: list, offset: int) -> None:
             raise OSError(errno.EIO, "the file ended early (changed while it was read)")
         offset += n
         bufs = _skip(bufs, n)
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """``indices`` (ascending) split into runs of consecutive ones."""
+    runs = [[i] for i in indices[:1]]
+    for i in indices[1:]:
+        if i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _aligned(bufs: list, offset: int) -> bool:
@@ -393,46 +408,52 @@ class FileStorage(ThreadedStorage):
             if st.st_size != layout.total:
                 raise layout.judge(os.pread(fd, min(st.st_size, layout.header_len), 0), st.st_size)
             wanted = [i for i, name in enumerate(names) if name in dests]
-            runs = [[i] for i in wanted[:1]]
-            for i in wanted[1:]:
-                if i == runs[-1][-1] + 1:
-                    runs[-1].append(i)
-                else:
-                    runs.append([i])
             # NOTE: a cold file is read with O_DIRECT (about twice a buffered read's speed
             # from disk here, and it leaves the page cache to the host tier's own copy);
             # buffers that are not aligned for it are read buffered
-            have_head = self.direct_io and not self._is_cold(fd, head)  # the check reads a cached header
-            cold = self.direct_io and not have_head and self._open_direct(path, st, direct)
-            for run in runs:
-                bufs, offset = [], layout.offsets[run[0]]
-                if run[0] == 0 and not have_head:  # the header comes with the first part
-                    bufs, offset, have_head = [head], 0, True
-                for i in run:
-                    if i != run[0]:
-                        bufs.append(sink[:layout.pad_before(i)])
-                    bufs += dests[names[i]][0]
-                _io_all(os.preadv, direct[0] if cold and _aligned(bufs, offset) else fd, bufs, offset)
-            if not have_head:
-                _io_all(os.preadv, fd, [head], 0)
+            cold, have_head = self._is_cold(fd, layout.total, head) if self.direct_io else (False, False)
+            cold = cold and self._open_direct(path, st, direct)
+            if not cold:  # each part is hashed as it is read, while in the CPU's cache
+                if not have_head:
+                    _io_all(os.preadv, fd, [head], 0)
+                got = pageio.move(fd, [(layout.offsets[i], dests[names[i]][0]) for i in wanted], write=False)
+            else:  # in one call per run of consecutive parts: the disk wants large requests
+                for run in _runs(wanted):
+                    bufs, offset = [], layout.offsets[run[0]]
+                    if run[0] == 0 and not have_head:  # the header comes with the first part
+                        bufs, offset, have_head = [head], 0, True
+                    for i in run:
+                        if i != run[0]:
+                            bufs.append(sink[:layout.pad_before(i)])
+                        bufs += dests[names[i]][0]
+                    _io_all(os.preadv, direct[0] if _aligned(bufs, offset) else fd, bufs, offset)
+                if not have_head:
+                    _io_all(os.preadv, fd, [head], 0)
+                got = [_checksum(dests[names[i]][0]) for i in wanted]
         finally:
             os.close(fd)
             for other in direct:
                 os.close(other)
         sums = layout.checksums(head)
-        for i in wanted:
-            if _checksum(dests[names[i]][0]) != sums[i]:
+        for i, digest in zip(wanted, got):
+            if digest != sums[i]:
                 raise CorruptObject(f"{path.rsplit('/', 1)[1]}: part {names[i]} fails its checksum")
 
-    def _is_cold(self, fd: int, head) -> bool:
-        """Whether the file's header is out of the page cache (then its parts most likely
-        are too): asked without waiting, the header read into ``head`` when it is cached.
-        NOTE: only the header is asked: a non-blocking read of what is not cached still
-        starts reading it into the cache, which would race the direct read of the parts."""
+    @staticmethod
+    def _is_cold(fd: int, size: int, head) -> tuple[bool, bool]:
+        """Whether the file (``size`` bytes) is mostly out of the page cache, and whether
+        ``head`` now holds its header. Counted without reading where the kernel can
+        (``cachestat``); else the header is asked without waiting (read when cached).
+        NOTE: a non-blocking read of what is not cached still starts reading it into the
+        cache, racing the direct read of the parts: hence only the header is asked."""
+        cached = pageio.cached_pages(fd, 0, size)
+        if cached is not None:
+            return cached * _PAGE < size // 2, False
         try:
-            return os.preadv(fd, [head], 0, _RWF_NOWAIT) < len(head)
+            have = os.preadv(fd, [head], 0, _RWF_NOWAIT) == len(head)
         except BlockingIOError:
-            return True
+            have = False
+        return not have, have
 
     def _open_direct(self, path: str, st, direct: list) -> bool:
         """Open ``path`` again with O_DIRECT into ``direct``, if it is still the file ``st``
@@ -463,7 +484,7 @@ class FileStorage(ThreadedStorage):
 
     def _write(self, key_dir: str, name: str, layout: FileLayout, head, parts: list) -> None:
         """Write ``parts`` (``(offset, buffers)`` each) and then the header (into ``head``)
-        to a new file, renamed to ``name`` once whole. Each part is checksummed just
+        to a new file, renamed to ``name`` once whole. Each chunk of a part is hashed just
         before it is written, so the kernel's copy reads it from the CPU's cache; the
         zeros between parts are holes of the file."""
         tmp = f"{key_dir}/.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
@@ -472,10 +493,8 @@ class FileStorage(ThreadedStorage):
         try:
             try:
                 os.fchmod(fd, self._file_mode)
-                sums = []
-                for offset, bufs in parts:
-                    sums.append(_checksum(bufs))
-                    _io_all(os.pwritev, fd, bufs, offset)
+                # a direct write moves each buffer in one call: the disk wants large requests
+                sums = pageio.move(fd, parts, write=True, chunk=0 if direct else pageio.CHUNK)
                 head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
                 _io_all(os.pwritev, fd, [head], 0)
                 if self.fsync:

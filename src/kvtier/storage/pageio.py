@@ -1,0 +1,106 @@
+"""A page file's parts moved and checksummed: the compiled loop, or the same in Python.
+
+``move(fd, parts, write)`` reads (or writes) each part ``(offset, buffers)`` at its
+offset and returns each part's xxh3-64 digest. Bytes are moved ``CHUNK`` at a time and
+each chunk is hashed while it is in the CPU's cache, so the checksum costs no second
+pass over memory. The compiled loop (``kvtier.storage._pageio``) runs with the GIL
+released and uses the xxHash that the ``xxhash`` package itself compiled, found through
+the symbols its extension exports; it is used only after a digest it computes matches
+``xxhash.xxh3_64_intdigest``. Where it is missing, or ``KVTIER_NATIVE=0``, the Python
+loop below gives the same bytes and digests.
+
+``cached_pages`` says how much of a file the page cache holds without reading it, so
+that a cold file can be read with O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import tempfile
+
+import numpy as np
+import xxhash
+
+from ..compiled import built, switched_on
+
+#: Bytes moved and hashed at a time: well inside a core's L2 cache
+CHUNK = 256 << 10
+_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update", "XXH3_64bits_digest")
+
+
+def _bound():
+    """``_pageio`` bound to the ``xxhash`` package's compiled XXH3 and checked, else None."""
+    module = built("kvtier.storage._pageio")
+    if module is None:
+        return None
+    try:
+        lib = ctypes.CDLL(xxhash._xxhash.__file__)
+        # NOTE: the package exports a dispatching update (AVX2/AVX-512 where the CPU has
+        # them) beside the baseline one; prefer it
+        names = [f"{n}_dispatch" if n.endswith("_update") and hasattr(lib, f"{n}_dispatch") else n
+                 for n in _SYMBOLS]
+        addresses = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
+    except (AttributeError, OSError):  # an xxhash build that does not export them
+        return None
+    module.bind(*addresses)
+    probe = np.frombuffer(os.urandom(3 * CHUNK + 123), dtype=np.uint8)
+    into = np.zeros_like(probe)
+    with tempfile.TemporaryFile() as f:
+        os.pwrite(f.fileno(), probe, 0)
+        sums = module.move(f.fileno(), [(0, [into[:CHUNK + 7], into[CHUNK + 7:]])], CHUNK, False)
+    if sums != (xxhash.xxh3_64_intdigest(probe),) or not np.array_equal(into, probe):
+        return None
+    return module
+
+
+_pageio: list = []  # bound on first use
+
+
+def compiled() -> bool:
+    """Whether :func:`move` uses the compiled loop: built, bound, and not switched off."""
+    if not switched_on():
+        return False
+    if not _pageio:
+        _pageio.append(_bound())
+    return _pageio[0] is not None
+
+
+def cached_pages(fd: int, offset: int, length: int) -> int | None:
+    """How many pages of ``fd``'s bytes ``[offset, offset + length)`` the page cache holds,
+    counted without starting any read (Linux's ``cachestat``); None where that cannot be
+    asked (the module not built or switched off, an older kernel)."""
+    module = built("kvtier.storage._pageio") if switched_on() else None
+    return None if module is None else module.cached_pages(fd, offset, length)
+
+
+def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int = CHUNK) -> tuple[int, ...]:
+    """Each part ``(offset, buffers)`` read from ``fd`` into its contiguous buffers (or
+    written from them), ``chunk`` bytes at a time (0: a buffer at once), and its
+    xxh3-64 digest. Raises ``OSError`` (``EIO`` where a read meets the end of the file)."""
+    if compiled():
+        return _pageio[0].move(fd, parts, chunk, write)
+    call, sums = os.pwritev if write else os.preadv, []
+    for offset, bufs in parts:
+        h = xxhash.xxh3_64()
+        for buf in bufs:
+            view = memoryview(buf).cast("B")
+            for a in range(0, len(view), chunk or max(len(view), 1)):
+                piece = view[a:a + chunk] if chunk else view
+                if write:
+                    h.update(piece)
+                _move_all(call, fd, piece, offset)
+                if not write:
+                    h.update(piece)
+                offset += len(piece)
+        sums.append(h.intdigest())
+    return tuple(sums)
+
+
+def _move_all(call, fd: int, piece: memoryview, offset: int) -> None:
+    while len(piece):
+        n = call(fd, [piece], offset)
+        if n == 0:
+            raise OSError(errno.EIO, "the file ended early (changed while it was read)")
+        piece, offset = piece[n:], offset + n

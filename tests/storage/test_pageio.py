@@ -1,0 +1,123 @@
+"""A page file's parts moved and checksummed (``kvtier.storage.pageio``): the compiled
+loop and the Python one move the same bytes and give xxh3-64 digests of each part,
+whatever the chunk and the buffers' boundaries; faults are OSErrors; nothing is hashed
+that was not moved."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.storage import pageio
+from services import unavailable
+from storage_helpers import file_size_limit
+
+RNG = np.random.default_rng(5)
+
+
+def _parts(sizes_per_part, start=4096):
+    """``(offset, buffers)`` per part, random bytes, parts 4 KiB apart as in a page file."""
+    parts, offset = [], start
+    for sizes in sizes_per_part:
+        bufs = [RNG.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        parts.append((offset, bufs))
+        offset += -(-sum(sizes) // 4096) * 4096
+    return parts
+
+
+SHAPES = [[[1]], [[100, 0, 7], [5000]], [[pageio.CHUNK + 3, 17], [2 * pageio.CHUNK], [pageio.CHUNK - 1, 1, 9]]]
+
+
+@pytest.mark.parametrize("chunk", [0, 7, 4096, pageio.CHUNK])
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_parts_written_and_read_back_with_each_part_digest(tmp_path, pageio_path, chunk, shape):
+    parts = _parts(SHAPES[shape])
+    want = tuple(xxhash.xxh3_64_intdigest(b"".join(b.tobytes() for b in bufs)) for _, bufs in parts)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert pageio.move(fd, parts, write=True, chunk=chunk) == want
+        data = (tmp_path / "f").read_bytes()
+        for offset, bufs in parts:
+            joined = b"".join(b.tobytes() for b in bufs)
+            assert data[offset:offset + len(joined)] == joined
+        back = [(offset, [np.zeros_like(b) for b in bufs]) for offset, bufs in parts]
+        assert pageio.move(fd, back, write=False, chunk=chunk) == want
+        for (_, bufs), (_, got) in zip(parts, back):
+            assert all(np.array_equal(a, b) for a, b in zip(bufs, got))
+    finally:
+        os.close(fd)
+
+
+def test_the_two_loops_agree_on_a_damaged_part(tmp_path, monkeypatch):
+    """One flipped bit changes that part's digest only, in either loop."""
+    if not pageio.compiled():
+        unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
+    parts = _parts([[3000], [pageio.CHUNK + 5]])
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        sums = pageio.move(fd, parts, write=True)
+        os.pwrite(fd, bytes([parts[1][1][0][9] ^ 1]), parts[1][0] + 9)
+        got = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("KVTIER_NATIVE", flag)
+            back = [(offset, [np.zeros_like(b) for b in bufs]) for offset, bufs in parts]
+            got[flag] = pageio.move(fd, back, write=False)
+    finally:
+        os.close(fd)
+    assert got["1"] == got["0"] and got["1"][0] == sums[0] and got["1"][1] != sums[1]
+
+
+def test_a_read_past_the_end_is_an_eio(tmp_path, pageio_path):
+    (tmp_path / "f").write_bytes(b"x" * 5000)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        into = np.zeros(2000, dtype=np.uint8)
+        with pytest.raises(OSError) as e:
+            pageio.move(fd, [(4096, [into])], write=False)
+        assert e.value.errno == errno.EIO
+        assert bytes(into[:904]) == b"x" * 904  # what was there was read
+    finally:
+        os.close(fd)
+
+
+def test_a_write_refused_midway_is_an_oserror(tmp_path, pageio_path):
+    """The file system refuses the write past a size limit: an OSError (EFBIG), the bytes
+    before the limit written."""
+    parts = _parts([[10000]], start=0)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with file_size_limit(6000), pytest.raises(OSError) as e:
+            pageio.move(fd, parts, write=True, chunk=4096)
+    finally:
+        os.close(fd)
+    assert e.value.errno == errno.EFBIG
+    assert (tmp_path / "f").read_bytes() == parts[0][1][0].tobytes()[:6000]
+
+
+def test_reads_need_writable_buffers_and_parts_their_shape(tmp_path, pageio_path):
+    (tmp_path / "f").write_bytes(b"y" * 8192)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises((TypeError, BufferError)):
+            pageio.move(fd, [(0, [bytes(10)])], write=False)
+        with pytest.raises(TypeError):
+            pageio.move(fd, [0], write=False)
+    finally:
+        os.close(fd)
+
+
+def test_the_switch_turns_the_compiled_loop_off(monkeypatch):
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
+    assert pageio.compiled() is False
+
+
+def test_bind_refuses_a_null_address():
+    module = pageio.built("kvtier.storage._pageio")
+    if module is None:
+        unavailable("kvtier.storage._pageio is not built (no C compiler at install time?)")
+    with pytest.raises(ValueError):
+        module.bind(1, 2, 0, 4, 5)
