@@ -1,8 +1,8 @@
 """kvtier: a hierarchical KV cache (device, host, storage) for every attention geometry."""
 
-from .cache import (Acquired, CacheClosedError, Committed, HierarchicalCache, Lease, LoadError, LoadHandle,
-                    MatchResult, PrefetchHandle)
-from .errors import IntegrityError, UnsupportedLayoutError
+from .cache import Acquired, Committed, HierarchicalCache, Lease, LoadHandle, MatchResult, PrefetchHandle
+from .errors import (CacheClosedError, IntegrityError, KVTierError, LoadError, UnsupportedError, UnsupportedLayoutError,
+                     UsageError)
 from .hybrid import Attention, HybridSpec, KVGroup
 from .layout import LAYOUTS, Layout
 from .pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
@@ -12,5 +12,5 @@ __version__ = "0.1.0"
 
 __all__ = ["LAYOUTS", "Acquired", "Attention", "CacheClosedError", "Committed", "Component", "DeviceKVPool",
            "HierarchicalCache", "HostKVPool", "HybridDevicePool", "HybridHostPool", "HybridSpec", "IntegrityError",
-           "KVGroup", "KVSpec", "Layout", "Lease", "LoadError", "LoadHandle", "MatchResult", "PrefetchHandle",
-           "UnsupportedLayoutError"]
+           "KVGroup", "KVSpec", "KVTierError", "Layout", "Lease", "LoadError", "LoadHandle", "MatchResult",
+           "PrefetchHandle", "UnsupportedError", "UnsupportedLayoutError", "UsageError"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .errors import UsageError
 from .hybrid import HybridSpec
 from .integrations.transformers import CachedGenerator, generate_uncached
 
@@ -39,7 +40,7 @@ def run(net, store, *, namespace: str, sessions: int = 4, turns: int = 5, layout
     sliding-window model the cache keeps a window every ``retention_interval`` tokens (default: the
     system prompt's whole pages, so every session resumes after it) besides each sequence's end."""
     if sessions <= 0 or turns <= 0:
-        raise ValueError(f"sessions and turns must be positive, got {sessions} and {turns}")
+        raise UsageError(f"sessions and turns must be positive, got {sessions} and {turns}")
     rng = random.Random(seed)
     vocab = net.config.vocab_size
     if retention_interval is None:

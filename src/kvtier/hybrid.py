@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from .errors import UsageError
 from .spec import Component, KVSpec, _named_tuple_field, _positive_int
 
 #: Attention kinds a group may have; a recurrent-state kind (fixed-size per-request
@@ -41,9 +42,9 @@ class Attention:
 
     def __post_init__(self) -> None:
         if self.kind not in ATTENTION_KINDS:
-            raise ValueError(f"Attention.kind must be one of {list(ATTENTION_KINDS)}, got {self.kind!r}")
+            raise UsageError(f"Attention.kind must be one of {list(ATTENTION_KINDS)}, got {self.kind!r}")
         if self.kind == "full" and self.window is not None:
-            raise ValueError(f"full attention has no window, got window={self.window!r}")
+            raise UsageError(f"full attention has no window, got window={self.window!r}")
         if self.kind == "sliding":
             _positive_int("Attention", "window", self.window)
 
@@ -90,19 +91,19 @@ class KVGroup:
         if isinstance(self.layers, (list, range)):
             object.__setattr__(self, "layers", tuple(self.layers))
         if not isinstance(self.layers, tuple) or not self.layers:
-            raise ValueError(f"KVGroup {self.name!r}: layers must be a non-empty tuple of ints, got {self.layers!r}")
+            raise UsageError(f"KVGroup {self.name!r}: layers must be a non-empty tuple of ints, got {self.layers!r}")
         for layer in self.layers:
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-                raise ValueError(f"KVGroup {self.name!r}: layer ids must be ints >= 0, got {layer!r}")
+                raise UsageError(f"KVGroup {self.name!r}: layer ids must be ints >= 0, got {layer!r}")
         if list(self.layers) != sorted(set(self.layers)):
-            raise ValueError(f"KVGroup {self.name!r}: layer ids must ascend without repeats, got {list(self.layers)}")
+            raise UsageError(f"KVGroup {self.name!r}: layer ids must ascend without repeats, got {list(self.layers)}")
         if not isinstance(self.spec, KVSpec):
-            raise ValueError(f"KVGroup {self.name!r}: spec must be a KVSpec, got {type(self.spec).__name__}")
+            raise UsageError(f"KVGroup {self.name!r}: spec must be a KVSpec, got {type(self.spec).__name__}")
         if self.spec.layer_num != len(self.layers):
-            raise ValueError(f"KVGroup {self.name!r}: {len(self.layers)} layer ids for a spec of "
+            raise UsageError(f"KVGroup {self.name!r}: {len(self.layers)} layer ids for a spec of "
                              f"{self.spec.layer_num} layers")
         if not isinstance(self.attention, Attention):
-            raise ValueError(f"KVGroup {self.name!r}: attention must be an Attention, got {self.attention!r}")
+            raise UsageError(f"KVGroup {self.name!r}: attention must be an Attention, got {self.attention!r}")
 
     @property
     def bytes_per_token(self) -> int:
@@ -127,15 +128,15 @@ class HybridSpec:
         for g in self.groups:
             for layer in g.layers:
                 if layer in owner:
-                    raise ValueError(f"layer {layer} is in groups {owner[layer]!r} and {g.name!r}")
+                    raise UsageError(f"layer {layer} is in groups {owner[layer]!r} and {g.name!r}")
                 owner[layer] = g.name
         missing = sorted(set(range(max(owner) + 1)) - set(owner))
         if missing:
-            raise ValueError(f"HybridSpec: layers {missing[:8]} are in no group; groups must cover layers "
+            raise UsageError(f"HybridSpec: layers {missing[:8]} are in no group; groups must cover layers "
                              f"0..{max(owner)}")
         shards = {g.spec.shard_of is not None for g in self.groups}
         if len(shards) > 1:
-            raise ValueError("HybridSpec: either every group's spec is a shard or none is (use HybridSpec.shard)")
+            raise UsageError("HybridSpec: either every group's spec is a shard or none is (use HybridSpec.shard)")
 
     # -- constructors -----------------------------------------------------------------------
     @classmethod
@@ -151,7 +152,7 @@ class HybridSpec:
         a tuple of components). Layers with equal attention and components form one
         group, named by ``names`` or ``full``, ``swa``, ``swa2``... in first-layer order."""
         if len(attentions) != len(specs) or not attentions:
-            raise ValueError(f"{len(attentions)} attention kinds for {len(specs)} layer geometries")
+            raise UsageError(f"{len(attentions)} attention kinds for {len(specs)} layer geometries")
         keys = []
         for a, s in zip(attentions, specs):
             comps = s.components if isinstance(s, KVSpec) else tuple(s)
@@ -187,21 +188,21 @@ class HybridSpec:
     @property
     def uniform_spec(self) -> KVSpec:
         if not self.is_uniform:
-            raise ValueError(f"this spec has groups {[g.fingerprint() for g in self.groups]}, not one full group")
+            raise UsageError(f"this spec has groups {[g.fingerprint() for g in self.groups]}, not one full group")
         return self.groups[0].spec
 
     def group(self, name: str) -> KVGroup:
         for g in self.groups:
             if g.name == name:
                 return g
-        raise ValueError(f"unknown group {name!r}; this spec has {list(self.names)}")
+        raise UsageError(f"unknown group {name!r}; this spec has {list(self.names)}")
 
     def group_of(self, layer: int) -> tuple[KVGroup, int]:
         """The group holding model layer ``layer`` and the layer's index inside it (one
         lookup: per-layer loads ask it for every layer)."""
         where = self._layer_table.get(layer) if isinstance(layer, int) and not isinstance(layer, bool) else None
         if where is None:
-            raise ValueError(f"layer {layer!r} is out of range [0, {self.layer_num})")
+            raise UsageError(f"layer {layer!r} is out of range [0, {self.layer_num})")
         return where
 
     @cached_property
@@ -245,7 +246,7 @@ class HybridSpec:
         says whether group ``name`` holds page ``i`` in some tier; every group is named,
         and a group's missing page is never made up for by another's."""
         if set(present) != set(self.names):
-            raise ValueError(f"present must name exactly the groups {list(self.names)}, got {sorted(present)}")
+            raise UsageError(f"present must name exactly the groups {list(self.names)}, got {sorted(present)}")
         best = min(len(v) for v in present.values())
         for g in self.groups:
             if g.attention.is_full:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UnsupportedLayoutError
+from .errors import UnsupportedLayoutError, UsageError
 
 AXES = ("page", "slot", "layer", "head", "dim")
 
@@ -23,7 +23,8 @@ class Layout:
     order: tuple[str, ...]  # axis order of each component's host buffer
 
     def __post_init__(self) -> None:
-        assert sorted(self.order) == sorted(AXES), f"layout {self.name}: {self.order} is not a permutation of {AXES}"
+        if sorted(self.order) != sorted(AXES):
+            raise UsageError(f"layout {self.name}: {self.order} is not a permutation of {AXES}")
 
     def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         """Buffer shape in this layout's order, from ``{axis: size}``."""
@@ -75,7 +76,7 @@ def get_layout(name: str) -> Layout:
     try:
         return LAYOUTS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown layout {name!r}; supported: {', '.join(LAYOUTS)}") from None
+        raise UsageError(f"unknown layout {name!r}; supported: {', '.join(LAYOUTS)}") from None
 
 
 def split_heads_layouts() -> list[str]:

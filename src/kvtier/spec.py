@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import UsageError
+
 # Short, stable dtype names used in fingerprints, storage keys and the CLI.
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bf16",
@@ -26,7 +28,7 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def _positive_int(owner: str, field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}.{field} must be a positive int, got {value!r}")
+        raise UsageError(f"{owner}.{field} must be a positive int, got {value!r}")
 
 
 def _named_tuple_field(obj: object, field: str, kind: type) -> None:
@@ -37,14 +39,14 @@ def _named_tuple_field(obj: object, field: str, kind: type) -> None:
         items = tuple(items)
         object.__setattr__(obj, field, items)
     if not isinstance(items, tuple) or not items:
-        raise ValueError(f"{owner}.{field} must be a non-empty tuple of {kind.__name__}, got {items!r}")
+        raise UsageError(f"{owner}.{field} must be a non-empty tuple of {kind.__name__}, got {items!r}")
     for item in items:
         if not isinstance(item, kind):
-            raise ValueError(f"{owner}.{field} must hold {kind.__name__}, got {item!r}")
+            raise UsageError(f"{owner}.{field} must hold {kind.__name__}, got {item!r}")
     names = [item.name for item in items]
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
-        raise ValueError(f"{owner}.{field} has duplicate names {dups}")
+        raise UsageError(f"{owner}.{field} has duplicate names {dups}")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -52,7 +54,7 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES_BY_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES_BY_NAME)}") from None
+        raise UsageError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES_BY_NAME)}") from None
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class Component:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ValueError(f"Component.name must be an identifier like 'k', got {self.name!r}")
+            raise UsageError(f"Component.name must be an identifier like 'k', got {self.name!r}")
         _positive_int("Component", "head_num", self.head_num)
         _positive_int("Component", "head_dim", self.head_dim)
 
@@ -101,9 +103,9 @@ class KVSpec:
         _positive_int("KVSpec", "layer_num", self.layer_num)
         _named_tuple_field(self, "components", Component)
         if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+            raise UsageError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.dtype not in DTYPE_NAMES:
-            raise ValueError(
+            raise UsageError(
                 f"KVSpec.dtype {self.dtype} is not supported; supported: "
                 f"{', '.join(str(d) for d in DTYPE_NAMES)}"
             )
@@ -152,7 +154,7 @@ class KVSpec:
         for c in self.components:
             if c.name == name:
                 return c
-        raise ValueError(f"unknown component {name!r}; this spec has {list(self.names)}")
+        raise UsageError(f"unknown component {name!r}; this spec has {list(self.names)}")
 
     # -- tensor parallelism -------------------------------------------------
     def shard(self, rank: int, size: int) -> "KVSpec":
@@ -164,13 +166,13 @@ class KVSpec:
         :meth:`head_range` gives its global heads.
         """
         if self.shard_of is not None:
-            raise ValueError("shard() takes the full spec; this spec is already a shard")
+            raise UsageError("shard() takes the full spec; this spec is already a shard")
         _positive_int("KVSpec.shard", "size", size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-            raise ValueError(f"KVSpec.shard rank must be in [0, {size}), got {rank!r}")
+            raise UsageError(f"KVSpec.shard rank must be in [0, {size}), got {rank!r}")
         for c in self.components:
             if c.head_num > 1 and c.head_num % size:
-                raise ValueError(f"component {c.name!r} has {c.head_num} heads, not divisible by shard size {size}")
+                raise UsageError(f"component {c.name!r} has {c.head_num} heads, not divisible by shard size {size}")
         comps = tuple(c if c.head_num == 1 else Component(c.name, c.head_num // size, c.head_dim)
                       for c in self.components)
         return KVSpec(self.layer_num, comps, self.dtype, Shard(self, rank, size))

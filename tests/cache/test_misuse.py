@@ -194,3 +194,21 @@ def test_salts_are_bytes_in_the_tree_and_in_storage(tmp_path):
     assert hits(fresh.match_prefix(A, salt="u")) == (0, 0, 0)
     with pytest.raises(ValueError, match="salt must be"):
         cache.match_prefix(A, salt=3)
+
+
+def test_freeing_a_slot_twice_is_the_callers_mistake():
+    """A second ``free_device`` of the same slots is a ``UsageError`` (a ValueError), not a
+    broken invariant, and changes nothing; slots another request holds stay allocated."""
+    from kvtier.errors import UsageError
+
+    cache = make_cache()
+    mine, other = cache.alloc_device(8), cache.alloc_device(4)
+    cache.free_device(mine)
+    free = cache.device_pool.available_size()
+    with pytest.raises(UsageError, match=f"slot {int(mine[0])} is not allocated"):
+        cache.free_device(mine)
+    with pytest.raises(UsageError, match="is not allocated"):
+        cache.free_device(torch.cat([other, mine[:4]]))  # one good page, one freed: nothing freed
+    assert cache.device_pool.available_size() == free
+    cache.free_device(other)
+    assert cache.device_pool.available_size() == free + 4

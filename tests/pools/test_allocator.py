@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvtier.errors import IntegrityError, UsageError
 from kvtier.pools import PageAllocator
 
 
@@ -47,7 +48,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.used -= set(freed.tolist())
         before = self.alloc.available_size()
         if freed.numel():
-            with pytest.raises(ValueError, match="not allocated"):
+            with pytest.raises(IntegrityError, match="not allocated"):
                 self.alloc.free(freed)
         assert self.alloc.available_size() == before
 
@@ -80,13 +81,19 @@ def test_alloc_rejects_bad_counts(n, match):
 def test_free_rejects_partial_and_foreign_pages():
     a = PageAllocator(16, 4)
     got = a.alloc(8)
-    with pytest.raises(ValueError, match="not a multiple"):
+    with pytest.raises(UsageError, match="not a multiple"):
         a.free(got[:3])
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(UsageError, match="outside"):
         a.free(torch.arange(16, 20))
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(IntegrityError, match="not allocated"):
         a.free(torch.arange(8, 12))
     assert a.available_size() == 8
+
+
+@pytest.mark.parametrize("size, page_size", [(10, 4), (0, 4), (16, 0), (16.0, 4)])
+def test_sizes_are_checked_without_assert(size, page_size):
+    with pytest.raises(UsageError):
+        PageAllocator(size, page_size)
 
 
 def test_exact_order_lowest_first_then_freed_order():
@@ -138,8 +145,8 @@ def test_pages_by_number_round_trip_and_refuse_double_frees():
     assert a.alloc_pages(6) is None and a.available_size() == 20
     a.free_pages(pages[:2])
     assert a.available_size() == 28
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(IntegrityError, match="not allocated"):
         a.free_pages(pages[:1])
-    with pytest.raises(ValueError, match=r"\[0, 8\)"):
+    with pytest.raises(UsageError, match=r"\[0, 8\)"):
         a.free_pages(np.array([8], dtype=np.int64))
     assert a.available_size() == 28

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..cache import HierarchicalCache
+from ..errors import UsageError
 from ..pools import DeviceKVPool, HostKVPool
 from ..spec import KVSpec
 
@@ -59,14 +60,14 @@ def _per_call_us(fn, calls: int) -> float:
 def check_config(page_sizes, prompt_tokens: int, tree_pages: int) -> None:
     """``ValueError`` unless every prompt is whole pages of every page size, at least 2 tokens long."""
     if not page_sizes:
-        raise ValueError("give at least one page size")
+        raise UsageError("give at least one page size")
     for name, value in (("prompt_tokens", prompt_tokens), ("tree_pages", tree_pages),
                         *(("page_size", p) for p in page_sizes)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise UsageError(f"{name} must be a positive int, got {value!r}")
     bad = [p for p in page_sizes if prompt_tokens % p]
     if prompt_tokens < 2 or bad:
-        raise ValueError(f"prompt_tokens {prompt_tokens} must be at least 2 and a multiple of every page size "
+        raise UsageError(f"prompt_tokens {prompt_tokens} must be at least 2 and a multiple of every page size "
                          f"({', '.join(map(str, page_sizes))})")
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..cache import HierarchicalCache
+from ..errors import IntegrityError, UsageError
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
 from ..spec import KVSpec
@@ -54,7 +55,7 @@ def check_tokens(tokens, page_size: int) -> None:
     """Every prompt length is whole pages; ``ValueError`` naming the first that is not."""
     for t in tokens:
         if t % page_size:
-            raise ValueError(f"--tokens {t} is not a multiple of --page-size {page_size}")
+            raise UsageError(f"--tokens {t} is not a multiple of --page-size {page_size}")
 
 
 def memory_bytes(*, layers: int, heads: int, head_dim: int, query_heads: int, tokens) -> tuple[int, int]:
@@ -107,7 +108,8 @@ class _Bench:
         """Demote the prompt to the host and lock its match: ``(match, lease)``."""
         self.cache.evict_device(len(self.prompt))
         match = self.cache.match_prefix(self.prompt)
-        assert match.host_len == len(self.prompt), f"host hit {match.host_len} of {len(self.prompt)} tokens"
+        if match.host_len != len(self.prompt):
+            raise IntegrityError(f"after evict_device the host hit is {match.host_len} of {len(self.prompt)} tokens")
         return match, self.cache.lock(match)
 
     def _sync(self) -> None:
@@ -180,7 +182,7 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, query_heads: i
     for name, value in (("layers", layers), ("heads", heads), ("head_dim", head_dim), ("query_heads", query_heads),
                         ("page_size", page_size), ("repeat", repeat), *(("tokens", t) for t in tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise UsageError(f"{name} must be a positive int, got {value!r}")
     check_tokens(tokens, page_size)
     spec = KVSpec.mha(layers, heads, head_dim)
     started = time.time()

@@ -17,9 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-
-class ServerUnavailable(RuntimeError):
-    """The server cannot run here: its binary is missing or exits at start. The message says which."""
+from ..errors import ServerUnavailable
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import UsageError
 from ..transfer import native
 
 #: Bytes of the fresh buffer pair the CPU limit is also measured on (written first).
@@ -23,7 +24,7 @@ def best_seconds(fn: Callable[[], None], repeat: int, warmup: int = 1, cuda: boo
     """Fastest of ``repeat`` runs after ``warmup`` untimed ones (first touches fault pages in).
     With ``cuda``, each run ends with a device synchronize, so queued copies count."""
     if repeat < 1:
-        raise ValueError(f"repeat must be at least 1, got {repeat}")
+        raise UsageError(f"repeat must be at least 1, got {repeat}")
 
     def run():
         fn()

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import UsageError
 from ..layout import LAYOUTS
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
@@ -158,7 +159,7 @@ def check_counts(*named: tuple[str, object]) -> None:
     """Each ``(name, value)``'s value a positive int, else ``ValueError`` naming it."""
     for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise UsageError(f"{name} must be a positive int, got {value!r}")
 
 
 def run_fields(specs, *, repeat: int, device: str) -> dict:

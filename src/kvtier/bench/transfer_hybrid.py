@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import UsageError
 from ..hybrid import HybridSpec, _ranges
 from ..layout import LAYOUTS
 from ..pools.common import check_device
@@ -65,12 +66,12 @@ def check_hybrid(spec: HybridSpec, *, page_sizes, pages: int) -> int:
     tokens = pages * max(page_sizes)
     for ps in page_sizes:
         if tokens % ps:
-            raise ValueError(f"page size {ps}: the prefix of {tokens:,} tokens ({pages} x {max(page_sizes)}) "
+            raise UsageError(f"page size {ps}: the prefix of {tokens:,} tokens ({pages} x {max(page_sizes)}) "
                              f"is not a whole number of {ps}-token pages; use page sizes dividing {max(page_sizes)}")
         for g in spec.groups:
             window = g.attention.window
             if window is not None and window % ps:
-                raise ValueError(f"page size {ps} does not divide the {window}-token window of group {g.name!r}: "
+                raise UsageError(f"page size {ps} does not divide the {window}-token window of group {g.name!r}: "
                                  f"whole pages would move {-(-window // ps) * ps} of its tokens per resume point, not "
                                  f"the {window} HybridSpec.bytes_for counts; use a page size dividing {window}")
     return tokens

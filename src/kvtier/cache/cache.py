@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..errors import CacheClosedError, UsageError
 from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..pools.indices import page_numbers
 from ..spec import KVSpec
@@ -24,7 +25,7 @@ from ..storage.groups import GroupedStorage
 from ..storage.keys import extend_keys
 from ..transfer import check_io_backend
 from .guard import StorageGuard
-from .handles import Acquired, CacheClosedError, Committed, Lease, LoadHandle, MatchResult, PrefetchHandle
+from .handles import Acquired, Committed, Lease, LoadHandle, MatchResult, PrefetchHandle
 from .mover import Mover
 from .protocols import DeviceAllocator, Storage
 from .sides import Sides
@@ -40,12 +41,12 @@ _STALLED_ROUNDS = 1  # eviction that waited for backups gives up after this many
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"unknown {what} {value!r}; supported: {', '.join(choices)}")
+        raise UsageError(f"unknown {what} {value!r}; supported: {', '.join(choices)}")
 
 
 def _check_count(what: str, n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{what} must be a non-negative int, got {n!r}")
+        raise UsageError(f"{what} must be a non-negative int, got {n!r}")
     return n
 
 
@@ -54,7 +55,7 @@ def _checks_on(check: bool | None) -> bool:
     if check is None:
         return os.environ.get("KVTIER_CHECK") == "1"
     if not isinstance(check, bool):
-        raise ValueError(f"check must be a bool or None, got {check!r}")
+        raise UsageError(f"check must be a bool or None, got {check!r}")
     return check
 
 
@@ -63,22 +64,22 @@ def _hybrid_pools(device_pool, host_pool, page_size: int, retention_interval):
     the first full group's pools (every full group shares their slots) and the
     sliding groups; a uniform one's single pools and ``None``."""
     if not isinstance(device_pool, HybridDevicePool) or not isinstance(host_pool, HybridHostPool):
-        raise ValueError("a hybrid cache takes a HybridDevicePool and a HybridHostPool, got "
+        raise UsageError("a hybrid cache takes a HybridDevicePool and a HybridHostPool, got "
                          f"{type(device_pool).__name__} and {type(host_pool).__name__}")
     spec = device_pool.spec
     if spec != host_pool.spec:
-        raise ValueError(f"device pool ({spec.fingerprint()}) and host pool ({host_pool.spec.fingerprint()}) differ")
+        raise UsageError(f"device pool ({spec.fingerprint()}) and host pool ({host_pool.spec.fingerprint()}) differ")
     full = [g.name for g in spec.groups if g.attention.is_full]
     if spec.is_uniform:
         return device_pool[full[0]], host_pool[full[0]], None
     for what, pools in (("device", device_pool), ("host", host_pool)):
         sizes = {name: pools[name].size for name in full}
         if len(set(sizes.values())) > 1:
-            raise ValueError(f"the full groups share the cache's {what} slots, so their {what} pools need one size; "
+            raise UsageError(f"the full groups share the cache's {what} slots, so their {what} pools need one size; "
                              f"got {sizes}")
     if retention_interval is not None and (isinstance(retention_interval, bool) or not isinstance(
             retention_interval, int) or retention_interval <= 0 or retention_interval % page_size):
-        raise ValueError(f"retention_interval must be a positive multiple of page_size {page_size} or None, "
+        raise UsageError(f"retention_interval must be a positive multiple of page_size {page_size} or None, "
                          f"got {retention_interval!r}")
     sides = Sides(spec, device_pool, host_pool, page_size, retention_interval)
     if not full:  # all sliding: the tree's pages hold no KV of their own, only placeholder slots
@@ -112,6 +113,15 @@ def _checked(method):
         return out
     return call
 
+
+
+def _check_allocated(pool, pages: torch.Tensor, page_size: int, whose: str = "") -> None:
+    """``UsageError`` unless every page of ``pages`` (CPU int64) is allocated in ``pool``: a
+    slot the caller frees twice is the caller's mistake, not a broken invariant."""
+    held = pool.allocated_pages(pages)
+    if not bool(held.all()):
+        slot = int(pages[~held][0]) * page_size
+        raise UsageError(f"free_device: {whose}slot {slot} is not allocated (freed already?); only free slots you own")
 
 class HierarchicalCache:
     """Prefix cache over a device pool (L1), a host pool (L2) and optional storage (L3).
@@ -162,26 +172,26 @@ class HierarchicalCache:
             device_pool, host_pool, sides = _hybrid_pools(device_pool, host_pool, host_pool.page_size,
                                                           retention_interval)
         elif retention_interval is not None:
-            raise ValueError("retention_interval keeps sliding-window pages: it needs hybrid pools "
+            raise UsageError("retention_interval keeps sliding-window pages: it needs hybrid pools "
                              "(HybridDevicePool, HybridHostPool)")
         if not isinstance(device_pool, DeviceKVPool) or not isinstance(host_pool, HostKVPool):
-            raise ValueError("device_pool must be a DeviceKVPool and host_pool a HostKVPool")
+            raise UsageError("device_pool must be a DeviceKVPool and host_pool a HostKVPool")
         if device_pool.spec != host_pool.spec or device_pool.page_size != host_pool.page_size:
-            raise ValueError(f"device pool ({device_pool.spec.fingerprint()}, page_size {device_pool.page_size}) "
+            raise UsageError(f"device pool ({device_pool.spec.fingerprint()}, page_size {device_pool.page_size}) "
                              f"and host pool ({host_pool.spec.fingerprint()}, page_size {host_pool.page_size}) differ")
         if storage is not None and not isinstance(storage, Storage):
-            raise ValueError(f"storage must implement batch_exists/batch_get/batch_set/stats, got {type(storage)}")
+            raise UsageError(f"storage must implement batch_exists/batch_get/batch_set/stats, got {type(storage)}")
         if storage is not None and (not isinstance(namespace, str) or not namespace):
-            raise ValueError("a cache with storage needs namespace=: a name for the model whose KV it stores (name or "
+            raise UsageError("a cache with storage needs namespace=: a name for the model whose KV it stores (name or "
                              "path, revision, dtype — e.g. kvtier.integrations.identity.model_namespace(...)), so that "
                              f"no other model reads these pages; got {namespace!r}")
         if namespace is not None and (not isinstance(namespace, str) or not namespace):
-            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+            raise UsageError(f"namespace must be a non-empty str, got {namespace!r}")
         if allocator is not None and not isinstance(allocator, DeviceAllocator):
-            raise ValueError(f"allocator must implement alloc/free/available_size, got {type(allocator)}")
+            raise UsageError(f"allocator must implement alloc/free/available_size, got {type(allocator)}")
         for what, t in (("prefetch_timeout", prefetch_timeout), ("storage_timeout", storage_timeout)):
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-                raise ValueError(f"{what} must be a positive number of seconds, got {t!r}")
+                raise UsageError(f"{what} must be a positive number of seconds, got {t!r}")
         self.device_pool, self.host_pool, self.storage = user_device, user_host, storage
         self._device, self._sides = device_pool, sides
         self._layer_num = user_device.spec.layer_num  # the model's layers (a hybrid load goes over every group)
@@ -347,9 +357,9 @@ class HierarchicalCache:
         ``ValueError`` and changes nothing."""
         self._check_open()
         if isinstance(lease, MatchResult):
-            raise ValueError("unlock takes the Lease that lock(match) returned, not the MatchResult")
+            raise UsageError("unlock takes the Lease that lock(match) returned, not the MatchResult")
         if not isinstance(lease, Lease):
-            raise ValueError(f"unlock takes the Lease that lock(match) returned, got {type(lease).__name__}")
+            raise UsageError(f"unlock takes the Lease that lock(match) returned, got {type(lease).__name__}")
         with self._lock:
             self._end_lease(lease, "unlock", "lease")
 
@@ -365,21 +375,21 @@ class HierarchicalCache:
     def _end_lease(self, lease: Lease, call: str, what: str) -> None:
         """Release ``lease`` (lock held), checked first: ``what`` names its holder."""
         if lease.owner is not self._state:
-            raise ValueError(f"{call}: this {what} comes from another cache")
+            raise UsageError(f"{call}: this {what} comes from another cache")
         if lease.released:
-            raise ValueError(f"{call}: this {what} was already released (by unlock, release or commit)")
+            raise UsageError(f"{call}: this {what} was already released (by unlock, release or commit)")
         self._state.unlock_node(lease.node)
         lease.released = True
 
     def _check_match(self, match) -> None:
         self._check_open()
         if not isinstance(match, MatchResult):
-            raise ValueError(f"expected a MatchResult from match_prefix, got {type(match).__name__}")
+            raise UsageError(f"expected a MatchResult from match_prefix, got {type(match).__name__}")
         if match.peeked:
-            raise ValueError("a peek() result cannot be locked or loaded (it may end inside a node); "
+            raise UsageError("a peek() result cannot be locked or loaded (it may end inside a node); "
                              "use match_prefix")
         if not self._owns(match.last_node, match.salt):
-            raise ValueError("this MatchResult comes from another cache")
+            raise UsageError("this MatchResult comes from another cache")
 
     def _owns(self, node, salt: bytes) -> bool:
         """Whether ``node`` hangs (or hung) below this cache's root for ``salt``."""
@@ -458,7 +468,7 @@ class HierarchicalCache:
         """Unlock what :meth:`acquire` locked; a second release is a ``ValueError``."""
         self._check_open()
         if not isinstance(acquired, Acquired) or acquired.lease is None:
-            raise ValueError(f"release takes the Acquired from acquire, got {type(acquired).__name__}")
+            raise UsageError(f"release takes the Acquired from acquire, got {type(acquired).__name__}")
         with self._lock:
             self._release(acquired)
 
@@ -489,20 +499,20 @@ class HierarchicalCache:
         stop, so that the same prompt sent again is a hit."""
         self._check_open()
         if not isinstance(acquired, Acquired) or acquired.lease is None:
-            raise ValueError(f"commit takes the Acquired from acquire, got {type(acquired).__name__}")
+            raise UsageError(f"commit takes the Acquired from acquire, got {type(acquired).__name__}")
         if acquired.load.error is not None:
-            raise ValueError(f"commit: the acquired prefix failed to load ({acquired.load.error!r}); release it")
+            raise UsageError(f"commit: the acquired prefix failed to load ({acquired.load.error!r}); release it")
         tokens, ps = token_array(token_ids), self.page_size
         prefix = acquired.device_indices
         reused, full = prefix.numel(), len(tokens) - len(tokens) % ps
         if full < reused or tokens[:reused] != acquired.match.tokens[:reused]:
-            raise ValueError(f"commit: token_ids ({len(tokens)} tokens) do not start with the acquired "
+            raise UsageError(f"commit: token_ids ({len(tokens)} tokens) do not start with the acquired "
                              f"{reused}-token prefix")
         if slots is None and self._sides is not None and not self._sides.full:
             slots = self._placeholders(full - reused, "commit")
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != full - reused:
             got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
-            raise ValueError(f"commit: slots must be a 1-D tensor of {full - reused} slots (the full pages of "
+            raise UsageError(f"commit: slots must be a 1-D tensor of {full - reused} slots (the full pages of "
                              f"{len(tokens)} tokens after the {reused}-token prefix), got {got}")
         all_slots = torch.cat([prefix, slots.to(prefix.device)])
         pages = self._check_slots(all_slots)
@@ -511,9 +521,9 @@ class HierarchicalCache:
         salt, state = acquired.match.salt, self._state
         with self._lock:
             if acquired.lease.owner is not state:
-                raise ValueError("commit: this Acquired comes from another cache")
+                raise UsageError("commit: this Acquired comes from another cache")
             if acquired.lease.released:
-                raise ValueError("commit: this Acquired was already released (or committed)")
+                raise UsageError("commit: this Acquired was already released (or committed)")
             del tokens[full:]  # our own copy: whole pages only, without copying again
             walked = state.check_insert(tokens, pages, salt)
             if side is not None:
@@ -609,7 +619,7 @@ class HierarchicalCache:
         if not isinstance(device_indices, torch.Tensor) or device_indices.dim() != 1 \
                 or device_indices.numel() < usable:
             n = device_indices.numel() if isinstance(device_indices, torch.Tensor) else device_indices
-            raise ValueError(f"device_indices must be a 1-D tensor of at least {usable} slots (the full pages of "
+            raise UsageError(f"device_indices must be a 1-D tensor of at least {usable} slots (the full pages of "
                              f"{len(tokens)} tokens), got {n}")
         slots = device_indices[:usable]
         pages = self._check_slots(slots)
@@ -633,14 +643,14 @@ class HierarchicalCache:
         bad = [p for p in points if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= tokens
                or p % self.page_size]
         if bad:
-            raise ValueError(f"{what}: resume_at holds {bad[:4]}, not whole-page token counts in (0, {tokens}]")
+            raise UsageError(f"{what}: resume_at holds {bad[:4]}, not whole-page token counts in (0, {tokens}]")
         return points if self._sides is not None else ()
 
     def _placeholders(self, n: int, what: str) -> torch.Tensor:
         """An all-sliding cache's own slots for ``n`` tokens of the tree (no KV in them)."""
         slots = self._alloc(n)
         if slots is None:
-            raise ValueError(f"{what}: no room for {n} more tokens in the tree (every cached page is locked)")
+            raise UsageError(f"{what}: no room for {n} more tokens in the tree (every cached page is locked)")
         return slots
 
     def _given(self, groups, tokens: int, skip: int, what: str) -> dict | None:
@@ -649,7 +659,7 @@ class HierarchicalCache:
         uniform cache."""
         if self._sides is None:
             if groups is not None:
-                raise ValueError(f"{what}: groups= is for hybrid (sliding-window) specs; this cache is uniform")
+                raise UsageError(f"{what}: groups= is for hybrid (sliding-window) specs; this cache is uniform")
             return None
         given = self._sides.check_given(groups, tokens - skip, what)
         hole = np.full(skip // self.page_size, -1, dtype=np.int64)
@@ -707,8 +717,9 @@ class HierarchicalCache:
             with self._lock:
                 held = self._sides.owned[group][pages]
                 if held.any():
-                    raise ValueError(f"free_device: slot {int(pages[held][0]) * self.page_size} of group {group!r} "
+                    raise UsageError(f"free_device: slot {int(pages[held][0]) * self.page_size} of group {group!r} "
                                      "holds a cached page; only free slots you own")
+                _check_allocated(pool, torch.from_numpy(pages), self.page_size, f"group {group!r}'s ")
                 pool.free(indices)
             return
         self._check_slots(indices)
@@ -716,7 +727,10 @@ class HierarchicalCache:
             owned = self._state.owned(indices)
             if owned.any():
                 slot = int(indices[int(owned.argmax()) * self.page_size])
-                raise ValueError(f"free_device: slot {slot} holds a cached page; only free slots you own")
+                raise UsageError(f"free_device: slot {slot} holds a cached page; only free slots you own")
+            if self.allocator is self.device_pool:  # an engine's own allocator judges its slots itself
+                _check_allocated(self.device_pool, indices.reshape(-1)[::self.page_size].cpu() // self.page_size,
+                                 self.page_size)
             self.allocator.free(indices)
 
     @_checked
@@ -724,7 +738,7 @@ class HierarchicalCache:
         names = () if self._sides is None else self._sides.names
         if group not in names:
             full = "" if self._sides is None else f"; the full groups {list(self._sides.full)} share group=None's"
-            raise ValueError(f"{call}: group={group!r} is not a sliding group of this cache "
+            raise UsageError(f"{call}: group={group!r} is not a sliding group of this cache "
                              f"(sliding groups: {list(names)}){full}")
 
     @_checked

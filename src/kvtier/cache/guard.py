@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..errors import CacheClosedError
 from ..storage.faults import WarningLimiter
-from .handles import CacheClosedError
 from .protocols import Storage
 from .stats import CacheStats
 from .workers import Worker

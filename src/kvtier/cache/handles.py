@@ -9,13 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class CacheClosedError(RuntimeError):
-    """A call on a :class:`HierarchicalCache` after :meth:`~HierarchicalCache.close`."""
-
-
-class LoadError(RuntimeError):
-    """A host -> device load (or one it depended on) failed; its KV must not be used."""
+from ..errors import CacheClosedError, LoadError  # noqa: F401 (re-exported: their home before errors.py)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import bisect
 import numpy as np
 import torch
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from .inflight import InFlight
 from .lru import side_tier
 from ..pools.indices import page_token_slots
@@ -222,11 +222,11 @@ class HybridState:
             bad = held & (pages != own)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"groups[{g!r}]: device slot {int(pages[i]) * ps} (page {i} of the prompt) already "
+                raise UsageError(f"groups[{g!r}]: device slot {int(pages[i]) * ps} (page {i} of the prompt) already "
                                  "holds another cached page; pass slots from alloc_device(n, group=...)")
             fresh = pages[mine & (pages != own)]
             if fresh.size and not self.sides.device[g].allocated_pages(fresh).all():
-                raise ValueError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
+                raise UsageError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
                                  "alloc_device(n, group=...)")
 
     def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int, resume_at=()) -> None:

@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from ..errors import IntegrityError
 from .residency import mark_of, set_mark
 
 KINDS = ("load", "backup", "store")
@@ -24,7 +25,8 @@ class InFlight:
 
     def __init__(self, kind: str, nodes: list, device: torch.Tensor | None = None,
                  host: torch.Tensor | None = None) -> None:
-        assert kind in KINDS, kind
+        if kind not in KINDS:
+            raise IntegrityError(f"a transfer of kind {kind!r}; the kinds are {', '.join(KINDS)}")
         self.kind = kind
         self.nodes = nodes
         self.cancelled = False

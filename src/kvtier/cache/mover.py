@@ -18,10 +18,11 @@ from array import array
 import numpy as np
 import torch
 
+from ..errors import CacheClosedError, LoadError
 from ..storage.faults import WarningLimiter
 from ..storage.keys import extend_keys
 from .guard import StorageGuard
-from .handles import CacheClosedError, LoadError, PrefetchHandle
+from .handles import PrefetchHandle
 from .inflight import InFlight
 from .sides import HOLE
 from .state import CacheState

@@ -22,6 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from ..compiled import load
+from ..errors import IntegrityError
 from .residency import DeviceCopy, HostCopy, StorageCopy
 
 # the compiled in-place run comparison (``kvtier.compiled``: where built, unless KVTIER_NATIVE=0 at import)
@@ -226,7 +227,9 @@ class RadixTree:
         """Cut ``node`` after ``n`` tokens (a multiple of the page size); returns the new
         upper node, which inherits the lock count, LRU stamp, hits and every transfer
         in flight (it joins that transfer's nodes, so the transfer settles both)."""
-        assert 0 < n < len(node.key) and n % self.page_size == 0, (n, len(node.key))
+        if not 0 < n < len(node.key) or n % self.page_size:
+            raise IntegrityError(f"split of a {len(node.key)}-token node after {n} tokens: not inside it in whole "
+                                 f"{self.page_size}-token pages")
         top = Node(node.key[:n], node.parent)
         pages = n // self.page_size
         if node.device is not None:
@@ -255,13 +258,15 @@ class RadixTree:
         child = Node(key, parent)
         if child.edge in parent.children:  # another first page starting with the same id
             child.edge = key[:self.page_size].tobytes()
-            assert child.edge not in parent.children, "a child with this first page exists"
+            if child.edge in parent.children:
+                raise IntegrityError(f"{parent}: a child with this first page exists")
             parent.collisions += 1
         parent.children[child.edge] = child
         return child
 
     def remove(self, node: Node) -> None:
-        assert not node.children and not node.is_root and node.lock_ref == 0, node
+        if node.children or node.is_root or node.lock_ref:
+            raise IntegrityError(f"remove of {node}: only an unlocked leaf leaves the tree")
         del node.parent.children[node.edge]
         if isinstance(node.edge, bytes):
             node.parent.collisions -= 1
@@ -296,7 +301,7 @@ class RadixTree:
         walk = node
         while walk is not None:
             if walk.lock_ref < 1:
-                raise ValueError(f"unlock without a matching lock on {walk}")
+                raise IntegrityError(f"unlock without a matching lock on {walk}")
             walk = walk.parent
         freed = []
         while node is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..pools.indices import page_numbers, page_token_slots
 
@@ -121,7 +122,7 @@ class Sides:
         if hole.any():  # pages all -1, the others checked as whole pages
             if not (flat[hole] == HOLE).all():
                 i = int(np.flatnonzero(hole & (flat != HOLE).any(axis=1))[0])
-                raise ValueError(f"{what}: groups[{g!r}] page {i} holds slots {flat[i].tolist()[:4]}..., neither a "
+                raise UsageError(f"{what}: groups[{g!r}] page {i} holds slots {flat[i].tolist()[:4]}..., neither a "
                                  "whole page nor all -1")
             kept = torch.from_numpy(np.ascontiguousarray(flat[~hole]).reshape(-1))
         else:
@@ -130,7 +131,7 @@ class Sides:
             pages = page_numbers(kept, page_size=ps, size=pool.size, what=f"{what}: groups[{g!r}]",
                                  allowed_devices=(kept.device,), unique=True)
         except ValueError as e:
-            raise ValueError(f"{e} (a page of -1 gives none)") from None
+            raise UsageError(f"{e} (a page of -1 gives none)") from None
         if not hole.any():
             return pages
         out = np.full(hole.size, HOLE, dtype=np.int64)
@@ -146,7 +147,7 @@ class Sides:
             groups = {}
         if not hasattr(groups, "items") or set(groups) - set(self.names):
             got = sorted(groups) if hasattr(groups, "items") else type(groups).__name__
-            raise ValueError(f"{what}: groups= maps sliding groups {list(self.names)} to device slots, got {got}")
+            raise UsageError(f"{what}: groups= maps sliding groups {list(self.names)} to device slots, got {got}")
         out = {}
         for g in self.names:
             slots = groups.get(g)
@@ -156,7 +157,7 @@ class Sides:
             if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != tokens \
                     or slots.dtype not in (torch.int64, torch.int32):
                 got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
-                raise ValueError(f"{what}: groups[{g!r}] must be a 1-D int64 tensor of {tokens} slots "
+                raise UsageError(f"{what}: groups[{g!r}] must be a 1-D int64 tensor of {tokens} slots "
                                  f"(-1 for pages not given), got {got}")
             out[g] = self._given_pages(g, slots, what)
         return out

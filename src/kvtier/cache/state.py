@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from ..pools.indices import page_token_slots
 from ..storage.keys import extend_keys
 from .handles import LoadHandle
@@ -531,13 +531,13 @@ class CacheState(HybridState):
                 bad[:held] &= pages[:held] != np.concatenate(theirs)
             if np.count_nonzero(bad):
                 page = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already "
+                raise UsageError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already "
                                  "holds another cached page; pass slots from alloc_device, or the match's own")
         if self.allocator is self.device_pool and held < pages.size:  # the pages the tree would adopt
             free = ~self.device_pool.allocated_pages(torch.from_numpy(pages[held:])).numpy()
             if np.count_nonzero(free):
                 slot = int(pages[held + int(np.flatnonzero(free)[0])]) * ps
-                raise ValueError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
+                raise UsageError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
         return walked
 
     def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..compiled import load
+from ..errors import UsageError
 
 _INT64 = np.iinfo(np.int64)
 _ZERO = array("q", [0])
@@ -39,12 +40,12 @@ def token_array(token_ids) -> array:
     if isinstance(token_ids, array) and token_ids.typecode == "q":
         return token_ids[:]
     if isinstance(token_ids, (str, bytes, bytearray, dict, set)) or token_ids is None:
-        raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        raise UsageError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     if not isinstance(token_ids, (list, tuple)):
         try:
             token_ids = list(token_ids)
         except TypeError:
-            raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
+            raise UsageError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
     if _fill_int64 is not None:
         out = _ZERO * len(token_ids)
         if _fill_int64(out, token_ids):
@@ -57,8 +58,8 @@ def token_array(token_ids) -> array:
     except struct.error:
         bad = next((t for t in token_ids if not isinstance(t, int)), _ALL_INTS)
         if bad is _ALL_INTS:
-            raise ValueError("token_ids hold an id outside the int64 range") from None
-        raise ValueError(f"token_ids must be a 1-D sequence of ints, got an element of type "
+            raise UsageError("token_ids hold an id outside the int64 range") from None
+        raise UsageError(f"token_ids must be a 1-D sequence of ints, got an element of type "
                          f"{type(bad).__name__}") from None
     return out
 
@@ -72,11 +73,11 @@ def _from_numpy(arr: np.ndarray, what: str) -> array:
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
     if arr.ndim != 1:
-        raise ValueError(f"token_ids must be 1-D or (1, n), got a {what} of shape {tuple(arr.shape)}")
+        raise UsageError(f"token_ids must be 1-D or (1, n), got a {what} of shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"token_ids must hold integers, got a {what}")
+        raise UsageError(f"token_ids must hold integers, got a {what}")
     if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64.max:
-        raise ValueError("token_ids hold an id outside the int64 range")
+        raise UsageError("token_ids hold an id outside the int64 range")
     out = array("q")
     # NOTE: through a byte view of the buffer, not tobytes(): one copy
     out.frombytes(memoryview(np.ascontiguousarray(arr, dtype="=i8")).cast("B"))
@@ -91,4 +92,4 @@ def canonical_salt(salt) -> bytes:
         return salt.encode("utf-8")
     if isinstance(salt, (bytes, bytearray, memoryview)):
         return bytes(salt)
-    raise ValueError(f"salt must be None, str or bytes, got {type(salt).__name__}")
+    raise UsageError(f"salt must be None, str or bytes, got {type(salt).__name__}")

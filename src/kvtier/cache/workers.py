@@ -8,7 +8,7 @@ import queue
 import threading
 from typing import Callable
 
-from .handles import CacheClosedError
+from ..errors import CacheClosedError
 
 log = logging.getLogger("kvtier.cache")
 _STOP = object()

@@ -2,9 +2,11 @@
 ``bench transfer|storage|cache|overlap|replay``.
 
 Exit status: 0 done; 1 the command ran and failed (``selfcheck`` found a mismatch, the demo
-changed tokens, an I/O error); 2 a user error, refused before any work starts with one line
-``kvtier CMD: error: ...`` on stderr; 130 interrupted (Ctrl-C), one line; 141 stdout closed by
-its reader (``| head``), silently.
+changed tokens, an I/O error); 2 a user error (a :class:`~kvtier.errors.UsageError` or an
+:class:`~kvtier.errors.UnsupportedError`, argparse's own), refused before any work starts with
+one line ``kvtier CMD: error: ...`` on stderr; 70 an internal error, a bug in kvtier (any other
+exception): its traceback, then one line asking to report it; 130 interrupted (Ctrl-C), one
+line; 141 stdout closed by its reader (``| head``), silently.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
+from ..errors import UnsupportedError, UsageError
 from . import bench, demo, inspect, selfcheck, simulate
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
+# NOTE: 70 is sysexits.h's EX_SOFTWARE (internal software error)
+EXIT_FAILED, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 70, 130, 141
 
 #: name -> (help, add_arguments, command)
 COMMANDS = {
@@ -39,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="Hierarchical KV cache tools",
                      epilog="exit status: 0 done, 1 failed, 2 user error (one line, before any work), "
-                            "130 interrupted, 141 output pipe closed")
+                            "70 internal error (a bug: traceback), 130 interrupted, 141 output pipe closed")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, command) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -72,12 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except ValueError as e:
+    except (UsageError, UnsupportedError) as e:
         _say(f"{prog}: error: {e}")
         return EXIT_USAGE
     except OSError as e:
         _say(f"{prog}: error: {e}")
         return EXIT_FAILED
+    except Exception:  # NOTE: not the user's doing (an IntegrityError, a bare ValueError, ...): a bug
+        traceback.print_exc()
+        _say(f"{prog}: internal error (a bug): please report it with the traceback above")
+        return EXIT_BUG
 
 
 def _one_line(text: str) -> str:

@@ -12,6 +12,7 @@ import tempfile
 import warnings
 from dataclasses import asdict
 
+from ..errors import UsageError
 from ..integrations.tiny_models import MODELS
 from ..layout import LAYOUTS
 from ..pools.common import check_device
@@ -66,7 +67,7 @@ def _check(args: argparse.Namespace) -> None:
     check_device(args.device)
     for flag, tokens in (("--device-tokens", args.device_tokens), ("--host-tokens", args.host_tokens)):
         if tokens % args.page_size:
-            raise ValueError(f"{flag} {tokens} is not a multiple of --page-size {args.page_size}")
+            raise UsageError(f"{flag} {tokens} is not a multiple of --page-size {args.page_size}")
     check_output_path(args.plot, "--plot")
     check_output_path(args.json, "--json")
     require_module("transformers", "kvtier demo", "demo")
@@ -125,7 +126,7 @@ def _storage(args: argparse.Namespace):
 
 
 def _open(url: str):
-    """Open ``url`` and probe it with one existence check; ``ValueError`` when either fails.
+    """Open ``url`` and probe it with one existence check; ``UsageError`` when either fails.
     Backends report an unreachable server as a warning and a counted error, not an exception:
     the warnings are captured here and the first becomes the message."""
     from ..storage import open as open_storage
@@ -137,14 +138,14 @@ def _open(url: str):
         # (redis-py's cluster discovery, Mooncake's setup) when a server cannot be reached.
         except Exception as e:
             why = str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
-            raise ValueError(f"--storage {url}: {why}") from None
+            raise UsageError(f"--storage {url}: {why}") from None
         before = store.stats()["errors"]
         store.batch_exists(["kvtier-demo-probe"])
         failed = store.stats()["errors"] > before
     if failed:
         store.close()
         why = records[0].getMessage() if records else "the probe counted an error"
-        raise ValueError(f"--storage {url}: unreachable: {why}")
+        raise UsageError(f"--storage {url}: unreachable: {why}")
     return store
 
 

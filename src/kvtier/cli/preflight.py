@@ -1,6 +1,6 @@
 """Checks a command runs before it starts working: output paths, optional modules, memory.
 
-Each raises ``ValueError`` with the numbers, which the command line prints as one line.
+Each raises ``UsageError`` with the numbers, which the command line prints as one line.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from ..errors import UsageError
 from .table import human_bytes
 
 #: Share of this machine's memory one run may plan to use; above it the run is refused.
@@ -25,27 +26,27 @@ def check_output_path(path: str | None, flag: str) -> None:
         return
     target = Path(path)
     if target.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory; give a file name")
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
     parent = target.parent
     if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: directory {str(parent)!r} does not exist")
+        raise UsageError(f"{flag} {path}: directory {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not writable")
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 def check_input_file(path: str, what: str) -> None:
     """``path`` exists and is not a directory (a regular file, a pipe or a device is read as given)."""
     target = Path(path)
     if not target.exists():
-        raise ValueError(f"{what} {path}: no such file")
+        raise UsageError(f"{what} {path}: no such file")
     if target.is_dir():
-        raise ValueError(f"{what} {path}: is a directory, not a file")
+        raise UsageError(f"{what} {path}: is a directory, not a file")
 
 
 def require_module(module: str, why: str, extra: str) -> None:
     """``module`` is importable; otherwise name the extra that installs it."""
     if importlib.util.find_spec(module) is None:
-        raise ValueError(f"{why} needs the Python package {module!r}: pip install 'kvtier[{extra}]'")
+        raise UsageError(f"{why} needs the Python package {module!r}: pip install 'kvtier[{extra}]'")
 
 
 def host_memory_bytes() -> int | None:
@@ -66,7 +67,7 @@ def check_host_memory(nbytes: int, what: str, hint: str) -> None:
     check_torch_bytes(nbytes, what, hint)
     total = host_memory_bytes()
     if total is not None and nbytes > HOST_FRACTION * total:
-        raise ValueError(f"{what} needs about {human_bytes(nbytes)} of memory, more than {HOST_FRACTION:.0%} of "
+        raise UsageError(f"{what} needs about {human_bytes(nbytes)} of memory, more than {HOST_FRACTION:.0%} of "
                          f"this machine's {human_bytes(total)}; {hint}")
 
 
@@ -79,10 +80,10 @@ def check_device_memory(nbytes: int, device, what: str, hint: str) -> None:
         return
     free, total = torch.cuda.mem_get_info(torch.device(device))
     if nbytes > DEVICE_FRACTION * free:
-        raise ValueError(f"{what} needs about {human_bytes(nbytes)} on {device}, more than {DEVICE_FRACTION:.0%} of "
+        raise UsageError(f"{what} needs about {human_bytes(nbytes)} on {device}, more than {DEVICE_FRACTION:.0%} of "
                          f"its free {human_bytes(free)} (of {human_bytes(total)}); {hint}")
 
 
 def check_torch_bytes(nbytes: int, what: str, hint: str) -> None:
     if nbytes > TORCH_MAX_BYTES:
-        raise ValueError(f"{what} would be {nbytes:.3g} bytes, beyond torch's 2^63-byte limit; {hint}")
+        raise UsageError(f"{what} would be {nbytes:.3g} bytes, beyond torch's 2^63-byte limit; {hint}")

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from typing import NamedTuple
 
+from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..sim.parallel import Oracle, Replay, cpu_count, run_task, run_tasks
 from ..sim.simulator import CostModel, SimConfig
@@ -137,7 +138,7 @@ class SimCapacities(NamedTuple):
 def sim_capacities(spec: KVSpec | HybridSpec | None, args: argparse.Namespace) -> SimCapacities:
     """Each tier's tokens from ``--TIER-tokens`` or ``--TIER-bytes`` (whole tokens of
     ``spec.bytes_per_token``, rounded down), for ``spec`` or, when ``None``,
-    :class:`SimConfig`'s default. ``ValueError`` for both options on one tier, a bad size,
+    :class:`SimConfig`'s default. ``UsageError`` for both options on one tier, a bad size,
     and a hybrid spec.
 
     A hybrid spec's bytes pay, per token of its full groups, the full groups' bytes
@@ -151,7 +152,7 @@ def sim_capacities(spec: KVSpec | HybridSpec | None, args: argparse.Namespace) -
     for tier in TIERS:
         given_tokens, given_bytes = getattr(args, f"{tier}_tokens"), getattr(args, f"{tier}_bytes")
         if given_tokens is not None and given_bytes is not None:
-            raise ValueError(f"--{tier}-tokens and --{tier}-bytes both size the {tier} tier; give one")
+            raise UsageError(f"--{tier}-tokens and --{tier}-bytes both size the {tier} tier; give one")
         if given_bytes is None:
             tokens[tier] = DEFAULT_TOKENS[tier] if given_tokens is None else given_tokens
             continue
@@ -180,7 +181,7 @@ def _capacity_text(args: argparse.Namespace, tier: str, tokens: float, spec: KVS
 
 
 def _configs(args: argparse.Namespace) -> list[SimConfig]:
-    """Every configuration to replay, checked: ``ValueError`` before anything is read or built."""
+    """Every configuration to replay, checked: ``UsageError`` before anything is read or built."""
     caps = sim_capacities(spec_from_args(args) if has_spec(args) else None, args)
     base = SimConfig(device_tokens=caps.device_tokens, host_tokens=caps.host_tokens,
                      storage_tokens=caps.storage_tokens, block_tokens=args.block_tokens, write_policy=args.policy,
@@ -191,25 +192,25 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
     if args.sweep:
         name, sep, values = args.sweep.partition("=")
         if not sep or name not in SWEEPABLE:
-            raise ValueError(f"--sweep {args.sweep!r}: expected NAME=A,B,... with NAME one of {', '.join(SWEEPABLE)}")
+            raise UsageError(f"--sweep {args.sweep!r}: expected NAME=A,B,... with NAME one of {', '.join(SWEEPABLE)}")
         tier = name.partition("-")[0]
         if getattr(args, f"{tier}_bytes") is not None:
-            raise ValueError(f"--sweep {name} and --{tier}-bytes both size the {tier} tier; give one")
+            raise UsageError(f"--sweep {name} and --{tier}-bytes both size the {tier} tier; give one")
         field = name.replace("-", "_")
         configs = []
         for text in values.split(","):
             try:
                 value = capacity(text, unlimited=field == "storage_tokens")
             except ValueError as e:
-                raise ValueError(f"--sweep {name}={text}: {e}") from None
+                raise UsageError(f"--sweep {name}={text}: {e}") from None
             configs.append(replace(base, **{field: value}))
     for c in configs:
         for tier, tokens in (("device", c.device_tokens), ("host", c.host_tokens)):
             if tokens < c.block_tokens:
-                raise ValueError(f"{_capacity_text(args, tier, tokens, c.spec)} is less than one {c.block_tokens}-token"
+                raise UsageError(f"{_capacity_text(args, tier, tokens, c.spec)} is less than one {c.block_tokens}-token"
                                  " block; the device and host tiers need at least one block each")
         if args.storage_bytes is not None and 0 < c.storage_tokens < c.block_tokens:
-            raise ValueError(f"{_capacity_text(args, 'storage', c.storage_tokens, c.spec)} is less than one "
+            raise UsageError(f"{_capacity_text(args, 'storage', c.storage_tokens, c.spec)} is less than one "
                              f"{c.block_tokens}-token block; give 0 for no storage")
     return configs
 
@@ -223,9 +224,9 @@ def _requests(args: argparse.Namespace) -> list:
     try:
         requests = read_mooncake(args.trace, block_tokens=args.block_tokens)
     except OSError as e:
-        raise ValueError(f"trace {args.trace}: {e.strerror or e}") from None
+        raise UsageError(f"trace {args.trace}: {e.strerror or e}") from None
     if not requests:
-        raise ValueError(f"trace {args.trace}: no requests (an empty file?)")
+        raise UsageError(f"trace {args.trace}: no requests (an empty file?)")
     return requests
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from .. import hybrid
+from ..errors import UsageError
 from ..hybrid import Attention, HybridSpec, KVGroup, _ranges
 from ..spec import Component, KVSpec, parse_dtype
 
@@ -69,9 +70,9 @@ def _items(what: str, text: str, keys: tuple[str, ...]) -> dict[str, str]:
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in keys:
-            raise ValueError(f"{what}: bad item {part!r}; keys are {', '.join(keys)}")
+            raise UsageError(f"{what}: bad item {part!r}; keys are {', '.join(keys)}")
         if key in out:
-            raise ValueError(f"{what}: {key}= given twice")
+            raise UsageError(f"{what}: {key}= given twice")
         out[key] = value.strip()
     return out
 
@@ -82,10 +83,10 @@ def _ints(what: str, items: dict[str, str], required: tuple[str, ...]) -> dict[s
         try:
             out[key] = int(value)
         except ValueError:
-            raise ValueError(f"{what}: {key}={value!r} is not an integer") from None
+            raise UsageError(f"{what}: {key}={value!r} is not an integer") from None
     missing = [k for k in required if k not in out]
     if missing:
-        raise ValueError(f"{what}: missing {', '.join(missing)}")
+        raise UsageError(f"{what}: missing {', '.join(missing)}")
     return out
 
 
@@ -97,7 +98,7 @@ def _parse_kv(kind: str, text: str) -> dict[str, int]:
 def _parse_components(text: str) -> tuple[int, list[Component]]:
     layers, sep, rest = text.partition(":")
     if not sep:
-        raise ValueError(f"--components {text!r}: expected LAYERS:NAME=HEADSxDIM,...")
+        raise UsageError(f"--components {text!r}: expected LAYERS:NAME=HEADSxDIM,...")
     comps = []
     for part in rest.split(","):
         name, _, geom = part.partition("=")
@@ -105,11 +106,11 @@ def _parse_components(text: str) -> tuple[int, list[Component]]:
         try:
             comps.append(Component(name.strip(), int(heads), int(dim)))
         except ValueError as e:
-            raise ValueError(f"--components item {part!r}: {e}") from None
+            raise UsageError(f"--components item {part!r}: {e}") from None
     try:
         return int(layers), comps
     except ValueError:
-        raise ValueError(f"--components {text!r}: layers {layers!r} is not an integer") from None
+        raise UsageError(f"--components {text!r}: layers {layers!r} is not an integer") from None
 
 
 def _layer_ids(key: str, text: str, layers: int) -> set[int]:
@@ -121,15 +122,15 @@ def _layer_ids(key: str, text: str, layers: int) -> set[int]:
             first = int(lo)
             last = int(hi) if dash else first
         except ValueError:
-            raise ValueError(f"{_HYBRID}: {key}={text}: {item!r} is not a layer id or a range A-B") from None
+            raise UsageError(f"{_HYBRID}: {key}={text}: {item!r} is not a layer id or a range A-B") from None
         if first > last:
-            raise ValueError(f"{_HYBRID}: {key}={text}: range {item!r} runs backwards")
+            raise UsageError(f"{_HYBRID}: {key}={text}: range {item!r} runs backwards")
         if last >= layers:
-            raise ValueError(f"{_HYBRID}: {key}={text}: layer {last} is out of range [0, {layers})")
+            raise UsageError(f"{_HYBRID}: {key}={text}: layer {last} is out of range [0, {layers})")
         ids.extend(range(first, last + 1))
     twice = sorted({i for i in ids if ids.count(i) > 1})
     if twice:
-        raise ValueError(f"{_HYBRID}: {key}={text}: layers {_ranges(twice)} named twice")
+        raise UsageError(f"{_HYBRID}: {key}={text}: layers {_ranges(twice)} named twice")
     return set(ids)
 
 
@@ -137,20 +138,20 @@ def _layer_kinds(text: str) -> list[str]:
     """The first part of a ``hybrid:`` spelling: each layer's group name, ``full`` or ``swa``."""
     items = _items(f"{_HYBRID}: the layer part {text!r}", text, _LAYER_KEYS)
     if "layers" not in items:
-        raise ValueError(f"{_HYBRID}: the first part {text!r} needs layers=N; the form is {_HYBRID_FORM}")
+        raise UsageError(f"{_HYBRID}: the first part {text!r} needs layers=N; the form is {_HYBRID_FORM}")
     layers = _ints(_HYBRID, {"layers": items["layers"]}, ("layers",))["layers"]
     if layers <= 0:
-        raise ValueError(f"{_HYBRID}: layers={layers} must be a positive integer")
+        raise UsageError(f"{_HYBRID}: layers={layers} must be a positive integer")
     rules = [k for k in ("full", "swa", "pattern") if k in items]
     if len(rules) != 1:
-        raise ValueError(f"{_HYBRID}: the first part {text!r} needs exactly one of full=IDS, swa=IDS, pattern=LETTERS"
+        raise UsageError(f"{_HYBRID}: the first part {text!r} needs exactly one of full=IDS, swa=IDS, pattern=LETTERS"
                          f" (got {len(rules)})")
     rule, value = rules[0], items[rules[0]]
     if rule == "pattern":
         letters = {v: k for k, v in _GROUPS.items()}
         bad = sorted({c for c in value.upper() if c not in letters})
         if bad or not value:
-            raise ValueError(f"{_HYBRID}: pattern={value!r}: use letters F (full) and S (sliding), got "
+            raise UsageError(f"{_HYBRID}: pattern={value!r}: use letters F (full) and S (sliding), got "
                              f"{', '.join(map(repr, bad)) or 'none'}")
         return [letters[value.upper()[i % len(value)]] for i in range(layers)]
     named, other = rule, "swa" if rule == "full" else "full"
@@ -161,7 +162,7 @@ def _layer_kinds(text: str) -> list[str]:
 def parse_hybrid(text: str, dtype) -> HybridSpec:
     """The spec of ``hybrid:TEXT`` (see :data:`_HYBRID_FORM`), every group in ``dtype``: a
     ``full`` group then a ``swa`` group, each present when some layer has its kind.
-    ``ValueError`` names the offending part or item."""
+    ``UsageError`` names the offending part or item."""
     first, *parts = text.split(";")
     kinds = _layer_kinds(first)
     geometry: dict[str, dict[str, int]] = {}
@@ -169,9 +170,9 @@ def parse_hybrid(text: str, dtype) -> HybridSpec:
         name, sep, items = part.partition(":")
         name = name.strip()
         if not sep or name not in _GROUP_KEYS:
-            raise ValueError(f"{_HYBRID}: part {part!r}: expected full:KEY=N,... or swa:KEY=N,...")
+            raise UsageError(f"{_HYBRID}: part {part!r}: expected full:KEY=N,... or swa:KEY=N,...")
         if name in geometry:
-            raise ValueError(f"{_HYBRID}: two {name}: parts")
+            raise UsageError(f"{_HYBRID}: two {name}: parts")
         what = f"{_HYBRID}: the {name}: part"
         required = tuple(k for k in _GROUP_KEYS[name] if k not in _OPTIONAL)
         geometry[name] = _ints(what, _items(what, items, _GROUP_KEYS[name]), required)
@@ -179,10 +180,10 @@ def parse_hybrid(text: str, dtype) -> HybridSpec:
     for name in _GROUPS:
         layers = tuple(i for i, kind in enumerate(kinds) if kind == name)
         if layers and name not in geometry:
-            raise ValueError(f"{_HYBRID}: layers {_ranges(layers)} are {name} but there is no {name}: part "
+            raise UsageError(f"{_HYBRID}: layers {_ranges(layers)} are {name} but there is no {name}: part "
                              f"(e.g. {name}:{'window=128,' if name == 'swa' else ''}heads=8,head_dim=128)")
         if name in geometry and not layers:
-            raise ValueError(f"{_HYBRID}: a {name}: part, but no layer is {name}")
+            raise UsageError(f"{_HYBRID}: a {name}: part, but no layer is {name}")
         if not layers:
             continue
         f = geometry[name]
@@ -191,7 +192,7 @@ def parse_hybrid(text: str, dtype) -> HybridSpec:
             attention = Attention.sliding(f["window"]) if name == "swa" else Attention()
             groups.append(KVGroup(name, layers, spec, attention))
         except ValueError as e:
-            raise ValueError(f"{_HYBRID}: {name}: {e}") from None
+            raise UsageError(f"{_HYBRID}: {name}: {e}") from None
     return HybridSpec(tuple(groups))
 
 
@@ -210,7 +211,7 @@ def spec_from_args(args: argparse.Namespace) -> KVSpec | HybridSpec:
     attention of one geometry is its plain ``KVSpec``)."""
     given = [k for k in _OPTIONS if getattr(args, k, None)]
     if len(given) != 1:
-        raise ValueError("give exactly one of --spec, --mha, --mla, --k-only, --components")
+        raise UsageError("give exactly one of --spec, --mha, --mla, --k-only, --components")
     dtype = parse_dtype(args.dtype)
     kind, text = given[0], getattr(args, given[0])
     if kind == "spec":
@@ -222,7 +223,7 @@ def spec_from_args(args: argparse.Namespace) -> KVSpec | HybridSpec:
             spec = parse_hybrid(text, dtype)
             return spec.uniform_spec if spec.is_uniform else spec
         if not sep or kind not in _FIELDS and kind != "components":
-            raise ValueError(f"--spec {getattr(args, 'spec')!r}: use a preset ({', '.join(PRESETS)}) or "
+            raise UsageError(f"--spec {getattr(args, 'spec')!r}: use a preset ({', '.join(PRESETS)}) or "
                              "KIND:KEY=N,... with KIND mha, mla, k_only, components or hybrid")
     if kind == "components":
         layers, comps = _parse_components(text)
@@ -237,10 +238,10 @@ def spec_from_args(args: argparse.Namespace) -> KVSpec | HybridSpec:
 
 def uniform_spec_from_args(args: argparse.Namespace, command: str) -> KVSpec:
     """:func:`spec_from_args` for a command that takes one geometry: a hybrid spec is
-    refused with a ``ValueError`` naming its groups."""
+    refused with a ``UsageError`` naming its groups."""
     spec = spec_from_args(args)
     if isinstance(spec, HybridSpec):
-        raise ValueError(f"{command} takes one geometry; {describe_groups(spec)}; give one group's geometry with "
+        raise UsageError(f"{command} takes one geometry; {describe_groups(spec)}; give one group's geometry with "
                          "--mha, --mla, --k-only or --components")
     return spec
 

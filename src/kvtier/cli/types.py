@@ -7,6 +7,8 @@ import math
 import re
 from typing import Callable
 
+from ..errors import UsageError
+
 
 def positive_int(text: str) -> int:
     value = _int(text)
@@ -52,22 +54,22 @@ def name_list(choices) -> Callable[[str], tuple[str, ...]]:
 
 
 def capacity(text: str, *, unlimited: bool = False) -> float:
-    """Tokens as ``N`` or ``1e6``, >= 0; ``inf`` only where ``unlimited``. Raises ``ValueError``."""
+    """Tokens as ``N`` or ``1e6``, >= 0; ``inf`` only where ``unlimited``. Raises ``UsageError``."""
     word = text.strip().lower()
     if word in ("inf", "infinite", "unlimited"):
         if unlimited:
             return math.inf
-        raise ValueError(f"must be a finite number of tokens, got {text!r} (only --storage-tokens may be inf)")
+        raise UsageError(f"must be a finite number of tokens, got {text!r} (only --storage-tokens may be inf)")
     try:
         value = float(word)
     except ValueError:
-        raise ValueError(f"must be a number of tokens such as 4096 or 1e6, got {text!r}") from None
+        raise UsageError(f"must be a number of tokens such as 4096 or 1e6, got {text!r}") from None
     if math.isnan(value):
-        raise ValueError(f"must be a number of tokens, got {text!r}")
+        raise UsageError(f"must be a number of tokens, got {text!r}")
     if math.isinf(value) and not unlimited:
-        raise ValueError(f"must be a finite number of tokens, got {text!r} (only --storage-tokens may be inf)")
+        raise UsageError(f"must be a finite number of tokens, got {text!r} (only --storage-tokens may be inf)")
     if value < 0:
-        raise ValueError(f"must be >= 0 tokens, got {text!r}")
+        raise UsageError(f"must be >= 0 tokens, got {text!r}")
     return value
 
 
@@ -100,18 +102,18 @@ _BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 def parse_bytes(text: str, flag: str, *, unlimited: bool = False) -> int | float:
     """Bytes as ``N``, ``64GiB``, ``1.5 TiB`` or ``500GB`` (a unit of :data:`BYTE_UNITS`,
     in any case), rounded down to whole bytes; ``inf`` (a float) only where ``unlimited``.
-    ``ValueError`` starting ``FLAG 'TEXT':``."""
+    ``UsageError`` starting ``FLAG 'TEXT':``."""
     if text.strip().lower() in ("inf", "infinite", "unlimited"):
         if unlimited:
             return math.inf
-        raise ValueError(f"{flag} {text!r}: must be a finite size (only the storage tier may be inf)")
+        raise UsageError(f"{flag} {text!r}: must be a finite size (only the storage tier may be inf)")
     match = _BYTES.match(text)
     if match is None:
-        raise ValueError(f"{flag} {text!r}: expected a size such as 4096, 64GiB or 500GB")
+        raise UsageError(f"{flag} {text!r}: expected a size such as 4096, 64GiB or 500GB")
     number, unit = match.groups()
     scale = _UNIT_BY_LOWER.get(unit.lower())
     if scale is None:
-        raise ValueError(f"{flag} {text!r}: unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
+        raise UsageError(f"{flag} {text!r}: unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
     # NOTE: exact decimal arithmetic, so "1.1GB" is 1,100,000,000 bytes, not a float's one less
     whole, _, frac = number.partition(".")
     return (int(whole or 0) * 10 ** len(frac) + int(frac or 0)) * scale // 10 ** len(frac)

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from ..errors import UsageError
+
 _CHUNK = 64 << 20  # bytes hashed per step: bounds the host copy of a device tensor
 #: Files whose bytes are the model: weights in the formats engines load, and the config
 #: (rope scaling, window sizes and the like change the KV of the same weights).
@@ -50,7 +52,7 @@ def model_namespace(name: str, revision: str | None, dtype: torch.dtype, digest:
     """``<name>@<revision>:<dtype>[:w<digest>]``, the namespace kvtier's integrations
     use when none is given."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"model name must be a non-empty str, got {name!r}")
+        raise UsageError(f"model name must be a non-empty str, got {name!r}")
     out = f"{name}@{revision or 'unversioned'}:{str(dtype).removeprefix('torch.')}"
     return f"{out}:w{digest[:32]}" if digest else out
 

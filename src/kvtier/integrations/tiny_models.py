@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
+
 MODELS = ("mimo", "gemma3", "gpt-oss", "llama", "deepseek", "mimo-full")
 #: Past tokens a sliding layer attends to in the hybrid models (their ``sliding_window`` is
 #: one more: transformers counts the query), well below the demo's 150-400-token prompts.
@@ -29,7 +31,7 @@ def build(name: str, *, seed: int = 0, layers: int | None = None, hidden: int = 
     from transformers import AutoModelForCausalLM
 
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        raise UsageError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     torch.manual_seed(seed)
     config = _config(name, layers or _LAYERS.get(name, 4), hidden, vocab)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(device)

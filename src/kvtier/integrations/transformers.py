@@ -30,14 +30,11 @@ import torch
 
 from ..cache import HierarchicalCache
 from ..cache.tokens import token_array
+from ..errors import UnsupportedModelError, UsageError
 from ..hybrid import Attention, HybridSpec, KVGroup
 from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..spec import Component, KVSpec
 from .identity import model_namespace, weights_digest
-
-
-class UnsupportedModelError(ValueError):
-    """The model's cache cannot be mapped to pages (e.g. linear-attention or recurrent state)."""
 
 
 _FULL, _SLIDING = "DynamicLayer", "DynamicSlidingWindowLayer"
@@ -227,9 +224,9 @@ class CachedGenerator:
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError(f"hf_generate takes one sequence (batch 1), got input_ids of shape {tuple(ids.shape)}")
+            raise UsageError(f"hf_generate takes one sequence (batch 1), got input_ids of shape {tuple(ids.shape)}")
         if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
-            raise ValueError("hf_generate brings its own past_key_values (the cached prefix); do not pass one")
+            raise UsageError("hf_generate brings its own past_key_values (the cached prefix); do not pass one")
         tokens = ids[0].tolist()
         got = held = self.cache.acquire(tokens[:-1], salt)  # the last prompt token is always computed
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import IntegrityError, UsageError
+from .common import check_sizes
 from .indices import page_numbers, page_token_slots
 
 
@@ -16,7 +18,7 @@ class PageAllocator:
     """
 
     def __init__(self, size: int, page_size: int, index_device: torch.device = torch.device("cpu")) -> None:
-        assert size % page_size == 0, f"size {size} not a multiple of page_size {page_size}"
+        check_sizes(size, page_size)
         self.size = size
         self.page_size = page_size
         self._devices = tuple({torch.device("cpu"), index_device})
@@ -37,9 +39,9 @@ class PageAllocator:
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` token slots in whole pages, as ``(n,)`` int64; ``None`` when too few are free."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"alloc needs a non-negative int, got {n!r}")
+            raise UsageError(f"alloc needs a non-negative int, got {n!r}")
         if n % self.page_size:
-            raise ValueError(f"alloc({n}): not a multiple of page_size {self.page_size}")
+            raise UsageError(f"alloc({n}): not a multiple of page_size {self.page_size}")
         need = n // self.page_size
         if need > self._count:
             return None
@@ -56,15 +58,15 @@ class PageAllocator:
         return pages
 
     def free_pages(self, pages: np.ndarray) -> None:
-        """Return pages by number (int64 numpy, distinct); ``ValueError`` for one out of
-        range or not allocated."""
+        """Return pages by number (int64 numpy, distinct); :class:`UsageError` for one out
+        of range, :class:`IntegrityError` for one not allocated (a double free)."""
         if pages.size == 0:
             return
         if pages.min() < 0 or pages.max() >= self._in_use.size:
-            raise ValueError(f"free_pages: page numbers must be in [0, {self._in_use.size})")
+            raise UsageError(f"free_pages: page numbers must be in [0, {self._in_use.size})")
         not_used = pages[~self._in_use[pages]]
         if not_used.size:
-            raise ValueError(f"free_pages: pages {not_used[:8].tolist()} are not allocated")
+            raise IntegrityError(f"free_pages: pages {not_used[:8].tolist()} are not allocated (a double free)")
         self._in_use[pages] = False
         self._put(pages)
 
@@ -73,16 +75,16 @@ class PageAllocator:
         return torch.from_numpy(self._in_use[np.asarray(page_ids, dtype=np.int64)])
 
     def free(self, indices: torch.Tensor) -> None:
-        """Return whole pages; ``ValueError`` for slots that are not allocated (double free)."""
+        """Return whole pages; :class:`UsageError` for slots that are not whole pages of
+        this allocator, :class:`IntegrityError` for pages not allocated (a double free)."""
         pages = page_numbers(indices, page_size=self.page_size, size=self.size, what="free indices",
                              allowed_devices=self._devices, unique=True)
         if pages.size == 0:
             return
         not_used = pages[~self._in_use[pages]]
         if not_used.size:
-            raise ValueError(
-                f"free: pages starting at slots {(not_used[:8] * self.page_size).tolist()} are not allocated"
-            )
+            raise IntegrityError(f"free: pages starting at slots {(not_used[:8] * self.page_size).tolist()} are "
+                                 "not allocated (a double free)")
         self._in_use[pages] = False
         self._put(pages)
 

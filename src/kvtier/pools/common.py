@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
 from ..spec import KVSpec
 from .memory import pool_bytes
 
@@ -13,16 +14,16 @@ _ALIGN = 4096  # component offsets inside one allocation: page-aligned for pinni
 def check_sizes(size: object, page_size: object) -> None:
     for field, value in (("size", size), ("page_size", page_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{field} must be a positive int, got {value!r}")
+            raise UsageError(f"{field} must be a positive int, got {value!r}")
     if size % page_size:
-        raise ValueError(f"size {size} is not a multiple of page_size {page_size}")
+        raise UsageError(f"size {size} is not a multiple of page_size {page_size}")
 
 
 def parse_device(device: object) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"invalid device {device!r}: {e}") from None
+        raise UsageError(f"invalid device {device!r}: {e}") from None
 
 
 def check_device(device: str) -> torch.device:
@@ -31,21 +32,21 @@ def check_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
+        raise UsageError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+        raise UsageError(f"device {device!r}: expected cpu, cuda or cuda:N")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available here (a CPU-only torch build, or no GPU "
+            raise UsageError(f"device {device!r}: CUDA is not available here (a CPU-only torch build, or no GPU "
                              "visible); use cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise UsageError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     return dev
 
 
 def check_spec(spec: object) -> KVSpec:
     if not isinstance(spec, KVSpec):
-        raise ValueError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        raise UsageError(f"spec must be a KVSpec, got {type(spec).__name__}")
     return spec
 
 

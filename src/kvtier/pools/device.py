@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
 from ..spec import KVSpec
 from .allocator import PageAllocator
 from .common import carve, check_sizes, check_spec, parse_device
@@ -33,25 +34,25 @@ class DeviceKVPool:
         check_spec(spec)
         if not isinstance(buffers, dict) or set(buffers) != set(spec.names):
             got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
-            raise ValueError(f"buffers must map exactly the components {list(spec.names)}, got {got}")
+            raise UsageError(f"buffers must map exactly the components {list(spec.names)}, got {got}")
         first = buffers[spec.names[0]][0] if buffers[spec.names[0]] else None
         if not isinstance(first, torch.Tensor):
-            raise ValueError(f"buffers[{spec.names[0]!r}] must be a non-empty list of tensors")
+            raise UsageError(f"buffers[{spec.names[0]!r}] must be a non-empty list of tensors")
         size = first.shape[0]
         for c in spec.components:
             layers = buffers[c.name]
             if len(layers) != spec.layer_num:
-                raise ValueError(f"buffers[{c.name!r}] has {len(layers)} layers, spec has {spec.layer_num}")
+                raise UsageError(f"buffers[{c.name!r}] has {len(layers)} layers, spec has {spec.layer_num}")
             for i, t in enumerate(layers):
                 where = f"buffers[{c.name!r}][{i}]"
                 if not isinstance(t, torch.Tensor):
-                    raise ValueError(f"{where} is {type(t).__name__}, not a tensor")
+                    raise UsageError(f"{where} is {type(t).__name__}, not a tensor")
                 if tuple(t.shape) != (size, c.head_num, c.head_dim):
-                    raise ValueError(f"{where} has shape {tuple(t.shape)}, expected {(size, c.head_num, c.head_dim)}")
+                    raise UsageError(f"{where} has shape {tuple(t.shape)}, expected {(size, c.head_num, c.head_dim)}")
                 if t.dtype != spec.dtype:
-                    raise ValueError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
+                    raise UsageError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
                 if t.device != first.device:
-                    raise ValueError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}][0] on {first.device}")
+                    raise UsageError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}][0] on {first.device}")
         check_sizes(size, page_size)
         pool = cls.__new__(cls)
         pool.raw = None
@@ -81,9 +82,9 @@ class DeviceKVPool:
     def buffer(self, name: str, layer: int) -> torch.Tensor:
         """``(size, head, dim)`` buffer of component ``name`` at ``layer``."""
         if name not in self._layers:
-            raise ValueError(f"unknown component {name!r}; this pool has {list(self._layers)}")
+            raise UsageError(f"unknown component {name!r}; this pool has {list(self._layers)}")
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.layer_num:
-            raise ValueError(f"layer {layer!r} out of range [0, {self.spec.layer_num})")
+            raise UsageError(f"layer {layer!r} out of range [0, {self.spec.layer_num})")
         return self._layers[name][layer]
 
     @property

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import torch
 
+from ..errors import UsageError
 from ..layout import Layout, get_layout, require_split_heads
 from ..spec import KVSpec
 from ..transfer import CopyWorkers, check_io_backend, copy_pages
@@ -23,7 +24,7 @@ def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
     if pin_memory is None:
         return accel and device.type == "cpu"
     if pin_memory and not accel:
-        raise ValueError("pin_memory=True needs an accelerator (CUDA) and none is available; use pin_memory=None")
+        raise UsageError("pin_memory=True needs an accelerator (CUDA) and none is available; use pin_memory=None")
     return bool(pin_memory)
 
 
@@ -78,10 +79,10 @@ class HostKVPool:
         lay = get_layout(layout)
         if not isinstance(buffers, dict) or set(buffers) != set(spec.names):
             got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
-            raise ValueError(f"buffers must map exactly the components {list(spec.names)}, got {got}")
+            raise UsageError(f"buffers must map exactly the components {list(spec.names)}, got {got}")
         first = buffers[spec.names[0]]
         if not isinstance(first, torch.Tensor) or first.dim() != len(lay.order):
-            raise ValueError(f"buffers[{spec.names[0]!r}] must be a {len(lay.order)}-D tensor in {lay.name} order "
+            raise UsageError(f"buffers[{spec.names[0]!r}] must be a {len(lay.order)}-D tensor in {lay.name} order "
                              f"{lay.order}, got {getattr(first, 'shape', type(first).__name__)}")
         num_pages = first.shape[lay.order.index("page")]
         check_sizes(num_pages * page_size, page_size)
@@ -89,16 +90,16 @@ class HostKVPool:
         for c in spec.components:
             t, where = buffers[c.name], f"buffers[{c.name!r}]"
             if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{where} is {type(t).__name__}, not a tensor")
+                raise UsageError(f"{where} is {type(t).__name__}, not a tensor")
             if tuple(t.shape) != shapes[c.name]:
-                raise ValueError(f"{where} has shape {tuple(t.shape)}; {lay.name} {lay.order} with page_size "
+                raise UsageError(f"{where} has shape {tuple(t.shape)}; {lay.name} {lay.order} with page_size "
                                  f"{page_size} needs {shapes[c.name]}")
             if t.dtype != spec.dtype:
-                raise ValueError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
+                raise UsageError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
             if t.device != first.device:
-                raise ValueError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}] on {first.device}")
+                raise UsageError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}] on {first.device}")
             if not t.is_contiguous():
-                raise ValueError(f"{where} is not contiguous (strides {t.stride()}); page spans need each "
+                raise UsageError(f"{where} is not contiguous (strides {t.stride()}); page spans need each "
                                  f"component's buffer packed in {lay.name} order")
         pool = cls.__new__(cls)
         pool._init(spec, page_size, lay, first.device, _shared_allocation(list(buffers.values())),
@@ -187,7 +188,7 @@ class HostKVPool:
                                  device_indices: torch.Tensor, layer_id: int, io_backend: str = "direct") -> None:
         """Copy one layer of whole pages, every component, host -> device."""
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.spec.layer_num:
-            raise ValueError(f"layer_id {layer_id!r} out of range [0, {self.spec.layer_num})")
+            raise UsageError(f"layer_id {layer_id!r} out of range [0, {self.spec.layer_num})")
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=False)
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
@@ -198,15 +199,15 @@ class HostKVPool:
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
         check_io_backend(io_backend)
         if not isinstance(device_pool, DeviceKVPool):
-            raise ValueError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
+            raise UsageError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
         if device_pool.spec != self.spec:
-            raise ValueError(f"device pool spec {device_pool.spec.fingerprint()} differs from host pool spec "
+            raise UsageError(f"device pool spec {device_pool.spec.fingerprint()} differs from host pool spec "
                              f"{self.spec.fingerprint()}")
         if device_pool.page_size != self.page_size:
-            raise ValueError(f"device pool page_size {device_pool.page_size} != host pool page_size {self.page_size}")
+            raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size {self.page_size}")
         if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor) \
                 and host_indices.numel() != device_indices.numel():
-            raise ValueError(f"host_indices has {host_indices.numel()} slots, device_indices "
+            raise UsageError(f"host_indices has {host_indices.numel()} slots, device_indices "
                              f"{device_indices.numel()}; they must match")
         devices = (torch.device("cpu"), device_pool.device)
         host_pages = page_starts(host_indices, page_size=self.page_size, size=self.size, what="host_indices",
@@ -220,9 +221,9 @@ class HostKVPool:
         if isinstance(index, torch.Tensor) and index.numel() == 1:
             index = int(index)
         if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"page index must be an int token slot, got {index!r}")
+            raise UsageError(f"page index must be an int token slot, got {index!r}")
         if not 0 <= index < self.size or index % self.page_size:
-            raise ValueError(f"page index {index} must be a multiple of page_size {self.page_size} "
+            raise UsageError(f"page index {index} must be a multiple of page_size {self.page_size} "
                              f"in [0, {self.size})")
         return index // self.page_size
 
@@ -249,11 +250,11 @@ class HostKVPool:
         page = self._page_of(index)
         expected = self.spec.page_elems(self.page_size)
         if not isinstance(data_page, torch.Tensor):
-            raise ValueError(f"data_page must be a tensor, got {type(data_page).__name__}")
+            raise UsageError(f"data_page must be a tensor, got {type(data_page).__name__}")
         if data_page.dtype != self.spec.dtype:
-            raise ValueError(f"data_page dtype {data_page.dtype} != spec dtype {self.spec.dtype}")
+            raise UsageError(f"data_page dtype {data_page.dtype} != spec dtype {self.spec.dtype}")
         if data_page.numel() != expected:
-            raise ValueError(f"data_page has {data_page.numel()} elements, a flat page has {expected}")
+            raise UsageError(f"data_page has {data_page.numel()} elements, a flat page has {expected}")
         flat = data_page.reshape(-1)
         offset = 0
         for c in self.spec.components:
@@ -284,10 +285,10 @@ class HostKVPool:
     def _split_heads_table(self, split_factor: int) -> SpanTable:
         require_split_heads(self._layout)
         if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor <= 0:
-            raise ValueError(f"split_factor must be a positive int, got {split_factor!r}")
+            raise UsageError(f"split_factor must be a positive int, got {split_factor!r}")
         for c in self.spec.components:
             if c.head_num % split_factor:
-                raise ValueError(f"component {c.name!r} has {c.head_num} heads, not divisible by "
+                raise UsageError(f"component {c.name!r} has {c.head_num} heads, not divisible by "
                                  f"split_factor {split_factor}")
         return self._spans.split_heads(split_factor)
 

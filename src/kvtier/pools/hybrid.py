@@ -19,6 +19,7 @@ from typing import Mapping
 
 import torch
 
+from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..spec import KVSpec
 from .device import DeviceKVPool
@@ -31,7 +32,7 @@ def as_hybrid(spec: KVSpec | HybridSpec) -> HybridSpec:
         return spec
     if isinstance(spec, KVSpec):
         return HybridSpec.of(spec)
-    raise ValueError(f"spec must be a KVSpec or a HybridSpec, got {type(spec).__name__}")
+    raise UsageError(f"spec must be a KVSpec or a HybridSpec, got {type(spec).__name__}")
 
 
 def _sizes(spec: HybridSpec, size: int | Mapping[str, int]) -> dict[str, int]:
@@ -39,25 +40,25 @@ def _sizes(spec: HybridSpec, size: int | Mapping[str, int]) -> dict[str, int]:
     if not isinstance(size, Mapping):
         return dict.fromkeys(spec.names, size)
     if set(size) != set(spec.names):
-        raise ValueError(f"sizes must name exactly the groups {list(spec.names)}, got {sorted(size)}")
+        raise UsageError(f"sizes must name exactly the groups {list(spec.names)}, got {sorted(size)}")
     return dict(size)
 
 
 def _check_pools(spec: HybridSpec, pools: Mapping[str, object], kind: type) -> dict:
     if not isinstance(pools, Mapping) or set(pools) != set(spec.names):
         got = sorted(pools) if isinstance(pools, Mapping) else type(pools).__name__
-        raise ValueError(f"pools must map exactly the groups {list(spec.names)}, got {got}")
+        raise UsageError(f"pools must map exactly the groups {list(spec.names)}, got {got}")
     page_sizes = set()
     for g in spec.groups:
         pool = pools[g.name]
         if not isinstance(pool, kind):
-            raise ValueError(f"pool of group {g.name!r} is a {type(pool).__name__}, not a {kind.__name__}")
+            raise UsageError(f"pool of group {g.name!r} is a {type(pool).__name__}, not a {kind.__name__}")
         if pool.spec != g.spec:
-            raise ValueError(f"pool of group {g.name!r} has spec {pool.spec.fingerprint()}, the group "
+            raise UsageError(f"pool of group {g.name!r} has spec {pool.spec.fingerprint()}, the group "
                              f"{g.spec.fingerprint()}")
         page_sizes.add(pool.page_size)
     if len(page_sizes) > 1:
-        raise ValueError(f"every group's pool needs one page size, got {sorted(page_sizes)}")
+        raise UsageError(f"every group's pool needs one page size, got {sorted(page_sizes)}")
     return {g.name: pools[g.name] for g in spec.groups}
 
 
@@ -73,7 +74,7 @@ class _GroupPools:
         """The pool of group ``group``."""
         pool = self.pools.get(group)
         if pool is None:
-            raise ValueError(f"unknown group {group!r}; this spec has {list(self.spec.names)}")
+            raise UsageError(f"unknown group {group!r}; this spec has {list(self.spec.names)}")
         return pool
 
     def __iter__(self):
@@ -89,10 +90,10 @@ class _GroupPools:
 
     def _indices(self, what: str, indices: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not isinstance(indices, Mapping):
-            raise ValueError(f"{what} must map group names to slot tensors, got {type(indices).__name__}")
+            raise UsageError(f"{what} must map group names to slot tensors, got {type(indices).__name__}")
         unknown = sorted(set(indices) - set(self.pools))
         if unknown:
-            raise ValueError(f"{what} names groups {unknown}; this spec has {list(self.spec.names)}")
+            raise UsageError(f"{what} names groups {unknown}; this spec has {list(self.spec.names)}")
         return dict(indices)
 
 
@@ -122,7 +123,7 @@ class HybridDevicePool(_GroupPools):
         spec = as_hybrid(spec)
         if not isinstance(buffers, Mapping) or set(buffers) != set(spec.names):
             got = sorted(buffers) if isinstance(buffers, Mapping) else type(buffers).__name__
-            raise ValueError(f"buffers must map exactly the groups {list(spec.names)}, got {got}")
+            raise UsageError(f"buffers must map exactly the groups {list(spec.names)}, got {got}")
         return cls.from_pools(spec, {g.name: DeviceKVPool.from_buffers(g.spec, buffers[g.name], page_size)
                                      for g in spec.groups})
 
@@ -150,7 +151,7 @@ class HybridHostPool(_GroupPools):
         checked = _check_pools(spec, pools, HostKVPool)
         layouts = {p.layout for p in checked.values()}
         if len(layouts) > 1:
-            raise ValueError(f"every group's host pool needs one layout, got {sorted(layouts)}")
+            raise UsageError(f"every group's host pool needs one layout, got {sorted(layouts)}")
         out = cls.__new__(cls)
         _GroupPools.__init__(out, spec, checked)
         out.layout = layouts.pop()
@@ -183,11 +184,11 @@ class HybridHostPool(_GroupPools):
         if not isinstance(device_pool, HybridDevicePool) or device_pool.spec != self.spec:
             got = device_pool.spec.fingerprint() if isinstance(device_pool, HybridDevicePool) else \
                 type(device_pool).__name__
-            raise ValueError(f"device_pool must be a HybridDevicePool of spec {self.spec.fingerprint()}, got {got}")
+            raise UsageError(f"device_pool must be a HybridDevicePool of spec {self.spec.fingerprint()}, got {got}")
         host = self._indices("host_indices", host_indices)
         dev = self._indices("device_indices", device_indices)
         if set(host) != set(dev):
-            raise ValueError(f"host_indices names groups {sorted(host)}, device_indices {sorted(dev)}")
+            raise UsageError(f"host_indices names groups {sorted(host)}, device_indices {sorted(dev)}")
         return host, dev
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..compiled import load
+from ..errors import UsageError
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -44,16 +45,16 @@ def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
                  unique: bool = False) -> np.ndarray:
     """:func:`page_starts` as a new int64 numpy array (no tensor around it)."""
     if not isinstance(indices, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor of int64 token slots, got {type(indices).__name__}")
+        raise UsageError(f"{what} must be a torch.Tensor of int64 token slots, got {type(indices).__name__}")
     if indices.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"{what} must have dtype int64 or int32, got {indices.dtype}")
+        raise UsageError(f"{what} must have dtype int64 or int32, got {indices.dtype}")
     if indices.dim() != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+        raise UsageError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
     if indices.device not in allowed_devices:
-        raise ValueError(f"{what} is on {indices.device}; expected one of {[str(d) for d in allowed_devices]}")
+        raise UsageError(f"{what} is on {indices.device}; expected one of {[str(d) for d in allowed_devices]}")
     n = indices.numel()
     if n % page_size:
-        raise ValueError(f"{what} holds {n} slots, not a multiple of page_size {page_size}")
+        raise UsageError(f"{what} holds {n} slots, not a multiple of page_size {page_size}")
     if n == 0:
         return np.empty(0, dtype=np.int64)
     if n <= _SMALL_SLOTS:
@@ -97,18 +98,18 @@ def _page_ids(flat: np.ndarray, *, page_size: int, size: int, what: str, unique:
     page_ids, offsets = np.divmod(starts, page_size)
     if np.count_nonzero(offsets):  # NOTE: count_nonzero: a fraction of .any()'s fixed cost
         i = int(np.flatnonzero(offsets)[0])
-        raise ValueError(f"{what}: page {i} starts at slot {int(starts[i])}, not a multiple of page_size {page_size}")
+        raise UsageError(f"{what}: page {i} starts at slot {int(starts[i])}, not a multiple of page_size {page_size}")
     # NOTE: aligned starts in [0, size) and consecutive slots keep every slot in range,
     # so the range check only needs the page numbers; as uint64 a negative one is huge,
     # so one max() checks both ends. A page p fits iff (p + 1) * page_size <= size.
     if int(page_ids.view(np.uint64).max()) >= size // page_size:
-        raise ValueError(f"{what} has slots in [{int(flat.min())}, {int(flat.max())}], outside the pool's "
+        raise UsageError(f"{what} has slots in [{int(flat.min())}, {int(flat.max())}], outside the pool's "
                          f"[0, {size})")
     if page_size > 1:
         broken = _steps(flat, page_size) != 1
         if np.count_nonzero(broken):
             i = int(np.flatnonzero(broken)[0]) // page_size
-            raise ValueError(f"{what}: page {i} slots {pages[i].tolist()} are not consecutive from {int(starts[i])}")
+            raise UsageError(f"{what}: page {i} slots {pages[i].tolist()} are not consecutive from {int(starts[i])}")
     _check_unique(page_ids, what, unique)
     return page_ids
 
@@ -117,7 +118,7 @@ def _check_unique(page_ids: np.ndarray, what: str, unique: bool) -> None:
     if unique and page_ids.size > 1:
         ordered = np.sort(page_ids)
         if np.count_nonzero(ordered[1:] == ordered[:-1]):
-            raise ValueError(f"{what} names the same page more than once; a destination page can be written once "
+            raise UsageError(f"{what} names the same page more than once; a destination page can be written once "
                              "per call")
 
 

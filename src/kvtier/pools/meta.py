@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import IntegrityError
 from ..layout import Layout
 from ..spec import KVSpec
 
@@ -35,7 +36,9 @@ class SpanTable:
     size_list: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        assert self.offset.shape == self.page_stride.shape == self.size.shape, "one offset, stride, size per span"
+        if not self.offset.shape == self.page_stride.shape == self.size.shape:
+            raise IntegrityError(f"a span table needs one offset, stride and size per span, got shapes "
+                                 f"{self.offset.shape}, {self.page_stride.shape}, {self.size.shape}")
         object.__setattr__(self, "size_list", self.size.tolist())
 
     @property
@@ -91,7 +94,9 @@ def page_span_table(layout: Layout, spec: KVSpec, buffers: dict[str, torch.Tenso
     bufs = [buffers[c.name] for c in spec.components]
     axis = layout.order.index("page")
     outer_shape = tuple(bufs[0].shape[:axis])
-    assert all(tuple(b.shape[:axis]) == outer_shape for b in bufs), "outer axes must match across components"
+    if any(tuple(b.shape[:axis]) != outer_shape for b in bufs):
+        raise IntegrityError(f"{layout.name}: the axes before 'page' differ across components: "
+                             f"{[tuple(b.shape[:axis]) for b in bufs]}")
     outer = list(itertools.product(*(range(n) for n in outer_shape)))
     inner_off = np.array([[sum(i * s * es for i, s in zip(idx, b.stride()[:axis])) for b in bufs] for idx in outer],
                          dtype=np.int64).reshape(len(outer), len(bufs))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import HierarchicalCache
+from ..errors import UsageError
 from ..hybrid import Attention, HybridSpec, KVGroup
 from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..spec import KVSpec
@@ -102,7 +103,7 @@ def simulate(requests: list[Request], config: SimConfig, progress=None) -> SimRe
     bt = config.block_tokens
     device_blocks, host_blocks = _blocks(config.device_tokens, bt), _blocks(config.host_tokens, bt)
     if device_blocks <= 0 or host_blocks <= 0:
-        raise ValueError(f"device and host need at least one {bt}-token block each, got "
+        raise UsageError(f"device and host need at least one {bt}-token block each, got "
                          f"{config.device_tokens} and {config.host_tokens} tokens")
     storage = None
     if config.storage_tokens:

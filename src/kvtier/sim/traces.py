@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-
-class TraceError(ValueError):
-    """A malformed trace line; the message names the file and line."""
+from ..errors import TraceError, UsageError
 
 
 @dataclass(frozen=True)
@@ -38,7 +36,7 @@ def read_mooncake(path: str | Path, block_tokens: int | None = None) -> list[Req
 def iter_mooncake(path: str | Path, block_tokens: int | None = None) -> Iterator[Request]:
     if block_tokens is not None and (isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
                                      or block_tokens <= 0):
-        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        raise UsageError(f"block_tokens must be a positive int, got {block_tokens!r}")
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             where = f"{path}, line {number}"
@@ -112,7 +110,7 @@ def repeat(requests: list[Request], times: int) -> list[Request]:
     trace (``kvtier bench replay``): the working set and the hit structure per copy
     stay those of the real trace, and the replay is three times as long."""
     if isinstance(times, bool) or not isinstance(times, int) or times <= 0:
-        raise ValueError(f"times must be a positive int, got {times!r}")
+        raise UsageError(f"times must be a positive int, got {times!r}")
     ids = [b for r in requests for b in r.blocks]
     id_span = max(ids) - min(ids) + 1 if ids else 0
     stamps = [r.timestamp for r in requests]

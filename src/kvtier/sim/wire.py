@@ -13,6 +13,7 @@ from typing import NamedTuple, Union
 
 import torch
 
+from ..errors import UsageError
 from ..hybrid import Attention, HybridSpec, KVGroup
 from ..spec import Component, KVSpec
 from .simulator import CostModel, SimConfig, SimResult
@@ -55,7 +56,7 @@ def _kv_spec(spec: KVSpec) -> dict:
 def _read_kv_spec(spec: dict) -> KVSpec:
     dtype = getattr(torch, spec["dtype"])
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {spec['dtype']!r}")
+        raise UsageError(f"not a torch dtype: {spec['dtype']!r}")
     return KVSpec(spec["layer_num"], tuple(Component(*x) for x in spec["components"]), dtype)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from ..errors import UsageError
 from .base import Storage
 from .keys import page_keys
 from .objectstore import ObjectStorage
@@ -36,19 +37,19 @@ def open(url: str, **options) -> Storage:  # noqa: A001 - the contract's name
     (e.g. ``spec=`` and ``page_size=``, ``capacity_bytes=`` for files, ``ttl=`` for Redis),
     which the URL query may carry too. Unknown or invalid options raise ``ValueError``."""
     if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"storage url must look like scheme://..., got {url!r}; schemes: {', '.join(BACKENDS)}")
+        raise UsageError(f"storage url must look like scheme://..., got {url!r}; schemes: {', '.join(BACKENDS)}")
     scheme = url.split("://", 1)[0].lower()
     if scheme not in BACKENDS:
-        raise ValueError(f"unknown storage scheme {scheme!r}; supported: {', '.join(BACKENDS)}")
+        raise UsageError(f"unknown storage scheme {scheme!r}; supported: {', '.join(BACKENDS)}")
     module, cls = BACKENDS[scheme].split(":")
     backend = getattr(importlib.import_module(module), cls)
     parts = urlsplit(url)
     options = merge_options(f"{scheme}:// storage", backend.OPTIONS, backend.KEYWORDS, parts.query, options)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path")
+            raise UsageError(f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path")
         if not parts.path:
-            raise ValueError(f"file URL {url!r} has no path; use file:///absolute/path")
+            raise UsageError(f"file URL {url!r} has no path; use file:///absolute/path")
         return backend(unquote(parts.path), **options)
     return backend(urlunsplit(parts._replace(query="")), **options)
 

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..errors import UsageError
 from ..pools import HostKVPool
 from ..pools.indices import page_starts
 from ..spec import KVSpec
@@ -68,19 +69,19 @@ def _check_keys(keys: Iterable[str]) -> list[str]:
     """``keys`` as a list (any iterable is read exactly once), each a non-empty str of at
     most ``MAX_KEY_BYTES`` UTF-8 bytes; ``ValueError`` naming the first bad key otherwise."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
-        raise ValueError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys), "
+        raise UsageError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys), "
                          f"got {type(keys).__name__}")
     keys = list(keys)
     for i, k in enumerate(keys):
         if not isinstance(k, str) or not k:
-            raise ValueError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys); "
+            raise UsageError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys); "
                              f"key {i} is {k!r:.60}")
         try:
             n = len(k.encode())
         except UnicodeEncodeError as e:
-            raise ValueError(f"key {i} is not encodable as UTF-8: {e}") from None
+            raise UsageError(f"key {i} is not encodable as UTF-8: {e}") from None
         if n > MAX_KEY_BYTES:
-            raise ValueError(f"key {i} is {n} bytes (UTF-8), over the limit of {MAX_KEY_BYTES}")
+            raise UsageError(f"key {i} is {n} bytes (UTF-8), over the limit of {MAX_KEY_BYTES}")
     return keys
 
 
@@ -96,10 +97,10 @@ class Storage(ABC):
     def __init__(self, *, spec: KVSpec | None = None, page_size: int | None = None,
                  head_groups: int | None = None) -> None:
         if spec is not None and not isinstance(spec, KVSpec):
-            raise ValueError(f"spec must be a KVSpec, got {type(spec).__name__}")
+            raise UsageError(f"spec must be a KVSpec, got {type(spec).__name__}")
         check_options(Storage.OPTIONS, page_size=page_size, head_groups=head_groups)
         if (spec is None) != (page_size is None):
-            raise ValueError(f"spec= and page_size= bind a store's geometry together: give both or neither "
+            raise UsageError(f"spec= and page_size= bind a store's geometry together: give both or neither "
                              f"(got spec={spec.fingerprint() if spec else None}, page_size={page_size})")
         self._spec, self._page_size, self._head_groups = spec, page_size, head_groups
         # validates head_groups against the spec now
@@ -157,7 +158,7 @@ class Storage(ABC):
     def _check_pool(self, host_pool: HostKVPool) -> None:
         """Raise ``ValueError`` unless ``host_pool`` has the bound geometry (if any)."""
         if self._spec is not None and (host_pool.spec != self._spec or host_pool.page_size != self._page_size):
-            raise ValueError(f"this store is bound to spec {self._spec.fingerprint()} (shard "
+            raise UsageError(f"this store is bound to spec {self._spec.fingerprint()} (shard "
                              f"{self._spec.shard_of}) with page_size {self._page_size}; the pool has spec "
                              f"{host_pool.spec.fingerprint()} (shard {host_pool.spec.shard_of}) with page_size "
                              f"{host_pool.page_size}")
@@ -167,16 +168,16 @@ class Storage(ABC):
         must be distinct (two objects into one page would mix their bytes)."""
         keys = _check_keys(keys)
         if not isinstance(host_pool, HostKVPool):
-            raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
+            raise UsageError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
         self._check_pool(host_pool)
         if not isinstance(host_indices, torch.Tensor) or host_indices.numel() != len(keys) * host_pool.page_size:
             n = host_indices.numel() if isinstance(host_indices, torch.Tensor) else host_indices
-            raise ValueError(f"host_indices must hold len(keys) * page_size = {len(keys)} * {host_pool.page_size} "
+            raise UsageError(f"host_indices must hold len(keys) * page_size = {len(keys)} * {host_pool.page_size} "
                              f"slots, got {n}")
         pages = page_starts(host_indices, page_size=host_pool.page_size, size=host_pool.size, what="host_indices",
                             unique=not writing)
         if host_pool.device.type != "cpu":
-            raise ValueError(f"storage moves bytes through host memory; the pool is on {host_pool.device}")
+            raise UsageError(f"storage moves bytes through host memory; the pool is on {host_pool.device}")
         self._plan(host_pool)  # an impossible head_groups for this spec is caller misuse: raise now
         return keys, pages.tolist()
 

@@ -27,6 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from ..errors import CorruptObject, UnexpectedObject
+
 MAGIC = b"KVT1"
 VERSION = 1
 _FIXED = struct.Struct("<4sHHQQH")
@@ -35,15 +37,6 @@ _ALIGN = 16
 
 #: The longest object name (``<key>#<field>``, UTF-8) a header can hold.
 MAX_NAME_BYTES = 0xFFFF
-
-
-class CorruptObject(Exception):
-    """A stored object failed a check of its own header or checksum: delete it."""
-
-
-class UnexpectedObject(Exception):
-    """An object that is not what the reader expects (another length), but that its
-    header does not call broken: a miss, and the object stays."""
 
 
 class Partial(NamedTuple):

@@ -8,9 +8,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Hashable
 
-
-class BackendDown(ConnectionError):
-    """A call refused without touching the network: the breaker is open."""
+from ..errors import BackendDown
 
 
 class Breaker:

@@ -10,8 +10,9 @@ copy) and other layouts go through a per-thread staging arena. A reader of anoth
 tensor-parallel size than the writer finds the files holding its head groups in the
 key's directory and reads only their ranges. Parts move through
 ``kvtier.storage.pageio``, which hashes each chunk while it is in the CPU's cache; a
-file the page cache does not hold is read with O_DIRECT where the filesystem allows. Objects of the version-1 format (one
-file per part, under ``kvtier-v1``) are not read: they are misses.
+file the page cache does not hold is read with O_DIRECT where the filesystem allows.
+Objects of the version-1 format (one file per part, under ``kvtier-v1``) are not
+read: they are misses.
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
 sensitive as the prompts it came from: directories are created 0700 and objects 0600
@@ -49,9 +50,10 @@ import numpy as np
 import torch
 import xxhash
 
+from ..errors import CorruptObject, NotAnObject, UnexpectedObject, UsageError
 from ..pools import HostKVPool
 from .base import _check_keys
-from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject
+from .codec import MAX_NAME_BYTES
 from .objects import PagePlan, Part
 from .options import Opt, check_options
 from . import pageio
@@ -65,10 +67,6 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os
 # Cold reads bypass the page cache where the platform and the filesystem allow it
 _O_DIRECT, _RWF_NOWAIT = getattr(os, "O_DIRECT", 0), getattr(os, "RWF_NOWAIT", 0)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-class NotAnObject(OSError):
-    """Something other than a regular file sits at an object's path."""
 
 
 class _Page:
@@ -179,7 +177,7 @@ class FileStorage(ThreadedStorage):
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(13, "not writable")
         except OSError as e:
-            raise ValueError(f"file storage: cannot use directory {self.root}: {e.strerror or e}") from None
+            raise UsageError(f"file storage: cannot use directory {self.root}: {e.strerror or e}") from None
         self._root_name = str(self.root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
@@ -269,7 +267,7 @@ class FileStorage(ThreadedStorage):
         plan = self._plan(host_pool)
         longest = max((len(k.encode()) for k in keys), default=0) + 1 + len(plan.prefix) + 32
         if longest > MAX_NAME_BYTES:
-            raise ValueError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
+            raise UsageError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
                              f"{MAX_NAME_BYTES}; use shorter keys")
         return keys, pages, plan
 

@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..pools.hybrid import HybridHostPool, as_hybrid
 from ..spec import KVSpec
@@ -46,7 +47,7 @@ class GroupedStorage:
 
     def __init__(self, storage, spec: KVSpec | HybridSpec, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            raise UsageError(f"page_size must be a positive int, got {page_size!r}")
         self.storage, self.page_size = storage, page_size
         self.spec = as_hybrid(spec).full
         self._tags = {name: group_tag(self.spec, name) for name in self.spec.names}
@@ -55,21 +56,21 @@ class GroupedStorage:
         """Group ``name``'s object keys for the page keys ``keys``."""
         tag = self._tags.get(name)
         if tag is None:
-            raise ValueError(f"unknown group {name!r}; this spec has {list(self.spec.names)}")
+            raise UsageError(f"unknown group {name!r}; this spec has {list(self.spec.names)}")
         return list(keys) if not tag else [k + tag for k in keys]
 
     def _pages(self, keys: list[str], pages: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
         if pages is None:
             return {name: list(range(len(keys))) for name in self.spec.names}
         if not isinstance(pages, Mapping):
-            raise ValueError(f"pages must map group names to page numbers, got {type(pages).__name__}")
+            raise UsageError(f"pages must map group names to page numbers, got {type(pages).__name__}")
         out = {}
         for name, picked in pages.items():
             self.keys(name, [])  # the name is a group's
             picked = list(picked)
             bad = [i for i in picked if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(keys)]
             if bad:
-                raise ValueError(f"pages[{name!r}] holds {bad[:4]}, not page numbers in [0, {len(keys)})")
+                raise UsageError(f"pages[{name!r}] holds {bad[:4]}, not page numbers in [0, {len(keys)})")
             out[name] = picked
         return out
 
@@ -103,7 +104,7 @@ class GroupedStorage:
         keys = _check_keys(keys)
         unknown = sorted(set(held or {}) - set(self.spec.names))
         if unknown:
-            raise ValueError(f"held names groups {unknown}; this spec has {list(self.spec.names)}")
+            raise UsageError(f"held names groups {unknown}; this spec has {list(self.spec.names)}")
         have = {}
         for name in self.spec.names:
             mine = [x is True for x in (held or {}).get(name, ())][:len(keys)]
@@ -147,17 +148,17 @@ class GroupedStorage:
     def _move(self, op, keys, host_pool, host_indices, pages) -> dict[str, list[bool]]:
         if not isinstance(host_pool, HybridHostPool) or host_pool.spec.full != self.spec \
                 or host_pool.page_size != self.page_size:
-            raise ValueError(f"host_pool must be a HybridHostPool of spec {self.spec.fingerprint()} with page_size "
+            raise UsageError(f"host_pool must be a HybridHostPool of spec {self.spec.fingerprint()} with page_size "
                              f"{self.page_size}")
         group_keys = self._group_keys(keys, pages)
         if not isinstance(host_indices, Mapping) or set(host_indices) != set(group_keys):
             got = sorted(host_indices) if isinstance(host_indices, Mapping) else type(host_indices).__name__
-            raise ValueError(f"host_indices must name the groups {sorted(group_keys)}, got {got}")
+            raise UsageError(f"host_indices must name the groups {sorted(group_keys)}, got {got}")
         for name, gk in group_keys.items():  # every group's numbers before any group's bytes move
             idx = host_indices[name]
             if not isinstance(idx, torch.Tensor) or idx.numel() != len(gk) * host_pool.page_size:
                 n = idx.numel() if isinstance(idx, torch.Tensor) else idx
-                raise ValueError(f"host_indices[{name!r}] must hold {len(gk)} pages of {host_pool.page_size} slots, "
+                raise UsageError(f"host_indices[{name!r}] must hold {len(gk)} pages of {host_pool.page_size} slots, "
                                  f"got {n}")
         return {name: list(getattr(self.storage, op)(gk, host_pool[name], host_indices[name]))
                 for name, gk in group_keys.items()}

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..errors import UsageError
+
 _DOMAIN = b"kvtier-page-v1"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -27,7 +29,7 @@ try:
     from xxhash import xxh3_128_digest as _xxh3_128  # called in C: no Python frame per page
 except ImportError:  # pragma: no cover - a dependency, but this module imports without it
     def _xxh3_128(data: bytes) -> bytes:
-        raise ValueError("hash 'xxh3' needs the Python package xxhash: pip install xxhash")
+        raise UsageError("hash 'xxh3' needs the Python package xxhash: pip install xxhash")
 
 
 HASHES: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxh3": _xxh3_128}
@@ -43,7 +45,7 @@ def _token_array(token_ids) -> np.ndarray:
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"token_ids must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+        raise UsageError(f"token_ids must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
     return arr.astype("<i8", copy=False)
 
 
@@ -64,11 +66,11 @@ def extend_keys(parent: str | None, token_ids, page_size: int, namespace: str = 
     i.., ...)`` equals ``page_keys(all pages, ...)[i:]``, so a prefix tree can key
     each new page without rehashing its ancestors."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        raise UsageError(f"page_size must be a positive int, got {page_size!r}")
     if not isinstance(namespace, str) or not namespace:
-        raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+        raise UsageError(f"namespace must be a non-empty str, got {namespace!r}")
     if hash not in HASHES:
-        raise ValueError(f"unknown hash {hash!r}; supported: {', '.join(HASHES)}")
+        raise UsageError(f"unknown hash {hash!r}; supported: {', '.join(HASHES)}")
     tokens = _token_array(token_ids)
     prefix = namespace_tag(namespace) + "/"
     if parent is None:

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from ..errors import UsageError
 from ..layout import LAYOUTS, Layout, get_layout
 from ..pools import HostKVPool
 from .base import Storage, _check_keys
@@ -64,7 +65,7 @@ class MooncakeStorage(Storage):
                       local_buffer_size=local_buffer_size, rdma_devices=rdma_devices, layout=layout,
                       connect_timeout=connect_timeout, backoff=backoff)
         if (layout is None) != (self._spec is None):
-            raise ValueError("layout= binds a mooncake store together with spec= and page_size=: give all three "
+            raise UsageError("layout= binds a mooncake store together with spec= and page_size=: give all three "
                              f"or none (got layout={layout!r}, spec bound: {self._spec is not None})")
         self._layout: Layout | None = None if layout is None else get_layout(layout)
         if self._bound is not None:
@@ -75,9 +76,9 @@ class MooncakeStorage(Storage):
         except ValueError:
             host = port = None
         if not host or not port:
-            raise ValueError(f"mooncake URL {url!r} needs the master's host:port")
+            raise UsageError(f"mooncake URL {url!r} needs the master's host:port")
         if parts.query:
-            raise ValueError(f"mooncake URL {url!r}: URL options are read by kvtier.storage.open(); "
+            raise UsageError(f"mooncake URL {url!r}: URL options are read by kvtier.storage.open(); "
                              "pass keywords here")
         self.prefix = prefix
         self._config = {
@@ -92,7 +93,7 @@ class MooncakeStorage(Storage):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError:  # pragma: no cover - depends on the environment
-            raise ValueError("mooncake:// needs Mooncake Store: pip install mooncake-transfer-engine "
+            raise UsageError("mooncake:// needs Mooncake Store: pip install mooncake-transfer-engine "
                              "(or mooncake-transfer-engine-non-cuda on CPU machines)") from None
         self._cls = MooncakeDistributedStore
         self._lock = threading.Lock()
@@ -171,7 +172,7 @@ class MooncakeStorage(Storage):
     def _check_pool(self, host_pool: HostKVPool) -> None:
         super()._check_pool(host_pool)
         if self._layout is not None and host_pool.layout != self._layout.name:
-            raise ValueError(f"this store is bound to layout {self._layout.name!r}; the pool has {host_pool.layout!r}")
+            raise UsageError(f"this store is bound to layout {self._layout.name!r}; the pool has {host_pool.layout!r}")
 
     def _marker_name(self, key: str) -> str:
         return self.prefix + escape_key(key)

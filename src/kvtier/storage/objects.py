@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..errors import IntegrityError, UsageError
 from ..spec import KVSpec
 
 
@@ -45,16 +47,16 @@ class PagePlan:
         multi = [c for c in full.components if c.head_num > 1]
         groups = head_groups or (math.gcd(*(c.head_num for c in multi)) if multi else 1)
         if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-            raise ValueError(f"head_groups must be a positive int, got {head_groups!r}")
+            raise UsageError(f"head_groups must be a positive int, got {head_groups!r}")
         for c in multi:
             if c.head_num % groups:
-                raise ValueError(f"head_groups {groups} does not divide component {c.name!r}'s {c.head_num} heads")
+                raise UsageError(f"head_groups {groups} does not divide component {c.name!r}'s {c.head_num} heads")
         rank, size = (spec.shard_of.rank, spec.shard_of.size) if spec.shard_of else (0, 1)
         if multi and groups % size:
-            raise ValueError(f"head_groups {groups} is not divisible by the shard size {size}")
+            raise UsageError(f"head_groups {groups} is not divisible by the shard size {size}")
         self.spec, self.page_size, self.groups = spec, page_size, groups
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            raise UsageError(f"page_size must be a positive int, got {page_size!r}")
         fp, es = f"{full.fingerprint()}/p{page_size}", spec.element_size
         token_bytes = page_size * spec.layer_num * es
         self.read_parts: list[Part] = []
@@ -90,7 +92,8 @@ class PagePlan:
             nbytes = view[0].size * view.itemsize
             out.append((view, offset, nbytes))
             offset += nbytes
-        assert offset == part.nbytes, f"part {part.field}: pieces of {offset} bytes, expected {part.nbytes}"
+        if offset != part.nbytes:
+            raise IntegrityError(f"part {part.field}: pieces of {offset} bytes, expected {part.nbytes}")
         return tuple(out)
 
     def pack(self, pool, page: int, part: Part, buf: np.ndarray) -> None:

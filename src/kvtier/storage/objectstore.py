@@ -10,6 +10,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..errors import UsageError
 from ..pools import HostKVPool
 from .base import _check_keys
 from .codec import MAX_NAME_BYTES, CorruptObject, UnexpectedObject, decode, header_size, write_header
@@ -82,7 +83,7 @@ class ObjectStorage(ThreadedStorage):
         parts = plan.write_parts if writing else plan.read_parts
         longest = max((len(k.encode()) for k in keys), default=0) + 1 + max(len(p.field.encode()) for p in parts)
         if longest > MAX_NAME_BYTES:
-            raise ValueError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
+            raise UsageError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
                              f"{MAX_NAME_BYTES}; use shorter keys")
         views = {part.field: plan.part_views(host_pool, part) for part in parts}
         return keys, pages, parts, views

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
+from ..errors import UsageError
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -37,14 +39,14 @@ class Opt:
 
     def parse(self, name: str, text: str):
         """The typed value of the URL text ``text``."""
+        if self.kind is bool and text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
         try:
-            if self.kind is bool:
-                if text.lower() not in _TRUE + _FALSE:
-                    raise ValueError
-                return text.lower() in _TRUE
-            return self.kind(text)
+            if self.kind is not bool:
+                return self.kind(text)
         except ValueError:
-            raise ValueError(f"option {name}={text!r} is not a {self.describe()}") from None
+            pass
+        raise UsageError(f"option {name}={text!r} is not a {self.describe()}")
 
     def check(self, name: str, value):
         """``value`` if it is valid for this option; ``ValueError`` naming it otherwise."""
@@ -61,7 +63,7 @@ class Opt:
             ok = value in self.choices
         if not ok:
             none = " or None" if self.none_ok else ""
-            raise ValueError(f"option {name} must be a {self.describe()}{none}, got {value!r}")
+            raise UsageError(f"option {name} must be a {self.describe()}{none}, got {value!r}")
         return value
 
 
@@ -78,19 +80,19 @@ def merge_options(what: str, table: dict[str, Opt], keywords: set[str], query: s
     supported = f"supported URL options: {', '.join(sorted(table)) or 'none'}"
     unknown = sorted(set(given) - set(table) - keywords)
     if unknown:
-        raise ValueError(f"{what}: unknown options {unknown}; {supported}; keyword-only: "
+        raise UsageError(f"{what}: unknown options {unknown}; {supported}; keyword-only: "
                          f"{', '.join(sorted(keywords)) or 'none'}")
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise ValueError(f"{what}: malformed URL query {query!r}; {supported}") from None
+        raise UsageError(f"{what}: malformed URL query {query!r}; {supported}") from None
     out = dict(given)
     seen = set()
     for name, text in pairs:
         if name not in table:
-            raise ValueError(f"{what}: unknown URL option {name!r}; {supported}")
+            raise UsageError(f"{what}: unknown URL option {name!r}; {supported}")
         if name in seen or name in given:
-            raise ValueError(f"{what}: option {name!r} given more than once (URL query and keywords)")
+            raise UsageError(f"{what}: option {name!r} given more than once (URL query and keywords)")
         seen.add(name)
         out[name] = table[name].check(name, table[name].parse(name, text))
     return out

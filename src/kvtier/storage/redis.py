@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from ..errors import UsageError
 from .codec import Partial
 from .faults import BackendDown, Breaker
 from .objectstore import ObjectStorage
@@ -30,14 +31,14 @@ def _db_index(url: str) -> int:
     try:
         parts.port
     except ValueError:
-        raise ValueError(f"redis URL {url!r} has an invalid port") from None
+        raise UsageError(f"redis URL {url!r} has an invalid port") from None
     if parts.query:
-        raise ValueError(f"redis URL {url!r}: URL options are read by kvtier.storage.open(); pass keywords here")
+        raise UsageError(f"redis URL {url!r}: URL options are read by kvtier.storage.open(); pass keywords here")
     path = unquote(parts.path).strip("/")
     if not path:
         return 0
     if not path.isdecimal() or not path.isascii():
-        raise ValueError(f"redis URL {url!r}: the path must be /<database index>, a non-negative int; got /{path}")
+        raise UsageError(f"redis URL {url!r}: the path must be /<database index>, a non-negative int; got /{path}")
     return int(path)
 
 
@@ -59,7 +60,7 @@ class RedisStorage(ObjectStorage):
             from redis.backoff import NoBackoff
             from redis.retry import Retry
         except ImportError:  # pragma: no cover - depends on the environment
-            raise ValueError("redis:// needs the redis package: pip install 'kvtier[redis]'") from None
+            raise UsageError("redis:// needs the redis package: pip install 'kvtier[redis]'") from None
         db = _db_index(url)
         self.ttl, self.prefix = ttl, prefix
         self._breaker = Breaker(backoff)
@@ -73,7 +74,7 @@ class RedisStorage(ObjectStorage):
         self._closed = False
         if url.startswith("redis+cluster://"):
             if db:
-                raise ValueError(f"redis URL {url!r}: a Redis cluster has database 0 only")
+                raise UsageError(f"redis URL {url!r}: a Redis cluster has database 0 only")
             from redis.cluster import RedisCluster
 
             rest = urlunsplit(urlsplit(url)._replace(scheme="redis", path=""))
@@ -88,11 +89,11 @@ class RedisStorage(ObjectStorage):
             self._call(lambda client: client.ping())
         except (redis.AuthenticationError, redis.ResponseError) as e:
             self.close()
-            raise ValueError(f"the redis server refused this connection: {type(e).__name__}: {e}") from None
+            raise UsageError(f"the redis server refused this connection: {type(e).__name__}: {e}") from None
         except redis.ConnectionError as e:
             if "Invalid Database" in str(e):
                 self.close()
-                raise ValueError(f"the redis server refused the database index: {e}") from None
+                raise UsageError(f"the redis server refused the database index: {e}") from None
             self._fault("open", e)
         except Exception as e:  # down now: counted, and calls fail fast for the backoff
             self._fault("open", e)

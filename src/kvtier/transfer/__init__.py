@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import UsageError
 from . import cpu
 from .copy import CopyWorkers, copy_torch, int_view
 from .gather import gather_pages
@@ -33,7 +34,7 @@ KERNEL_MIN_RUN_BYTES = 32 << 10
 
 def check_io_backend(io_backend: str) -> None:
     if io_backend not in IO_BACKENDS:
-        raise ValueError(f"unknown io_backend {io_backend!r}; supported: {', '.join(IO_BACKENDS)}")
+        raise UsageError(f"unknown io_backend {io_backend!r}; supported: {', '.join(IO_BACKENDS)}")
 
 
 def _view_pairs(dst, src, layer: int | None, use_numpy: bool = False) -> list:

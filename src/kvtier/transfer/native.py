@@ -20,6 +20,7 @@ import ctypes
 import numpy as np
 
 from ..compiled import built, switched_on
+from ..errors import IntegrityError
 
 # None where not compiled (no compiler at install time): numpy does every copy
 _native = built("kvtier.transfer._native")
@@ -55,7 +56,7 @@ class Blocks:
 
     def __init__(self, dst_page: np.ndarray, src_page: np.ndarray) -> None:
         if dst_page.shape != src_page.shape:
-            raise ValueError(f"page shapes differ: {dst_page.shape} and {src_page.shape}")
+            raise IntegrityError(f"page shapes differ: {dst_page.shape} and {src_page.shape}")
         axes = [a for a in range(dst_page.ndim) if dst_page.shape[a] != 1]
         axes.sort(key=lambda a: abs(dst_page.strides[a]))
         block = dst_page.itemsize

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import IntegrityError
+
 MIN_BLOCK, MAX_BLOCK = 128, 4096
 
 
@@ -49,7 +51,8 @@ def _copy_pages_kernel(dst_ptr, src_ptr, dst_pages_ptr, src_pages_ptr, dst_page_
 def _inner(view: torch.Tensor) -> tuple[list[int], list[int]]:
     """Inner sizes and strides padded to four axes (size-1 axes in front)."""
     sizes, strides = list(view.shape[1:]), list(view.stride()[1:])
-    assert len(sizes) <= 4, f"at most 4 inner axes, got {len(sizes)}"
+    if len(sizes) > 4:
+        raise IntegrityError(f"the copy kernel takes at most 4 inner axes, got {len(sizes)}")
     pad = 4 - len(sizes)
     return [1] * pad + sizes, [0] * pad + strides
 
@@ -65,7 +68,9 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, dst_pages: torch.Tensor, sr
     n = dst_pages.numel()
     if n == 0:
         return
-    assert dst.shape[1:] == src.shape[1:] and dst.dtype == src.dtype, (dst.shape, src.shape, dst.dtype, src.dtype)
+    if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
+        raise IntegrityError(f"page copy between {dst.dtype} pages {tuple(dst.shape[1:])} and {src.dtype} pages "
+                             f"{tuple(src.shape[1:])}")
     sizes, d_strides = _inner(dst)
     _, s_strides = _inner(src)
     elems = sizes[0] * sizes[1] * sizes[2] * sizes[3]

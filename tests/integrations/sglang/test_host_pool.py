@@ -433,3 +433,12 @@ def test_sglangs_own_file_backend_stores_asymmetric_flat_pages(installed, layout
     assert files[0].read_bytes() == host.get_data_page(int(src[PAGE_SIZE])).view(torch.uint8).numpy().tobytes()
     hit, pages, dst = prefetch(controller, host, tokens)
     assert (hit, pages) == (3 * PAGE_SIZE, 3) and same_tokens(host, src, host, dst)
+
+
+def test_unsupported_host_pool_error_is_kvtiers_and_still_a_value_error():
+    from kvtier import errors
+    from kvtier.integrations.sglang.host_pool import UnsupportedHostPoolError
+
+    assert UnsupportedHostPoolError is errors.UnsupportedHostPoolError
+    assert issubclass(UnsupportedHostPoolError, errors.UnsupportedError)
+    assert issubclass(UnsupportedHostPoolError, ValueError)  # callers catch ValueError

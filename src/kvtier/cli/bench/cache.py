@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ...errors import UsageError
 from ...hybrid import HybridSpec
 from ..preflight import check_host_memory
 from ..spec import add_spec_arguments, has_spec, spec_from_args
@@ -27,15 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _hybrid_spec(args: argparse.Namespace) -> HybridSpec | None:
     """The hybrid spec to compare against a uniform cache, or ``None`` (no geometry
-    given); ``ValueError`` for a uniform one (the tree benchmark is geometry-free)."""
+    given); ``UsageError`` for a uniform one (the tree benchmark is geometry-free)."""
     if not has_spec(args):
         return None
     spec = spec_from_args(args)
     if not isinstance(spec, HybridSpec) or spec.is_uniform:
-        raise ValueError("bench cache --spec takes a hybrid (sliding-window) spec, to compare its match and "
+        raise UsageError("bench cache --spec takes a hybrid (sliding-window) spec, to compare its match and "
                          "commit with a uniform cache's; the tree benchmark itself holds no KV bytes")
     if all(g.attention.is_full for g in spec.groups):
-        raise ValueError("bench cache --spec: this hybrid spec has no sliding-window group")
+        raise UsageError("bench cache --spec: this hybrid spec has no sliding-window group")
     return spec
 
 

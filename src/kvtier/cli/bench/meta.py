@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ...errors import UsageError
 from ...layout import LAYOUTS
 from ..preflight import check_host_memory
 from ..table import json_text, print_table
@@ -33,7 +34,7 @@ def command(args: argparse.Namespace) -> int:
 
     cpus = os.cpu_count() or 1
     if args.load > 4 * cpus:
-        raise ValueError(f"--load {args.load}: more than 4 busy processes per CPU ({4 * cpus} here)")
+        raise UsageError(f"--load {args.load}: more than 4 busy processes per CPU ({4 * cpus} here)")
     what = f"{args.pages} pages of {args.page_size} tokens"
     check_host_memory(meta.memory_bytes(pages=args.pages, page_size=args.page_size, layers=args.layers,
                                         heads=args.heads, dims=args.dims), what, "use fewer pages or layers")

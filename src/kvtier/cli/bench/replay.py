@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ...errors import UsageError
 from ..table import json_text, print_table
 from ..types import positive_int
 from .args import JSON_HELP
@@ -29,14 +30,14 @@ def command(args: argparse.Namespace) -> int:
     trace = args.trace
     if trace is None:
         if not replay.DEFAULT_TRACE.is_file():
-            raise ValueError(f"no trace given and {replay.DEFAULT_TRACE} does not exist here; pass a Mooncake-format "
+            raise UsageError(f"no trace given and {replay.DEFAULT_TRACE} does not exist here; pass a Mooncake-format "
                              "jsonl trace")
         trace = str(replay.DEFAULT_TRACE)
     check_input_file(trace, "trace")
     try:
         result = replay.run(trace, times=args.times, policy=args.policy, repeat_runs=args.repeat)
     except OSError as e:
-        raise ValueError(f"trace {trace}: {e.strerror or e}") from None
+        raise UsageError(f"trace {trace}: {e.strerror or e}") from None
     if args.json:
         print(json_text(result))
         return 0

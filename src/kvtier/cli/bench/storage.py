@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ...errors import UsageError
 from ...layout import LAYOUTS
 from ..preflight import check_host_memory
 from ..table import json_text, print_table
@@ -38,7 +39,7 @@ def command(args: argparse.Namespace) -> int:
     from ...bench import storage
 
     if args.dir is not None and not Path(args.dir).is_dir():
-        raise ValueError(f"--dir {args.dir}: not an existing directory")
+        raise UsageError(f"--dir {args.dir}: not an existing directory")
     sizes = dict(layers=args.layers, heads=args.heads, head_dim=args.head_dim, v_head_dim=args.v_head_dim,
                  page_size=args.page_size, pages=args.pages)
     check_host_memory(storage.memory_bytes(**sizes, backends=args.backends),

@@ -13,6 +13,7 @@ import argparse
 from functools import partial
 from typing import Callable, NamedTuple
 
+from ...errors import UsageError
 from ...hybrid import Attention, HybridSpec
 from ...layout import LAYOUTS
 from ...pools.common import check_device
@@ -52,20 +53,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def geometry(args: argparse.Namespace) -> KVSpec | HybridSpec | None:
     """The spec a geometry option names, or ``None`` for the default geometries. A
-    combination that would leave an option unused is a ``ValueError``."""
+    combination that would leave an option unused is a ``UsageError``."""
     given = [flag for key, flag in _GEOMETRY_FLAGS.items() if getattr(args, key) is not None]
     if not has_spec(args):
         if DTYPE_NAMES.get(parse_dtype(args.dtype)) != "bf16":
-            raise ValueError(f"--dtype {args.dtype} applies to --spec, --mha, --mla, --k-only or --components; "
+            raise UsageError(f"--dtype {args.dtype} applies to --spec, --mha, --mla, --k-only or --components; "
                              "the default geometries (--layers, --heads, --dims) are bf16")
         return None
     if given:
-        raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the default geometries; a "
+        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the default geometries; a "
                          "--spec, --mha, --mla, --k-only or --components geometry has its own sizes: give one or the "
                          "other")
     spec = spec_from_args(args)
     if isinstance(spec, HybridSpec) and args.meta_pages is not None:
-        raise ValueError("--meta-pages times span metadata of the default or a uniform geometry; a hybrid spec's "
+        raise UsageError("--meta-pages times span metadata of the default or a uniform geometry; a hybrid spec's "
                          "run times its transfers only: drop --meta-pages")
     return spec
 

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
+from ...errors import UnsupportedHostPoolError, UsageError
 from ...layout import get_layout
 from ...pools import DeviceKVPool, HostKVPool
 from ...spec import KVSpec
@@ -38,11 +39,6 @@ from ...spec import KVSpec
 SGLANG_LAYOUTS = {"layer_first": True, "page_first": True, "page_first_direct": False, "page_head": False}
 #: sglang io backends -> kvtier copy engine (Triton/custom kernel on CUDA for "kernel").
 IO_BACKENDS = {"direct": "direct", "kernel": "kernel"}
-
-
-class UnsupportedHostPoolError(ValueError):
-    """A host pool configuration kvtier's sglang pool does not take; the message says
-    what to use instead."""
 
 
 def _check_layout(layout: str) -> None:
@@ -219,7 +215,7 @@ class KVTierMHAHostPool(HostKVCache):
         if not isinstance(data_page, torch.Tensor) or data_page.dtype != self.dtype or data_page.numel() != expected:
             got = (f"{data_page.dtype} tensor of {data_page.numel()}" if isinstance(data_page, torch.Tensor)
                    else type(data_page).__name__)
-            raise ValueError(f"a flat page of this pool is a {self.dtype} tensor of {expected} elements, got {got}")
+            raise UsageError(f"a flat page of this pool is a {self.dtype} tensor of {expected} elements, got {got}")
         views = self.kvtier_pool.get_data_page(index, flat=False)
         parts = data_page.reshape(-1).split([v.numel() for v in views.values()])
         for view, part in zip(views.values(), parts):

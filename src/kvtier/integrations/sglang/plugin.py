@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import os
 
+from ...errors import UsageError
+
 ENV = "KVTIER_SGLANG_HOST_POOL"
 MODES = {"asymmetric": False, "all": True, "off": None}  # mode -> install_host_pool(symmetric=...)
 
@@ -41,7 +43,7 @@ def mode_from_env(environ=os.environ) -> str | None:
     if not mode:
         return None
     if mode not in MODES:
-        raise ValueError(f"{ENV}={raw!r} is not a kvtier host-pool mode; use one of {', '.join(MODES)}, or unset it")
+        raise UsageError(f"{ENV}={raw!r} is not a kvtier host-pool mode; use one of {', '.join(MODES)}, or unset it")
     return mode
 
 

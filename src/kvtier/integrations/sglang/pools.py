@@ -23,13 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import UnsupportedPoolError, UsageError
 from ...layout import get_layout
 from ...pools import HostKVPool
 from ...spec import Component, KVSpec
-
-
-class UnsupportedPoolError(ValueError):
-    """A host pool kvtier cannot read in place; the message says what would work."""
 
 
 @dataclass(frozen=True)
@@ -114,8 +111,7 @@ def in_kvtier_order(buffer: torch.Tensor, shape: tuple[int, ...], what: str) -> 
         raise UnsupportedPoolError(f"{what} has shape {got}, which is not kvtier's {target} in the same order")
     if not buffer.is_contiguous():
         raise UnsupportedPoolError(f"{what} is not contiguous (strides {buffer.stride()})")
-    assert math.prod(got) == math.prod(target), f"{what}: {got} vs {target}"
-    return buffer.view(target)
+    return buffer.view(target)  # every shape accepted above holds prod(target) elements
 
 
 def wrap_pool(pool, topology: Topology = Topology(), buffers: dict[str, torch.Tensor] | None = None) -> HostKVPool:
@@ -144,6 +140,6 @@ def wrap_flat_page(pool, topology: Topology, page: torch.Tensor) -> HostKVPool:
     elems = spec.page_elems(pool.page_size)
     if not isinstance(page, torch.Tensor) or page.dtype != spec.dtype or page.numel() != elems:
         got = f"{page.dtype} tensor of {page.numel()}" if isinstance(page, torch.Tensor) else type(page).__name__
-        raise ValueError(f"a flat page of this pool is a {spec.dtype} tensor of {elems} elements, got {got}")
+        raise UsageError(f"a flat page of this pool is a {spec.dtype} tensor of {elems} elements, got {got}")
     parts = page.reshape(-1).split([pool.page_size * spec.layer_num * c.token_elems for c in spec.components])
     return wrap_pool(pool, topology, {c.name: part for c, part in zip(spec.components, parts)})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...errors import UsageError
+
 #: Keys sglang itself reads from the same JSON object (the ``dynamic`` loader, the
 #: controller's interface switch, the host allocator); accepted and left to sglang.
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "allocator"})
@@ -29,14 +31,14 @@ class Settings:
         config = dict(extra_config or {})
         unknown = sorted(set(config) - SGLANG_KEYS - KVTIER_KEYS)
         if unknown:
-            raise ValueError(f"kvtier: unknown keys {unknown} in --hicache-storage-backend-extra-config; kvtier "
+            raise UsageError(f"kvtier: unknown keys {unknown} in --hicache-storage-backend-extra-config; kvtier "
                              f"reads {sorted(KVTIER_KEYS)} (storage options go in the URL query, e.g. "
                              f"file:///dir?capacity_bytes=N), sglang reads {sorted(SGLANG_KEYS)}")
         url = config.get("url")
         if not isinstance(url, str) or not url:
-            raise ValueError("kvtier: --hicache-storage-backend-extra-config needs \"url\", a kvtier storage URL "
+            raise UsageError("kvtier: --hicache-storage-backend-extra-config needs \"url\", a kvtier storage URL "
                              f"such as file:///var/cache/kvtier or redis://host:6379/0; got {url!r}")
         namespace = config.get("namespace")
         if namespace is not None and (not isinstance(namespace, str) or not namespace):
-            raise ValueError(f"kvtier: \"namespace\" must be a non-empty string, got {namespace!r}")
+            raise UsageError(f"kvtier: \"namespace\" must be a non-empty string, got {namespace!r}")
         return cls(url, namespace, bool(config.get("interface_v1", 0)))

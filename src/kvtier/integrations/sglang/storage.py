@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from ... import storage as kvstorage
-from ...errors import UnsupportedLayoutError
+from ...errors import UnsupportedLayoutError, UsageError
 from ...pools import HostKVPool
 from ...storage.keys import namespace_tag
 from ..identity import engine_namespace
@@ -113,7 +113,7 @@ class KVTierStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         self.settings = Settings.parse(storage_config.extra_config)
         if self.settings.namespace is None and not storage_config.model_name:
-            raise ValueError("kvtier: sglang gave no model_name to name the model's pages by; set \"namespace\" in "
+            raise UsageError("kvtier: sglang gave no model_name to name the model's pages by; set \"namespace\" in "
                              "--hicache-storage-backend-extra-config")
         self.config = storage_config
         # Opening checks the URL and its options now (scheme, host, query values).
@@ -271,7 +271,7 @@ class KVTierStorage(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
         """Fill ``target_location`` (a flat page of the pool) from ``key``; it, or ``None``."""
         if not isinstance(target_location, torch.Tensor):
-            raise ValueError("kvtier: get() fills a flat page given as target_location "
+            raise UsageError("kvtier: get() fills a flat page given as target_location "
                              "(the pool's get_dummy_flat_data_page())")
         page = self._page_pool(target_location)
         hit = self._store.batch_get(self._keys([key]), page, torch.arange(page.page_size))[0]
@@ -280,7 +280,7 @@ class KVTierStorage(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
         if target_locations is None or len(target_locations) != len(keys):
-            raise ValueError("kvtier: batch_get() fills one flat page per key, given as target_locations")
+            raise UsageError("kvtier: batch_get() fills one flat page per key, given as target_locations")
         return [self.get(k, t) for k, t in zip(keys, target_locations)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -294,7 +294,7 @@ class KVTierStorage(HiCacheStorage):
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
         if values is None or len(values) != len(keys):
-            raise ValueError("kvtier: batch_set() stores one flat page per key, given as values")
+            raise UsageError("kvtier: batch_set() stores one flat page per key, given as values")
         return all([self.set(k, v) for k, v in zip(keys, values)])
 
     def exists(self, key: str) -> bool:

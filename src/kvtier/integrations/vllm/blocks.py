@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from ...errors import UsageError
 from ...spec import DTYPE_NAMES, DTYPES_BY_NAME, Component, KVSpec
 
 _MHA_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -105,7 +106,7 @@ class BlockFormat:
         """``{component: (block, slot, head, dim) view}`` of one layer's int8
         ``(num_blocks, >= page_bytes)`` rows; no copy."""
         if rows.dim() != 2 or rows.stride(1) != 1 or rows.shape[1] < self.page_bytes:
-            raise ValueError(f"kvtier: layer rows must be (num_blocks, >= {self.page_bytes}) bytes with contiguous "
+            raise UsageError(f"kvtier: layer rows must be (num_blocks, >= {self.page_bytes}) bytes with contiguous "
                              f"rows, got shape {tuple(rows.shape)} strides {rows.stride()}")
         page = rows[:, :self.page_bytes].view(self.spec.dtype)
         if self.order is None:  # one slot of one head: the whole row
@@ -177,22 +178,22 @@ def format_from_json(d: dict) -> BlockFormat:
     """The :class:`BlockFormat` written by :func:`format_to_json`; ``ValueError`` for
     anything else (the checks of ``KVSpec`` and ``Component`` included)."""
     if not isinstance(d, dict):
-        raise ValueError(f"format is {type(d).__name__}, not an object")
+        raise UsageError(f"format is {type(d).__name__}, not an object")
     dtype = DTYPES_BY_NAME.get(d.get("dtype"))
     comps = d.get("components")
     if dtype is None or not isinstance(comps, list) or not all(isinstance(c, list) and len(c) == 3 for c in comps):
-        raise ValueError(f"format has dtype {d.get('dtype')!r}, components {comps!r:.80}")
+        raise UsageError(f"format has dtype {d.get('dtype')!r}, components {comps!r:.80}")
     full = KVSpec(d.get("layers"), tuple(Component(*c) for c in comps), dtype)
     shard = d.get("shard")
     spec = full.shard(*shard) if isinstance(shard, list) and len(shard) == 2 else full
     order = d.get("order")
     axes = (sorted(_MLA_ORDER), sorted(("kv", "head", "slot", "dim")))
     if order is not None and (not isinstance(order, list) or sorted(order) not in axes):
-        raise ValueError(f"format has block order {order!r}")
+        raise UsageError(f"format has block order {order!r}")
     name, page_size, page_bytes = d.get("name"), d.get("page_size"), d.get("page_bytes")
     for field, v in (("page_size", page_size), ("page_bytes", page_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"format has {field} {v!r}")
+            raise UsageError(f"format has {field} {v!r}")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"format has name {name!r}")
+        raise UsageError(f"format has name {name!r}")
     return BlockFormat(name, spec, page_size, page_bytes, tuple(order) if order is not None else None)

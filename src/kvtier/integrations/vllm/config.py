@@ -13,6 +13,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ...errors import UsageError
+
 #: Keys that vLLM's OffloadingConnector and OffloadingSpec read themselves.
 VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
                        "self_describing_kv_events", "canonical_layout"})
@@ -44,26 +46,26 @@ class KVTierConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes <= 0:
-            raise ValueError(f"kvtier: host_bytes must be a positive int (bytes of host memory), "
+            raise UsageError(f"kvtier: host_bytes must be a positive int (bytes of host memory), "
                              f"got {self.host_bytes!r}")
         if self.storage is not None and (not isinstance(self.storage, str) or "://" not in self.storage):
-            raise ValueError(f"kvtier: storage must be a URL like file:///dir or redis://host:6379/0, "
+            raise UsageError(f"kvtier: storage must be a URL like file:///dir or redis://host:6379/0, "
                              f"got {self.storage!r}")
         if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
-            raise ValueError(f"kvtier: namespace must be a non-empty str, got {self.namespace!r}")
+            raise UsageError(f"kvtier: namespace must be a non-empty str, got {self.namespace!r}")
         timeout = self.storage_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"kvtier: storage_timeout_s must be a positive number, got {timeout!r}")
+            raise UsageError(f"kvtier: storage_timeout_s must be a positive number, got {timeout!r}")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads <= 0:
-            raise ValueError(f"kvtier: io_threads must be a positive int, got {self.io_threads!r}")
+            raise UsageError(f"kvtier: io_threads must be a positive int, got {self.io_threads!r}")
         buffer = self.storage_buffer_bytes
         if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int) or buffer <= 0):
-            raise ValueError(f"kvtier: storage_buffer_bytes must be a positive int (bytes), got {buffer!r}")
+            raise UsageError(f"kvtier: storage_buffer_bytes must be a positive int (bytes), got {buffer!r}")
         share = self.sliding_host_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ValueError(f"kvtier: sliding_host_share must be a number in (0, 1], got {share!r}")
+            raise UsageError(f"kvtier: sliding_host_share must be a number in (0, 1], got {share!r}")
         if not isinstance(self.host_dir, str) or not self.host_dir.startswith("/"):
-            raise ValueError(f"kvtier: host_dir must be an absolute directory path, got {self.host_dir!r}")
+            raise UsageError(f"kvtier: host_dir must be an absolute directory path, got {self.host_dir!r}")
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> "KVTierConfig":
@@ -74,9 +76,9 @@ class KVTierConfig:
             near = {k: difflib.get_close_matches(k, [*KVTIER_KEYS, *VLLM_KEYS], n=1) for k in unknown}
             hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in near.items() if m)
             hints = f" ({hints})" if hints else ""
-            raise ValueError(f"kvtier: unknown kv_connector_extra_config keys {unknown}{hints}; kvtier's keys: "
+            raise UsageError(f"kvtier: unknown kv_connector_extra_config keys {unknown}{hints}; kvtier's keys: "
                              f"{', '.join(KVTIER_KEYS)}; vLLM's: {', '.join(sorted(VLLM_KEYS))}")
         if "host_bytes" not in extra:
-            raise ValueError("kvtier: kv_connector_extra_config needs host_bytes (bytes of host memory for the "
+            raise UsageError("kvtier: kv_connector_extra_config needs host_bytes (bytes of host memory for the "
                              "host tier), e.g. {'host_bytes': 1 << 30}")
         return cls(**{k: extra[k] for k in KVTIER_KEYS if k in extra})

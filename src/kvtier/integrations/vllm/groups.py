@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ...errors import UsageError
 from .pages import Reservation, Source
 from .tier import HostTier, Lookup, Probe
 
@@ -52,7 +53,7 @@ class GroupedTier:
 
     def __init__(self, tiers: Sequence[HostTier], group_ids: Sequence[int], storage=None) -> None:
         if len(tiers) != len(group_ids) or len(set(group_ids)) != len(group_ids) or not tiers:
-            raise ValueError(f"kvtier: {len(tiers)} tiers for group ids {list(group_ids)}")
+            raise UsageError(f"kvtier: {len(tiers)} tiers for group ids {list(group_ids)}")
         self.tiers = list(tiers)
         self.group_ids = list(group_ids)
         self._at = {g: i for i, g in enumerate(group_ids)}
@@ -64,7 +65,7 @@ class GroupedTier:
         g = group_id(key)
         at = self._at.get(g)
         if at is None:
-            raise ValueError(f"kvtier: a key of KV cache group {g}; this engine's groups are {self.group_ids}")
+            raise UsageError(f"kvtier: a key of KV cache group {g}; this engine's groups are {self.group_ids}")
         return at
 
     def _tier(self, key: bytes) -> HostTier:

@@ -25,6 +25,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from ...errors import IntegrityError, UsageError
 from ...pools.allocator import PageAllocator
 
 #: Scheduler steps after a reset before pages that vLLM's dropped jobs may still
@@ -135,7 +136,7 @@ class PageTable:
         """Pages of READY ``keys`` (key order), each pinned once more (a load is a use: MRU)."""
         bad = [k.hex()[:16] for k in keys if k not in self._entries or self._entries[k].state is not PageState.READY]
         if bad:
-            raise ValueError(f"kvtier: load of blocks that are not ready: {bad[:4]}")
+            raise UsageError(f"kvtier: load of blocks that are not ready: {bad[:4]}")
         for k in keys:
             entry = self._entries[k]
             if entry.loads == 0:
@@ -234,7 +235,7 @@ class PageTable:
 
     def add(self, key: bytes, entry: Entry) -> None:
         if key in self._entries:
-            raise ValueError(f"kvtier: pages of {key.hex()[:16]} added twice")
+            raise IntegrityError(f"kvtier: pages of {key.hex()[:16]} added twice")
         self._entries[key] = entry
 
     def drop(self, key: bytes) -> None:

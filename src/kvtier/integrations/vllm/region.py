@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import RegionError, UsageError
 from ...layout import get_layout
 from ...pools import HostKVPool
 from ...pools.host import _shapes as pool_shapes
@@ -51,10 +52,6 @@ _ALIGN = 1 << 21  # buffers start on 2 MiB: huge-page and cache-line friendly
 _HEAD = struct.Struct(f"<{len(MAGIC)}sII")
 DEFAULT_DIR = "/dev/shm"
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
-
-
-class RegionError(RuntimeError):
-    """A pool file that is missing, foreign, or does not match what its reader expects."""
 
 
 def _safe_name(engine_id: str) -> str:
@@ -113,16 +110,16 @@ class RegionInfo:
     def from_json(cls, raw: bytes) -> "RegionInfo":
         d = json.loads(raw)
         if not isinstance(d, dict):
-            raise ValueError("header is not an object")
+            raise UsageError("header is not an object")
         fields = {"engine_id": str, "rank": int, "world_size": int, "pid": int, "layout": str, "num_pages": int}
         for name, kind in fields.items():
             if not isinstance(d.get(name), kind) or isinstance(d.get(name), bool):
-                raise ValueError(f"header field {name!r} is {d.get(name)!r}")
+                raise UsageError(f"header field {name!r} is {d.get(name)!r}")
         if d["num_pages"] <= 0 or not 0 <= d["rank"] < d["world_size"]:
-            raise ValueError(f"header has {d['num_pages']} pages, rank {d['rank']} of {d['world_size']}")
+            raise UsageError(f"header has {d['num_pages']} pages, rank {d['rank']} of {d['world_size']}")
         group = d.get("group", 0)
         if isinstance(group, bool) or not isinstance(group, int) or group < 0:
-            raise ValueError(f"header field 'group' is {group!r}")
+            raise UsageError(f"header field 'group' is {group!r}")
         get_layout(d["layout"])
         return cls(d["engine_id"], d["rank"], d["world_size"], d["pid"], format_from_json(d["format"]),
                    d["layout"], d["num_pages"], group)

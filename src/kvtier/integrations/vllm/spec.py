@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from ... import storage as kvstorage
-from ...errors import UnsupportedLayoutError
+from ...errors import UnsupportedLayoutError, UnsupportedVLLMSetupError, UsageError
 from ...storage.keys import namespace_tag
 from ..identity import engine_namespace
 from .blocks import BlockFormat, Geometry, block_format, cache_dtype
@@ -42,10 +42,6 @@ log = logging.getLogger("vllm.kvtier")  # vLLM's logging configuration shows it 
 #: in-process (``engine_tier``); nothing in the serving path reads it.
 _TIERS: dict[str, HostTier] = {}
 _TIERS_LOCK = threading.Lock()
-
-
-class UnsupportedVLLMSetupError(NotImplementedError):
-    """A vLLM configuration this spec cannot serve; the message says what to change."""
 
 
 # NOTE: a CPUOffloadingSpec subclass only so that vLLM keeps its older transfer metrics
@@ -67,7 +63,7 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
                 kvstorage.open(self.kvtier.storage).close()  # a bad URL or option fails here, not later
             need = config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk * config.parallel.world_size
             if need and self.kvtier.host_bytes < need:
-                raise ValueError(f"kvtier: host_bytes {self.kvtier.host_bytes} holds no offloaded block of this model "
+                raise UsageError(f"kvtier: host_bytes {self.kvtier.host_bytes} holds no offloaded block of this model "
                                  f"({need} bytes over all layers and workers); give at least {need}")
         except (ValueError, NotImplementedError) as e:
             log.error("%s", e)  # one line in vLLM's log before vLLM's own tracebacks
@@ -119,7 +115,7 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
             pages = share // per_rank // self.blocks_per_key * self.blocks_per_key
             if pages < 1:
                 need = -(-per_rank * self.blocks_per_key * sum(weights) // w)
-                raise ValueError(f"kvtier: host_bytes {self.kvtier.host_bytes} holds no offloaded block of KV cache "
+                raise UsageError(f"kvtier: host_bytes {self.kvtier.host_bytes} holds no offloaded block of KV cache "
                                  f"group {g} ({per_rank * self.blocks_per_key} bytes over {par.world_size} workers, "
                                  f"{share} bytes its share); give at least {int(need)}")
             out.append(pages)

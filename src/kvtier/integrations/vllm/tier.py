@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ...cache.guard import StorageGuard
+from ...errors import UsageError
 from ...pools import HostKVPool
 from ...pools.indices import page_slots
 from ...storage import Storage
@@ -96,10 +97,10 @@ class HostTier:
                  owns_storage: bool = True) -> None:
         num_pages = {p.num_pages for p in pools}
         if len(num_pages) != 1 or not pools:
-            raise ValueError(f"kvtier: every rank's host pool needs one page count, got {sorted(num_pages)}")
+            raise UsageError(f"kvtier: every rank's host pool needs one page count, got {sorted(num_pages)}")
         self.num_pages = num_pages.pop()
         if self.num_pages < blocks_per_key:
-            raise ValueError(f"kvtier: {self.num_pages} host pages hold no offloaded block of {blocks_per_key} "
+            raise UsageError(f"kvtier: {self.num_pages} host pages hold no offloaded block of {blocks_per_key} "
                              "vLLM blocks; raise host_bytes")
         self.format, self.pools, self.blocks_per_key = fmt, list(pools), blocks_per_key
         self.storage, self.key_prefix, self.timeout_s = storage, key_prefix, timeout_s

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...errors import UsageError
+
 
 def save_llama(path: str | Path, *, layers: int = 4, hidden: int = 256, heads: int = 8, kv_heads: int = 2,
                head_dim: int = 32, words: int = 300, seed: int = 0, dtype: str = "bfloat16") -> Path:
@@ -44,7 +46,7 @@ def save_hybrid(path: str | Path, family: str, *, window: int = 64, layers: int 
             return GptOssConfig(**_common(vocab, hidden, layers or 4), num_attention_heads=8, num_key_value_heads=2,
                                 head_dim=64, sliding_window=window, num_local_experts=4, num_experts_per_tok=2)
     else:
-        raise ValueError(f"unknown hybrid family {family!r}; choose gemma3 or gpt-oss")
+        raise UsageError(f"unknown hybrid family {family!r}; choose gemma3 or gpt-oss")
     return _save(path, words, seed, dtype, config)
 
 

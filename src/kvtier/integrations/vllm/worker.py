@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
+from ...errors import UsageError
 from ...pools import HostKVPool
 from ...pools.views import PageViews
 from ...transfer import copy_pages
@@ -34,21 +35,21 @@ def block_pages(gpu: GPULoadStoreSpec, pages: np.ndarray, blocks_per_key: int,
     per_key = np.asarray(pages, dtype=np.int64).reshape(-1, blocks_per_key)
     key_groups = np.zeros(len(per_key), dtype=np.int64) if groups is None else np.asarray(groups, dtype=np.int64)
     if len(key_groups) != len(per_key) or sum(sizes) != len(blocks) or len(starts) != len(sizes):
-        raise ValueError(f"kvtier: a job of {len(blocks)} vLLM blocks in groups of {sizes} (first blocks {starts}) "
+        raise UsageError(f"kvtier: a job of {len(blocks)} vLLM blocks in groups of {sizes} (first blocks {starts}) "
                          f"for {len(per_key)} offloaded blocks of groups {key_groups.tolist()}")
     out, at = [], 0
     for g, (n, first) in enumerate(zip(sizes, starts)):
         host = per_key[key_groups == g].ravel()
         skip = first % blocks_per_key
         if not 0 <= len(host) - skip - n < blocks_per_key or (n == 0) != (len(host) == 0):
-            raise ValueError(f"kvtier: group {g}: {n} vLLM blocks (skipping {skip}) for {len(host)} host pages of "
+            raise UsageError(f"kvtier: group {g}: {n} vLLM blocks (skipping {skip}) for {len(host)} host pages of "
                              f"{len(host) // blocks_per_key} offloaded blocks")
         if n:
             out.append((g, blocks[at:at + n], host[skip:skip + n]))
         at += n
     extra = set(key_groups.tolist()) - set(range(len(sizes)))
     if extra:
-        raise ValueError(f"kvtier: offloaded blocks of groups {sorted(extra)} in a job over {len(sizes)} groups")
+        raise UsageError(f"kvtier: offloaded blocks of groups {sorted(extra)} in a job over {len(sizes)} groups")
     return out
 
 
@@ -81,7 +82,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         for g, group in enumerate(self.groups):
             fmt = group.format
             if len(group.layer_rows) != fmt.spec.layer_num:
-                raise ValueError(f"kvtier: group {g} has {len(group.layer_rows)} KV layers, its format "
+                raise UsageError(f"kvtier: group {g} has {len(group.layer_rows)} KV layers, its format "
                                  f"{fmt.spec.layer_num}")
             views = fmt.views(group.layer_rows)
             self._engines.append({name: PageViews.build(None, views[name]) for name in fmt.spec.names})
