@@ -80,6 +80,7 @@ class _Page:
                        for name, (part, views) in self.parts.items()}
         #: Staging for every part at once, each starting at a multiple of ``ALIGN`` (direct I/O)
         self.staging_bytes = sum(align_up(n) for n in self.staged.values())
+        self._flat, self._spans = _flat_spans(pool, self.parts, self.staged)
 
     def buffers(self, names: list[str], page: int, staging) -> dict[str, tuple[list, list]]:
         """Per part of ``names``, of ``page``: its buffers in file order (each piece in place,
@@ -87,6 +88,10 @@ class _Page:
         that go through staging."""
         out, used = {}, 0
         for name in names:
+            if name in self._spans:  # in place: slices of the pool's one allocation (cheaper than views)
+                flat = self._flat
+                out[name] = [flat[a + page * step:a + page * step + n] for a, step, n in self._spans[name]], []
+                continue
             part, views = self.parts[name]
             bufs, staged = [], []
             for view, offset, nbytes in views:
@@ -100,6 +105,28 @@ class _Page:
             out[name] = bufs, staged
             used += align_up(self.staged[name])
         return out
+
+
+def _flat_spans(pool: HostKVPool, parts: dict, staged: dict) -> tuple[np.ndarray | None, dict]:
+    """The pool's memory as one flat uint8 array and, per part that moves in place, its
+    pieces as ``(byte offset in page 0, bytes from page to page, bytes)`` in it; ``(None,
+    {})`` where the pool is not one allocation (buffers it wraps) or a piece falls outside."""
+    raw = getattr(pool, "raw", None)
+    if raw is None or not raw.is_contiguous() or raw.device.type != "cpu":
+        return None, {}
+    flat = raw.view(-1).view(torch.uint8).numpy()
+    base, spans = flat.ctypes.data, {}
+    for name, (_, views) in parts.items():
+        if staged[name]:
+            continue
+        pieces = []
+        for view, _, nbytes in views:
+            start, step = view.ctypes.data - base, view.strides[0]
+            if start < 0 or step < 0 or start + (view.shape[0] - 1) * step + nbytes > flat.nbytes:
+                return None, {}
+            pieces.append((start, step, nbytes))
+        spans[name] = pieces
+    return flat, spans
 
 
 def _checksum(bufs: list) -> int:
@@ -412,9 +439,10 @@ class FileStorage(ThreadedStorage):
             cold, have_head = self._is_cold(fd, layout.total, head) if self.direct_io else (False, False)
             cold = cold and self._open_direct(path, st, direct)
             if not cold:  # each part is hashed as it is read, while in the CPU's cache
-                if not have_head:
-                    _io_all(os.preadv, fd, [head], 0)
-                got = pageio.move(fd, [(layout.offsets[i], dests[names[i]][0]) for i in wanted], write=False)
+                parts = [(layout.offsets[i], dests[names[i]][0]) for i in wanted]
+                # the header comes in the same call (its own digest, of no use, costs nothing)
+                got = pageio.move(fd, parts, write=False) if have_head else \
+                    pageio.move(fd, [(0, [head]), *parts], write=False)[1:]
             else:  # in one call per run of consecutive parts: the disk wants large requests
                 for run in _runs(wanted):
                     bufs, offset = [], layout.offsets[run[0]]
