@@ -75,10 +75,12 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     return None if module is None else module.cached_pages(fd, offset, length)
 
 
-def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int = CHUNK) -> tuple[int, ...]:
+def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int | None = None) -> tuple[int, ...]:
     """Each part ``(offset, buffers)`` read from ``fd`` into its contiguous buffers (or
-    written from them), ``chunk`` bytes at a time (0: a buffer at once), and its
-    xxh3-64 digest. Raises ``OSError`` (``EIO`` where a read meets the end of the file)."""
+    written from them), ``chunk`` bytes at a time (0: a buffer at once; default
+    ``CHUNK``), and its xxh3-64 digest. Raises ``OSError`` (``EIO`` where a read meets
+    the end of the file)."""
+    chunk = CHUNK if chunk is None else chunk
     if compiled():
         return _pageio[0].move(fd, parts, chunk, write)
     call, sums = os.pwritev if write else os.preadv, []
