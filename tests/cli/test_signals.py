@@ -13,8 +13,16 @@ import pytest
 SCRIPT = "import sys; from kvtier.cli import main; print('ready', flush=True); sys.exit(main(sys.argv[1:]))"
 
 
+def _interruptible() -> None:
+    """SIGINT as a terminal leaves it: a job started in the background (``cmd &`` in a
+    non-interactive shell, as CI may run) inherits it ignored, and Python then never
+    installs its KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def kvtier(*argv, **popen):
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, *argv], stderr=subprocess.PIPE, **popen)
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, *argv], stderr=subprocess.PIPE,
+                            preexec_fn=_interruptible, **popen)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
