@@ -85,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvtier.integrations.vllm import engine_tier
-    from kvtier.integrations.vllm.tiny import prompt, save_hybrid, save_llama
+    from kvtier.testing.checkpoints import prompt, save_hybrid, save_llama
 
     work = tempfile.mkdtemp(prefix="kvtier-ttft-")
     if args.model:

@@ -79,7 +79,7 @@ def test_shard_splits_multi_head_components_and_replicates_single_head():
 
 @pytest.mark.parametrize("rank, size, match", [
     (0, 3, "8 heads, not divisible by shard size 3"),
-    (4, 4, r"rank must be in \[0, 4\)"),
+    (4, 4, r"rank 4 is out of range \[0, 4\)"),
     (0, 0, "size must be a positive int"),
 ])
 def test_bad_shards(rank, size, match):

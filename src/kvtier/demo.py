@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .errors import UsageError
+from ._checks import positive_ints
 from .hybrid import HybridSpec
 from .integrations.transformers import CachedGenerator, generate_uncached
 
@@ -35,12 +35,11 @@ def run(net, store, *, namespace: str, sessions: int = 4, turns: int = 5, layout
         device_tokens: int = 448, host_tokens: int = 768, page_size: int = 16, system_tokens: int = 96,
         user_tokens: int = 48, new_tokens: int = 8, seed: int = 0, retention_interval: int | None = None,
         progress=None) -> tuple[list[Turn], dict]:
-    """``sessions`` x ``turns`` requests of ``net`` (e.g. ``kvtier.integrations.tiny_models.build``) through a
+    """``sessions`` x ``turns`` requests of ``net`` (e.g. ``kvtier.tiny_models.build``) through a
     cache over ``store`` (the caller's to close), each checked against running without kvtier. For a
     sliding-window model the cache keeps a window every ``retention_interval`` tokens (default: the
     system prompt's whole pages, so every session resumes after it) besides each sequence's end."""
-    if sessions <= 0 or turns <= 0:
-        raise UsageError(f"sessions and turns must be positive, got {sessions} and {turns}")
+    positive_ints(("sessions", sessions), ("turns", turns))
     rng = random.Random(seed)
     vocab = net.config.vocab_size
     if retention_interval is None:

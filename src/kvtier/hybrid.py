@@ -24,8 +24,9 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from ._checks import is_int, non_negative_int, positive_int
 from .errors import UsageError
-from .spec import Component, KVSpec, _named_tuple_field, _positive_int
+from .spec import Component, KVSpec, _named_tuple_field
 
 #: Attention kinds a group may have; a recurrent-state kind (fixed-size per-request
 #: state, e.g. Mamba or linear attention) would be a third, with no per-token pages.
@@ -46,7 +47,7 @@ class Attention:
         if self.kind == "full" and self.window is not None:
             raise UsageError(f"full attention has no window, got window={self.window!r}")
         if self.kind == "sliding":
-            _positive_int("Attention", "window", self.window)
+            positive_int("Attention.window", self.window)
 
     @classmethod
     def sliding(cls, window: int) -> "Attention":
@@ -93,8 +94,7 @@ class KVGroup:
         if not isinstance(self.layers, tuple) or not self.layers:
             raise UsageError(f"KVGroup {self.name!r}: layers must be a non-empty tuple of ints, got {self.layers!r}")
         for layer in self.layers:
-            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-                raise UsageError(f"KVGroup {self.name!r}: layer ids must be ints >= 0, got {layer!r}")
+            non_negative_int(f"KVGroup {self.name!r}: a layer id", layer)
         if list(self.layers) != sorted(set(self.layers)):
             raise UsageError(f"KVGroup {self.name!r}: layer ids must ascend without repeats, got {list(self.layers)}")
         if not isinstance(self.spec, KVSpec):
@@ -112,7 +112,7 @@ class KVGroup:
 
     def fingerprint(self) -> str:
         """``<name>:<attention>:<layer ranges>:<spec fingerprint>``."""
-        return f"{self.name}:{self.attention.tag}:{_ranges(self.layers)}:{self.spec.fingerprint()}"
+        return f"{self.name}:{self.attention.tag}:{layer_ranges(self.layers)}:{self.spec.fingerprint()}"
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class HybridSpec:
     def group_of(self, layer: int) -> tuple[KVGroup, int]:
         """The group holding model layer ``layer`` and the layer's index inside it (one
         lookup: per-layer loads ask it for every layer)."""
-        where = self._layer_table.get(layer) if isinstance(layer, int) and not isinstance(layer, bool) else None
+        where = self._layer_table.get(layer) if is_int(layer) else None
         if where is None:
             raise UsageError(f"layer {layer!r} is out of range [0, {self.layer_num})")
         return where
@@ -289,7 +289,7 @@ def _runs(held: Sequence[bool], n: int) -> list[int]:
     return out
 
 
-def _ranges(ids: Iterable[int]) -> str:
+def layer_ranges(ids: Iterable[int]) -> str:
     """``0,5,11-13``: ascending ids as comma-separated runs."""
     out, ids = [], list(ids)
     start = prev = ids[0]

@@ -1,8 +1,9 @@
-"""Host layouts as data: an axis order, from which shapes, views and spans follow.
+"""Layouts as data: an axis order, from which shapes, views and spans follow.
 
 Vocabulary used everywhere in kvtier: ``# (page, slot, layer, head, dim)`` is the
 *canonical* axis order. A layout is one permutation of those axes; a component's
-host buffer is allocated in that order. Nothing else about a layout is special-cased:
+host buffer is allocated in that order (one of :data:`LAYOUTS`), a device pool's
+in :data:`DEVICE_LAYOUT`. Nothing else about a layout is special-cased:
 views, page spans, pointer offsets and contiguity are all derived from the order.
 """
 
@@ -67,6 +68,10 @@ LAYOUTS: dict[str, Layout] = {
         Layout("page_head", ("page", "head", "slot", "layer", "dim")),
     )
 }
+
+#: The device (L1) pool's order: per layer, token-major ``(size, head, dim)`` buffers, as
+#: engines hold them (``size`` = page x slot). Not a host layout to choose: the engine fixes it.
+DEVICE_LAYOUT = Layout("device", ("layer", "page", "slot", "head", "dim"))
 
 #: canonical flat page: per component ``(layer, slot, head, dim)``.
 FLAT_PAGE_FORMAT = "comp-layer-slot-head-dim"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._checks import index_in_range, positive_int
 from .errors import UsageError
 
 # Short, stable dtype names used in fingerprints, storage keys and the CLI.
@@ -24,11 +25,6 @@ for _attr, _name in (("float8_e4m3fn", "fp8e4m3"), ("float8_e5m2", "fp8e5m2")):
 DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def _positive_int(owner: str, field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UsageError(f"{owner}.{field} must be a positive int, got {value!r}")
 
 
 def _named_tuple_field(obj: object, field: str, kind: type) -> None:
@@ -68,8 +64,8 @@ class Component:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise UsageError(f"Component.name must be an identifier like 'k', got {self.name!r}")
-        _positive_int("Component", "head_num", self.head_num)
-        _positive_int("Component", "head_dim", self.head_dim)
+        positive_int("Component.head_num", self.head_num)
+        positive_int("Component.head_dim", self.head_dim)
 
     @property
     def token_elems(self) -> int:
@@ -100,7 +96,7 @@ class KVSpec:
     shard_of: Shard | None = field(default=None, repr=False)  # set by :meth:`shard`
 
     def __post_init__(self) -> None:
-        _positive_int("KVSpec", "layer_num", self.layer_num)
+        positive_int("KVSpec.layer_num", self.layer_num)
         _named_tuple_field(self, "components", Component)
         if not isinstance(self.dtype, torch.dtype):
             raise UsageError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
@@ -122,8 +118,8 @@ class KVSpec:
     def mla(cls, layer_num: int, kv_lora_rank: int, qk_rope_head_dim: int,
             dtype: torch.dtype = torch.bfloat16) -> "KVSpec":
         """MLA latent cache: one component ``kv`` of one head, ``rank + rope`` dims."""
-        _positive_int("KVSpec.mla", "kv_lora_rank", kv_lora_rank)
-        _positive_int("KVSpec.mla", "qk_rope_head_dim", qk_rope_head_dim)
+        positive_int("KVSpec.mla.kv_lora_rank", kv_lora_rank)
+        positive_int("KVSpec.mla.qk_rope_head_dim", qk_rope_head_dim)
         return cls(layer_num, (Component("kv", 1, kv_lora_rank + qk_rope_head_dim),), dtype)
 
     @classmethod
@@ -167,9 +163,8 @@ class KVSpec:
         """
         if self.shard_of is not None:
             raise UsageError("shard() takes the full spec; this spec is already a shard")
-        _positive_int("KVSpec.shard", "size", size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-            raise UsageError(f"KVSpec.shard rank must be in [0, {size}), got {rank!r}")
+        positive_int("KVSpec.shard.size", size)
+        index_in_range("KVSpec.shard rank", rank, size)
         for c in self.components:
             if c.head_num > 1 and c.head_num % size:
                 raise UsageError(f"component {c.name!r} has {c.head_num} heads, not divisible by shard size {size}")

@@ -1,11 +1,16 @@
 """Statistics and hit counts move once per request; eviction frees exactly the pages
-asked for; commit caches a request's KV and moves its lock in one step."""
+asked for; commit caches a request's KV and moves its lock in one step; the tree's
+metadata bytes grow with its nodes and go back when they are evicted."""
 
+import sys
+
+import numpy as np
 import pytest
 import torch
 
 import kvtier.storage
 from engine import PAGE, check_prefix, compute, make_cache, serve
+from kvtier.cache.footprint import Footprint
 
 A = list(range(100, 116))  # 4 pages
 
@@ -117,3 +122,51 @@ def test_commit_checks_before_it_changes_anything():
     cache.release(cache.commit(got, A, new).acquired)
     assert hits(cache.match_prefix(A)) == (16, 0, 0)
     check_prefix(cache, A, cache.match_prefix(A).device_indices)
+
+
+def _evict_everything(cache) -> None:
+    while cache.evict_device(10 ** 6) or cache.evict_host(10 ** 6):
+        pass
+    assert not list(cache.tree.nodes())
+
+
+def test_memory_bytes_grow_with_the_nodes_and_return_after_eviction():
+    cache = make_cache(device_tokens=256, host_tokens=256, write_policy="write_through_selective")
+    shared = list(range(100, 100 + PAGE))  # one child of the root, whatever follows: its child map stays small
+
+    def prompt(k: int) -> list[int]:
+        return shared + [1000 + 10 * k + i for i in range(2 * PAGE)]
+
+    serve(cache, prompt(0))
+    _evict_everything(cache)
+    # NOTE: measured after one prompt came and went: the root is made on first use, and a
+    # dict keeps the capacity it grew to (the root's child map)
+    empty = cache.memory_bytes()
+    sizes = [empty]
+    for k in range(1, 9):
+        serve(cache, prompt(k))  # a new leaf of 2 pages under the shared page
+        sizes.append(cache.memory_bytes())
+    assert len(list(cache.tree.nodes())) == 9
+    grown = [b - a for a, b in zip(sizes, sizes[1:])]
+    assert min(grown) >= 8 * 2 * PAGE + 8 * 2, grown  # at least the new key's ids and its device page numbers
+    _evict_everything(cache)
+    assert cache.memory_bytes() == empty
+    cache.close()
+    with pytest.raises(kvtier.CacheClosedError):
+        cache.memory_bytes()
+
+
+def test_memory_bytes_count_a_buffer_that_views_share_once():
+    base = np.arange(16, dtype=np.int64)
+    views = Footprint()
+    views.array(base[:8])
+    views.array(base[8:])
+    assert views.total == 2 * sys.getsizeof(base[:8]) + base.nbytes
+    owner = Footprint()
+    owner.array(base)
+    assert owner.total == sys.getsizeof(base)  # an array that owns its data: its size includes it
+    slots = torch.arange(16)
+    tensors = Footprint()
+    tensors.tensor(slots[:8])
+    tensors.tensor(slots[8:])
+    assert tensors.total == 2 * sys.getsizeof(slots) + 16 * 8

@@ -104,10 +104,9 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.cache.flush()
         assert not self.crashes.records, self.crashes.records[0].getMessage()
         self.cache.check_integrity(engine_device_slots=0)
-        sides = self.cache._sides
-        for g in sides.names:  # the engine holds no sliding slot between requests: none leaked
-            pool = sides.device[g]
-            assert pool.available_size() + int(sides.owned[g].sum()) * PAGE == pool.size
+        for g, held in self.cache.stats()["sliding_pages"].items():  # the engine holds no sliding slot
+            pool = self.cache.device_pool[g]                         # between requests: none leaked
+            assert pool.available_size() + held["device"] * PAGE == pool.size
 
 
 TestHybridCacheMachine = HybridCacheMachine.TestCase

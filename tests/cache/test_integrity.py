@@ -184,11 +184,11 @@ def test_a_prefetch_in_flight_is_not_a_host_leak(tmp_path):
     cache = make_cache(storage=gated, check=True)
     handle = cache.prefetch(A)
     assert gated.started.wait(10)
-    assert cache._state.fetching == 12 and cache.host_pool.available_size() == 64 - 12
+    assert cache.stats()["host_fetching_tokens"] == 12 and cache.host_pool.available_size() == 64 - 12
     cache.evict_host(0)                                   # checks, with the slots outside the tree
     gated.gate.set()
     cache.flush()
-    assert handle.done() and handle.tokens == 12 and cache._state.fetching == 0
+    assert handle.done() and handle.tokens == 12 and cache.stats()["host_fetching_tokens"] == 0
     assert cache.peek(A).host_len == 12
     cache.check_integrity(engine_device_slots=0)
     cache.close()

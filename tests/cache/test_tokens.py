@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier.cache import tokens
+from kvtier.compiled import load
 from services import unavailable
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -18,9 +19,11 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 
 @pytest.fixture
 def compiled():
-    if tokens._fill_int64 is None:
+    """The compiled module ``kvtier.cache._tokens``."""
+    module = load(tokens.COMPILED)
+    if module is None:
         unavailable("kvtier.cache._tokens is not built (no C compiler at install time?) or KVTIER_NATIVE=0")
-    return tokens._fill_int64
+    return module
 
 
 @pytest.fixture(params=["compiled", "pure"])
@@ -28,7 +31,7 @@ def path(request, monkeypatch):
     if request.param == "compiled":
         request.getfixturevalue("compiled")
     else:
-        monkeypatch.setattr(tokens, "_fill_int64", None)
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
     return request.param
 
 
@@ -61,31 +64,29 @@ def test_both_paths_refuse_the_same_ids(path, ids, message):
 def test_the_compiled_reader_is_built(compiled):
     """CI builds it: a missing one fails there instead of silently testing the pure path only."""
     out = array("q", [0]) * 3
-    assert compiled(out, [1, -2, 3]) is True and out.tolist() == [1, -2, 3]
+    assert compiled.fill_int64(out, [1, -2, 3]) is True and out.tolist() == [1, -2, 3]
 
 
 def test_the_compiled_reader_answers_false_for_what_it_does_not_read(compiled):
     for ids in ([1, True], [1, 1 << 64], [np.int64(1)], [1.0]):
-        assert compiled(array("q", [0]) * len(ids), ids) is False
+        assert compiled.fill_int64(array("q", [0]) * len(ids), ids) is False
 
 
 def test_the_compiled_reader_checks_its_arguments(compiled):
     with pytest.raises(ValueError, match="3 ids need 24 bytes, the buffer holds 16"):
-        compiled(array("q", [0, 0]), [1, 2, 3])
+        compiled.fill_int64(array("q", [0, 0]), [1, 2, 3])
     with pytest.raises(TypeError, match="list or a tuple"):
-        compiled(array("q", [0]), iter([1]))
+        compiled.fill_int64(array("q", [0]), iter([1]))
     with pytest.raises((TypeError, BufferError)):
-        compiled(b"\0" * 8, [1])  # read-only
+        compiled.fill_int64(b"\0" * 8, [1])  # read-only
     with pytest.raises((TypeError, ValueError, BufferError)):
-        compiled(np.zeros(4, dtype=np.int64)[::2], [1, 2])  # not contiguous
+        compiled.fill_int64(np.zeros(4, dtype=np.int64)[::2], [1, 2])  # not contiguous
 
 
 def test_the_compiled_run_comparison_equals_the_slice_comparison(compiled):
     """``same_at(tokens, pos, key)`` is ``tokens[pos:pos + len(key)] == key`` for every
     position, length and one-id change, out-of-range runs included (False, never a read
     past the end)."""
-    from kvtier.cache import radix
-
     rng = random.Random(5)
     tokens = array("q", [rng.randrange(-(1 << 62), 1 << 62) for _ in range(40)])
     for pos in range(0, 44):
@@ -93,13 +94,13 @@ def test_the_compiled_run_comparison_equals_the_slice_comparison(compiled):
             if n < 0:
                 continue
             key = tokens[pos:pos + n] + (array("q", [1]) if pos + n > 40 else array("q"))
-            assert radix._same_at(tokens, pos, key) is (pos + len(key) <= 40 and tokens[pos:pos + len(key)] == key)
+            assert compiled.same_at(tokens, pos, key) is (pos + len(key) <= 40 and tokens[pos:pos + len(key)] == key)
             if len(key) and pos + len(key) <= 40:
                 changed = array("q", key)
                 changed[rng.randrange(len(key))] ^= 1 << 40
-                assert radix._same_at(tokens, pos, changed) is False
+                assert compiled.same_at(tokens, pos, changed) is False
     with pytest.raises(TypeError, match="int64 buffers"):
-        radix._same_at(tokens, 0, b"\0" * 8)
+        compiled.same_at(tokens, 0, b"\0" * 8)
 
 
 def test_the_radix_walk_matches_the_same_with_either_comparison(monkeypatch, compiled):
@@ -108,7 +109,6 @@ def test_the_radix_walk_matches_the_same_with_either_comparison(monkeypatch, com
     import torch
 
     from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, KVSpec
-    from kvtier.cache import radix
 
     rng = random.Random(6)
     spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)
@@ -121,9 +121,9 @@ def test_the_radix_walk_matches_the_same_with_either_comparison(monkeypatch, com
         slots = cache.alloc_device(len(p))
         cache.free_device(slots[:cache.insert(p, slots)])
     found = {}
-    for same in (radix._same_at, None):
-        monkeypatch.setattr(radix, "_same_at", same)
-        found[same is None] = [cache.peek(p).device_len for p in prompts]
-    assert found[False] == found[True]
-    assert len(set(found[True])) > 5
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVTIER_NATIVE", flag)
+        found[flag] = [cache.peek(p).device_len for p in prompts]
+    assert found["1"] == found["0"]
+    assert len(set(found["0"])) > 5
     cache.close()

@@ -14,7 +14,7 @@ from kvtier.cli import EXIT_BUG, main
 
 WORK = ["kvtier.sim.parallel.simulate", "kvtier.sim.parallel.belady_hits", "kvtier.sim.parallel.run_tasks",
         "kvtier.cli.simulate.synthetic", "kvtier.demo.run",
-        "kvtier.integrations.tiny_models.build", "kvtier.bench.transfer.run", "kvtier.bench.transfer.run_uniform",
+        "kvtier.tiny_models.build", "kvtier.bench.transfer.run", "kvtier.bench.transfer.run_uniform",
         "kvtier.bench.transfer_hybrid.run_hybrid", "kvtier.bench.storage.run",
         "kvtier.bench.cache.run", "kvtier.bench.overlap.run", "kvtier.bench.replay.run",
         "kvtier.cli.inspect.layout_reports", "kvtier.cli.selfcheck.run"]

@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 import kvtier.storage  # noqa: E402
 from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, KVSpec  # noqa: E402
 from kvtier.integrations.identity import model_namespace, weights_digest  # noqa: E402
-from kvtier.integrations.tiny_models import build  # noqa: E402
 from kvtier.integrations.transformers import CachedGenerator, generate_uncached, hf_namespace  # noqa: E402
+from kvtier.tiny_models import build  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("transformers")
 
 import kvtier.storage  # noqa: E402
-from kvtier.integrations.tiny_models import build  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     CachedGenerator, _forward, _new_cache, generate_uncached, spec_from_model)
+from kvtier.tiny_models import build  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 MODELS = {"mimo-full": "L2-fp32-k=2x48-v=2x32", "llama": "L2-fp32-k=2x32-v=2x32", "deepseek": "L2-fp32-k=1x64-v=1x16"}

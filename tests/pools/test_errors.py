@@ -142,7 +142,7 @@ def test_device_pool_accessors():
     assert dev.buffer("v", 2).data_ptr() == dev.v_buffer[2].data_ptr()
     with pytest.raises(ValueError, match="unknown component 'kv'"):
         dev.buffer("kv", 0)
-    with pytest.raises(ValueError, match=r"layer 3 out of range \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"layer 3 is out of range \[0, 3\)"):
         dev.buffer("k", 3)
     with pytest.raises(AttributeError, match="no component 'v'"):
         DeviceKVPool(SPECS["mla"], 4, 4).v_buffer

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.compiled import load
 from kvtier.pools import indices
 from kvtier.pools.indices import page_slots, page_starts, page_token_slots
 from services import unavailable
@@ -18,9 +19,11 @@ from services import unavailable
 
 @pytest.fixture
 def compiled():
-    if indices._native is None:
+    """The compiled module ``kvtier.pools._indices``."""
+    module = load(indices.COMPILED)
+    if module is None:
         unavailable("kvtier.pools._indices is not built (no C compiler at install time?) or KVTIER_NATIVE=0")
-    return indices._native
+    return module
 
 
 def reference(slots: list[int], page_size: int, size: int, unique: bool) -> list[int] | None:
@@ -41,9 +44,10 @@ def reference(slots: list[int], page_size: int, size: int, unique: bool) -> list
     return pages
 
 
-def outcome(slots, dtype, page_size, size, unique, small_slots, monkeypatch, native=None):
+def outcome(slots, dtype, page_size, size, unique, small_slots, monkeypatch, native=False):
+    """``("ok", pages)`` or ``("error", message)``; ``native``: the compiled loop, else numpy."""
     monkeypatch.setattr(indices, "_SMALL_SLOTS", small_slots)
-    monkeypatch.setattr(indices, "_native", native)
+    monkeypatch.setenv("KVTIER_NATIVE", "1" if native else "0")
     try:
         got = page_starts(torch.tensor(slots, dtype=dtype), page_size=page_size, size=size, what="idx", unique=unique)
     except ValueError as e:
@@ -74,11 +78,11 @@ def slot_lists(draw):
 @given(case=slot_lists(), unique=st.booleans(), dtype=st.sampled_from([torch.int64, torch.int32]))
 def test_small_numpy_and_compiled_paths_agree_with_the_reference(case, unique, dtype):
     slots, page_size, size = case
-    native = indices._native
+    native = load(indices.COMPILED) is not None
     with pytest.MonkeyPatch.context() as mp:
         small = outcome(slots, dtype, page_size, size, unique, 10**9, mp)
         large = outcome(slots, dtype, page_size, size, unique, 0, mp)
-        if native is not None:
+        if native:
             assert outcome(slots, dtype, page_size, size, unique, 0, mp, native) == large
     assert small == large
     want = reference(slots, page_size, size, unique)
@@ -89,7 +93,7 @@ def test_small_numpy_and_compiled_paths_agree_with_the_reference(case, unique, d
 def test_errors_name_the_first_bad_page(small_slots, compiled_loop, monkeypatch, request):
     monkeypatch.setattr(indices, "_SMALL_SLOTS", small_slots)
     if not compiled_loop:
-        monkeypatch.setattr(indices, "_native", None)
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
     else:
         request.getfixturevalue("compiled")
     cases = [([0, 1, 2, 3, 6, 7, 8, 9], "idx: page 1 starts at slot 6, not a multiple of page_size 4"),
@@ -138,20 +142,19 @@ def test_page_slots_takes_int32_and_empty():
 def test_compiled_loops_equal_numpy_on_large_inputs(compiled, monkeypatch):
     rng = np.random.default_rng(5)
     for page_size in (1, 2, 16, 64):
-        monkeypatch.setattr(indices, "_native", compiled)
         pages = rng.permutation(20_000)[:5000].astype(np.int64)
         expanded = page_token_slots(pages, page_size)
         size = 20_000 * page_size
         assert page_starts(torch.from_numpy(expanded), page_size=page_size, size=size, what="x",
                            unique=True).tolist() == pages.tolist()
         with monkeypatch.context() as mp:
-            mp.setattr(indices, "_native", None)
+            mp.setenv("KVTIER_NATIVE", "0")
             assert np.array_equal(page_token_slots(pages, page_size), expanded)
         for k in rng.integers(0, expanded.size, 20):  # one slot off: the same page named by both paths
             broken = expanded.copy()
             broken[k] += int(rng.choice([-1, 1, page_size, 10**12]))
             outcomes = [outcome(broken.tolist(), torch.int64, page_size, size, True, 0, monkeypatch, native)
-                        for native in (compiled, None)]
+                        for native in (True, False)]
             assert outcomes[0] == outcomes[1]
             assert outcomes[0][0] == "error" or page_size == 1  # one slot of a page moved breaks the page
 

@@ -71,6 +71,29 @@ def test_unreachable_master_at_open_is_counted_and_retried_later():
     store.close()
 
 
+def test_the_client_is_the_one_the_store_calls(store):
+    host, idx = filled_host(SPEC, 1, layout="page_head")
+    assert store.batch_set(keys_for(1), host, idx) == [True]
+    client = store.client()
+    assert type(client).__name__ == "MooncakeDistributedStore" and store.client() is client
+    assert client.batch_is_exist([f"mc-test/{keys_for(1)[0]}", "mc-test/nothing"]) == [1, 0]  # kvtier's marker
+    assert client.put("mc-test/raw", b"raw bytes") == 0
+    store.clear()  # everything under the store's prefix, its own objects or not
+    assert client.batch_is_exist(["mc-test/raw"]) == [0]
+    store.close()
+    assert store.client() is None
+
+
+def test_no_client_while_the_master_cannot_be_reached():
+    from services import free_port
+
+    store = kvtier.storage.open(f"mooncake://127.0.0.1:{free_port()}?protocol=tcp&metadata=P2PHANDSHAKE",
+                                connect_timeout=0.5, backoff=0)
+    errors = store.stats()["errors"]
+    assert store.client() is None and store.stats()["errors"] == errors + 1
+    store.close()
+
+
 def test_bad_urls(mooncake_master):
     with pytest.raises(ValueError, match="host:port"):
         kvtier.storage.open("mooncake://?metadata=x")

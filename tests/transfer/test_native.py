@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
-from kvtier import HostKVPool, KVSpec
+from kvtier import HostKVPool, KVSpec, compiled as compiled_modules
 from kvtier.transfer import cpu, native
 from services import unavailable
 
@@ -22,9 +22,10 @@ GEOMETRIES = {**SPECS, "lines": KVSpec.mha(2, 2, 32)}
 @pytest.fixture
 def compiled():
     """The compiled module, or skip (fail under KVTIER_REQUIRE_SERVICES=1) when it is not built."""
-    if native._native is None:
+    module = compiled_modules.built(native.COMPILED)
+    if module is None:
         unavailable("kvtier.transfer._native is not built (no C compiler at install time?)")
-    return native._native
+    return module
 
 
 def test_native_module_is_built(compiled):
@@ -86,8 +87,9 @@ def test_native_matches_pure_path(monkeypatch, compiled, spec_name, layout, thre
 
 
 def test_pure_path_without_module(monkeypatch):
-    """With the module missing (as on a machine without a compiler) the numpy path copies."""
-    monkeypatch.setattr(native, "_native", None)
+    """With the module missing (as on a machine without a compiler: its import found
+    nothing) the numpy path copies."""
+    monkeypatch.setitem(compiled_modules._imported, native.COMPILED, None)
     assert not native.enabled() and native.path_name() == "numpy"
     calls = []
     _copies(GEOMETRIES["asym"], "page_head", 2, monkeypatch, calls)
@@ -202,7 +204,7 @@ def test_bench_transfer_reports_copy_path(monkeypatch, capsys, flag):
     from kvtier.cli import main
 
     monkeypatch.setenv("KVTIER_NATIVE", flag)
-    want = "native" if flag == "1" and native._native is not None else "numpy"
+    want = "native" if flag == "1" and compiled_modules.built(native.COMPILED) is not None else "numpy"
     args = ["bench", "transfer", "--layers", "2", "--heads", "2", "--dims", "16", "--page-size", "4", "--pages", "4",
             "--layouts", "page_head", "--backends", "direct", "--repeat", "1", "--meta-pages", "4"]
     assert main(args + ["--json"]) == 0

@@ -14,9 +14,10 @@ diverge, as chat traffic does. Timed, per page size:
 
 Each time is also given as a ratio to a floor measured in the same run: copying the
 prompt's token list (``list(tokens)``), the least any call that takes the prompt does.
-The tree's memory per cached page counts its nodes, keys, device page arrays, LRU
-entries and device-page ownership map (not the KV pools). Inserts are also timed into
-a full pool, each prompt's slots from ``alloc_device`` (which evicts first).
+The tree's memory per cached page is ``HierarchicalCache.memory_bytes()`` (nodes, keys,
+device page arrays, LRU entries and the device-page ownership map; not the KV pools).
+Inserts are also timed into a full pool, each prompt's slots from ``alloc_device``
+(which evicts first).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from ..cache import HierarchicalCache
+from .._checks import positive_ints
 from ..errors import UsageError
 from ..pools import DeviceKVPool, HostKVPool
 from ..spec import KVSpec
@@ -45,7 +47,7 @@ _BYTES_PER_TOKEN = 40
 _INSERTS = 200  # timed inserts per input type
 
 
-def _per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int) -> float:
     """Fastest mean over 5 rounds of ``calls`` calls, after one untimed call."""
     fn()
     best = float("inf")
@@ -61,10 +63,7 @@ def check_config(page_sizes, prompt_tokens: int, tree_pages: int) -> None:
     """``ValueError`` unless every prompt is whole pages of every page size, at least 2 tokens long."""
     if not page_sizes:
         raise UsageError("give at least one page size")
-    for name, value in (("prompt_tokens", prompt_tokens), ("tree_pages", tree_pages),
-                        *(("page_size", p) for p in page_sizes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"{name} must be a positive int, got {value!r}")
+    positive_ints(("prompt_tokens", prompt_tokens), ("tree_pages", tree_pages), *(("page_size", p) for p in page_sizes))
     bad = [p for p in page_sizes if prompt_tokens % p]
     if prompt_tokens < 2 or bad:
         raise UsageError(f"prompt_tokens {prompt_tokens} must be at least 2 and a multiple of every page size "
@@ -76,7 +75,7 @@ def memory_bytes(page_sizes, prompt_tokens: int, tree_pages: int) -> int:
     return max(tree_pages * p + (3 * _INSERTS + 8) * prompt_tokens for p in page_sizes) * _BYTES_PER_TOKEN
 
 
-class _Prompts:
+class Prompts:
     """Seeded 8K-token prompts that start with one shared system prefix."""
 
     def __init__(self, prompt_tokens: int, seed: int) -> None:
@@ -92,7 +91,7 @@ class _Prompts:
         return array("q", self.rng.integers(0, 1 << 30, n, dtype=np.int64).tobytes())
 
 
-def _fragment(cache: HierarchicalCache, prompts: _Prompts, page_size: int) -> array:
+def _fragment(cache: HierarchicalCache, prompts: Prompts, page_size: int) -> array:
     """Cache a new prompt so that its path crosses one node per page: after it, prompts
     that share its first ``i`` pages and then differ are inserted, for every ``i``."""
     target = prompts.random(prompts.n)
@@ -145,7 +144,7 @@ def _insert_times(cache: HierarchicalCache, prompts: list, slots) -> dict:
             "gc_runs": [runs[0], runs[1], runs[2]]}
 
 
-def _timed_inserts(cache: HierarchicalCache, prompts: _Prompts, slots, prefix: str) -> dict:
+def _timed_inserts(cache: HierarchicalCache, prompts: Prompts, slots, prefix: str) -> dict:
     """:func:`_insert_times` of fresh prompts as lists and as ``array('q')``, keyed
     ``{prefix}{figure}_{input}``."""
     out = {}
@@ -166,7 +165,7 @@ def _timed_inserts(cache: HierarchicalCache, prompts: _Prompts, slots, prefix: s
     return out
 
 
-def _build(page_size: int, size: int, prompts: _Prompts, write_policy: str, room: int):
+def _build(page_size: int, size: int, prompts: Prompts, write_policy: str, room: int):
     """A cache over a device pool of ``size`` slots filled with prompts until ``room``
     slots are left; ``(cache, last prompt cached, seconds)``."""
     spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)  # metadata is what is timed: 2 bytes a token
@@ -186,7 +185,7 @@ def steady_inserts(page_size: int, prompt_tokens: int, tree_pages: int, seed: in
     slots come from ``alloc_device``, which evicts least recently used pages first, so
     the tree's memory is reused rather than new (timed apart: ``alloc``)."""
     gc.collect()  # a tree built before (its nodes and parents are cycles) goes first: one tree at the peak
-    prompts = _Prompts(prompt_tokens, seed + 1)
+    prompts = Prompts(prompt_tokens, seed + 1)
     # NOTE: write_through_selective: evicted pages that were never reused just go (write_back
     # would first copy each to the host, which is not what is timed here)
     cache, _, _ = _build(page_size, tree_pages * page_size, prompts, "write_through_selective", 0)
@@ -196,58 +195,28 @@ def steady_inserts(page_size: int, prompt_tokens: int, tree_pages: int, seed: in
         cache.close()
 
 
-def tree_bytes(cache: HierarchicalCache) -> int:
-    """Host bytes of the tree's own structures: nodes, child maps, keys, device page
-    arrays and host slot tensors (each underlying buffer once), LRU entries and the
-    device-page ownership map."""
-    state = cache._state
-    total, storages, buffers = 0, set(), {}
-    for node in state.tree.nodes():
-        total += sys.getsizeof(node) + sys.getsizeof(node.children) + sys.getsizeof(node.key)
-        if node.device is not None:  # a numpy view of its base: the base's buffer counted once
-            pages = node.device.pages
-            total += sys.getsizeof(node.device) + sys.getsizeof(pages)
-            owner = pages if pages.base is None else pages.base
-            if id(owner) not in buffers:
-                buffers[id(owner)] = owner
-                total += owner.nbytes
-        if node.storage is not None:
-            total += sys.getsizeof(node.storage)
-        if node.host is not None:
-            total += sys.getsizeof(node.host) + sys.getsizeof(node.host.slots)
-            storage = node.host.slots.untyped_storage()
-            if storage.data_ptr() not in storages:
-                storages.add(storage.data_ptr())
-                total += storage.nbytes()
-        if node.store_keys is not None:
-            total += sys.getsizeof(node.store_keys) + sum(map(sys.getsizeof, node.store_keys))
-    entries = {id(e): e for heap in state.lru._heaps.values() for e in heap}
-    total += sum(sys.getsizeof(h) for h in state.lru._heaps.values()) + sum(map(sys.getsizeof, entries.values()))
-    return total + state._owned.nbytes
-
-
 def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: int) -> dict:
     check_config((page_size,), prompt_tokens, tree_pages)
-    prompts = _Prompts(prompt_tokens, seed)
+    prompts = Prompts(prompt_tokens, seed)
     spare = (3 * _INSERTS + 8) * prompt_tokens  # the fragmented path and the timed inserts
     size = tree_pages * page_size + spare
     cache, cached, build_s = _build(page_size, size, prompts, "write_back", spare)
     device = cache.device_pool
     pages = (size - device.available_size()) // page_size
-    memory = tree_bytes(cache)
+    memory = cache.memory_bytes()
     fragmented = _fragment(cache, prompts, page_size)
     nodes_crossed = len(cache.match_prefix(fragmented).path)
 
     as_list = cached.tolist()
-    floor = _per_call_us(lambda: list(as_list), 200)
+    floor = per_call_us(lambda: list(as_list), 200)
     inputs = {"list": as_list, "array": cached, "numpy": np.frombuffer(cached, dtype=np.int64).copy(),
               "tensor": torch.frombuffer(bytearray(cached), dtype=torch.int64)}
-    hit = {kind: _per_call_us(lambda x=x: cache.match_prefix(x), 200) for kind, x in inputs.items()}
+    hit = {kind: per_call_us(lambda x=x: cache.match_prefix(x), 200) for kind, x in inputs.items()}
     fresh = prompts.array().tolist()
-    miss = _per_call_us(lambda: cache.match_prefix(fresh), 200)
+    miss = per_call_us(lambda: cache.match_prefix(fresh), 200)
     frag_list = fragmented.tolist()
-    frag = {"array": _per_call_us(lambda: cache.match_prefix(fragmented), 50),
-            "list": _per_call_us(lambda: cache.match_prefix(frag_list), 50)}
+    frag = {"array": per_call_us(lambda: cache.match_prefix(fragmented), 50),
+            "list": per_call_us(lambda: cache.match_prefix(frag_list), 50)}
     for kind, x in (*inputs.items(), ("fragmented", fragmented)):
         if cache.match_prefix(x).device_len != prompt_tokens:
             raise AssertionError(f"the {kind} prompt must hit in full")

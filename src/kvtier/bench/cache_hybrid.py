@@ -18,7 +18,7 @@ from ..cache import HierarchicalCache
 from ..hybrid import HybridSpec, KVGroup
 from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..spec import KVSpec
-from .cache import _per_call_us, _Prompts
+from .cache import Prompts, per_call_us
 
 _TINY = KVSpec.k_only(1, 1, 1, dtype=torch.float16)
 _COMMITS = 100  # timed acquire/commit/release cycles per cache
@@ -55,7 +55,7 @@ def run(spec: HybridSpec, page_size: int = 64, prompt_tokens: int = 8192, tree_p
         seed: int = 0) -> dict:
     """Match (a cached prompt, as a list) and request (acquire, commit, release of a new
     prompt sharing the system prefix) times of both caches, and their ratios."""
-    prompts = _Prompts(prompt_tokens, seed)
+    prompts = Prompts(prompt_tokens, seed)
     spare = (_COMMITS + 8) * prompt_tokens
     size = tree_pages * page_size + spare
     # NOTE: the sliding pools have the full pool's room: every request hands over all its
@@ -77,7 +77,7 @@ def run(spec: HybridSpec, page_size: int = 64, prompt_tokens: int = 8192, tree_p
         out = {"spec": spec.fingerprint(), "page_size": page_size, "prompt_tokens": prompt_tokens,
                "tree_prompts": (size - spare) // prompt_tokens, "build_s": round(build_s, 2)}
         for name, cache, groups in (("uniform", uniform, ()), ("hybrid", hybrid, names)):
-            out[f"{name}_match_us"] = _per_call_us(lambda c=cache: c.match_prefix(as_list), 200)
+            out[f"{name}_match_us"] = per_call_us(lambda c=cache: c.match_prefix(as_list), 200)
             best = float("inf")
             for _ in range(_ROUNDS):  # the fastest round's mean, as for the matches: a shared machine is noisy
                 fresh = [prompts.array().tolist() for _ in range(_COMMITS // _ROUNDS)]

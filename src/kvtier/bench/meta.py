@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..errors import UsageError
+from .._checks import int_at_least
 from ..layout import LAYOUTS
 from ..pools import HostKVPool
 from ..pools.indices import page_slots
@@ -140,8 +140,7 @@ def check_config(*, pages: int, page_size: int, repeat: int, load: int, threads:
     """``ValueError`` naming the first bad argument."""
     for name, value, least in (("pages", pages, 1), ("page_size", page_size, 1), ("repeat", repeat, 1),
                                ("load", load, 0), ("threads", 1 if threads is None else threads, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise UsageError(f"{name} must be an int >= {least}, got {value!r}")
+        int_at_least(name, value, least)
 
 
 def run(*, layers: int = 32, heads: int = 8, dims=((192, 128),), page_size: int = 64, pages: int = 4096,

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..cache import HierarchicalCache
+from .._checks import positive_ints
 from ..errors import IntegrityError, UsageError
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
@@ -179,10 +180,8 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, query_heads: i
     dev = check_device(device)
     tokens = DEFAULT_TOKENS[dev.type] if tokens is None else tuple(tokens)
     query_heads = heads if query_heads is None else query_heads
-    for name, value in (("layers", layers), ("heads", heads), ("head_dim", head_dim), ("query_heads", query_heads),
-                        ("page_size", page_size), ("repeat", repeat), *(("tokens", t) for t in tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"{name} must be a positive int, got {value!r}")
+    positive_ints(("layers", layers), ("heads", heads), ("head_dim", head_dim), ("query_heads", query_heads),
+                  ("page_size", page_size), ("repeat", repeat), *(("tokens", t) for t in tokens))
     check_tokens(tokens, page_size)
     spec = KVSpec.mha(layers, heads, head_dim)
     started = time.time()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .. import storage
+from .._checks import positive_ints
 from ..errors import UsageError
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.indices import page_slots
@@ -244,10 +245,7 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         raise UsageError(f"backends {list(backends)!r}: choose from {', '.join(BACKENDS)}")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat <= 0:
-        raise UsageError(f"repeat must be a positive int, got {repeat!r}")
-    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads <= 0:
-        raise UsageError(f"io_threads must be a positive int, got {io_threads!r}")
+    positive_ints(("repeat", repeat), ("io_threads", io_threads))
     spec = KVSpec.mha(layers, heads, head_dim, v_head_dim)
     size = pages * page_size
     dev = DeviceKVPool(spec, size, page_size)
@@ -279,7 +277,11 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
                         master = stack.enter_context(MooncakeMaster())
                         segment = 4 * payload + _MOONCAKE_SEGMENT_EXTRA
                         store = storage.open(f"{master.url}&global_segment_size={segment}")
-                        raw = _RawMooncake(store._client(), sizes)
+                        client = store.client()
+                        if client is None:  # the master went away after it started
+                            store.close()
+                            raise ServerUnavailable(f"mooncake_master at {master.url} cannot be reached")
+                        raw = _RawMooncake(client, sizes)
                     stack.callback(store.close)
                 except ServerUnavailable as e:
                     skipped[name] = str(e)

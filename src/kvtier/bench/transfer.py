@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import UsageError
+from .._checks import positive_ints
 from ..layout import LAYOUTS
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
@@ -155,13 +155,6 @@ def uniform_memory_bytes(specs, *, page_sizes=(64,), pages: int = 256, meta_page
     return pool + meta, pool
 
 
-def check_counts(*named: tuple[str, object]) -> None:
-    """Each ``(name, value)``'s value a positive int, else ``ValueError`` naming it."""
-    for name, value in named:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"{name} must be a positive int, got {value!r}")
-
-
 def run_fields(specs, *, repeat: int, device: str) -> dict:
     """The config fields every run reports about how it ran: repeats, threads, dtype(s),
     device and CPU copy path."""
@@ -188,8 +181,8 @@ def run_uniform(specs, geometry: dict, *, page_sizes=(64,), pages: int = 256, la
     config starts with ``geometry``. ``pages`` is for the largest page size; smaller pages
     keep the same bytes (more pages). Span metadata is timed for the last spec."""
     check_device(device)
-    check_counts(("pages", pages), ("repeat", repeat), ("meta_pages", meta_pages),
-                 *(("page_size", p) for p in page_sizes))
+    positive_ints(("pages", pages), ("repeat", repeat), ("meta_pages", meta_pages),
+                  *(("page_size", p) for p in page_sizes))
     started = time.time()
     rows, limits = [], {}
     for page_size in page_sizes:

@@ -19,14 +19,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .._checks import positive_int, positive_ints
 from ..errors import UsageError
-from ..hybrid import HybridSpec, _ranges
+from ..hybrid import HybridSpec, layer_ranges
 from ..layout import LAYOUTS
 from ..pools.common import check_device
 from ..pools.hybrid import HybridDevicePool, HybridHostPool
 from ..pools.indices import page_slots
 from .timing import memcpy_gbps
-from .transfer import TransferRow, check_counts, copies, run_fields, time_copies
+from .transfer import TransferRow, copies, run_fields, time_copies
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def check_hybrid(spec: HybridSpec, *, page_sizes, pages: int) -> int:
     in tokens. Every page size must cut the prefix and each sliding window into whole
     pages: otherwise whole pages move more of a window than ``bytes_for`` counts, and the
     bench's check of its own bytes would fail. ``ValueError`` says what to use instead."""
-    check_counts(("pages", pages), *(("page_size", p) for p in page_sizes))
+    positive_ints(("pages", pages), *(("page_size", p) for p in page_sizes))
     tokens = pages * max(page_sizes)
     for ps in page_sizes:
         if tokens % ps:
@@ -173,7 +174,7 @@ def run_hybrid(spec: HybridSpec, *, page_sizes=(64,), pages: int = 256, layouts=
     size's copies wrote (``copied``) and whether each equals ``HybridSpec.bytes_for``
     (``copied_equal``: the bench's check of itself)."""
     check_device(device)
-    check_counts(("repeat", repeat))
+    positive_int("repeat", repeat)
     tokens = check_hybrid(spec, page_sizes=page_sizes, pages=pages)
     started = time.time()
     rows, limits, copied, moved = [], {}, {}, {}
@@ -185,7 +186,7 @@ def run_hybrid(spec: HybridSpec, *, page_sizes=(64,), pages: int = 256, layouts=
         rows += ps_rows
     resume = ResumeBytes.of(spec, tokens)
     groups = [{"name": g.name, "attention": g.attention.kind, "window": g.attention.window,
-               "layers": _ranges(g.layers), "spec": g.spec.fingerprint(), "bytes_per_token": g.bytes_per_token}
+               "layers": layer_ranges(g.layers), "spec": g.spec.fingerprint(), "bytes_per_token": g.bytes_per_token}
               for g in spec.groups]
     return {
         "config": {"spec": spec.fingerprint(), "groups": groups, "page_sizes": list(page_sizes), "pages": pages,

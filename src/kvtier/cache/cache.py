@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .._checks import is_int, non_negative_int, positive_number
 from ..errors import CacheClosedError, UsageError
 from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
 from ..pools.indices import page_numbers
@@ -42,12 +43,6 @@ _STALLED_ROUNDS = 1  # eviction that waited for backups gives up after this many
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UsageError(f"unknown {what} {value!r}; supported: {', '.join(choices)}")
-
-
-def _check_count(what: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise UsageError(f"{what} must be a non-negative int, got {n!r}")
-    return n
 
 
 def _checks_on(check: bool | None) -> bool:
@@ -77,8 +72,8 @@ def _hybrid_pools(device_pool, host_pool, page_size: int, retention_interval):
         if len(set(sizes.values())) > 1:
             raise UsageError(f"the full groups share the cache's {what} slots, so their {what} pools need one size; "
                              f"got {sizes}")
-    if retention_interval is not None and (isinstance(retention_interval, bool) or not isinstance(
-            retention_interval, int) or retention_interval <= 0 or retention_interval % page_size):
+    if retention_interval is not None and (not is_int(retention_interval) or retention_interval <= 0
+                                           or retention_interval % page_size):
         raise UsageError(f"retention_interval must be a positive multiple of page_size {page_size} or None, "
                          f"got {retention_interval!r}")
     sides = Sides(spec, device_pool, host_pool, page_size, retention_interval)
@@ -190,8 +185,7 @@ class HierarchicalCache:
         if allocator is not None and not isinstance(allocator, DeviceAllocator):
             raise UsageError(f"allocator must implement alloc/free/available_size, got {type(allocator)}")
         for what, t in (("prefetch_timeout", prefetch_timeout), ("storage_timeout", storage_timeout)):
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-                raise UsageError(f"{what} must be a positive number of seconds, got {t!r}")
+            positive_number(what, t)
         self.device_pool, self.host_pool, self.storage = user_device, user_host, storage
         self._device, self._sides = device_pool, sides
         self._layer_num = user_device.spec.layer_num  # the model's layers (a hybrid load goes over every group)
@@ -640,8 +634,7 @@ class HierarchicalCache:
         """``points`` checked: ints, whole pages, within ``tokens``; only hybrid caches
         keep windows, so a uniform one ignores them (every prefix resumes)."""
         points = tuple(points)
-        bad = [p for p in points if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= tokens
-               or p % self.page_size]
+        bad = [p for p in points if not is_int(p) or not 0 < p <= tokens or p % self.page_size]
         if bad:
             raise UsageError(f"{what}: resume_at holds {bad[:4]}, not whole-page token counts in (0, {tokens}]")
         return points if self._sides is not None else ()
@@ -678,7 +671,7 @@ class HierarchicalCache:
         as needed; ``None`` if even that leaves too few. Hybrid specs: ``group``
         names a sliding group for slots of its pool (the full groups share the
         slots of ``group=None``)."""
-        _check_count("alloc_device", num_tokens)
+        non_negative_int("alloc_device", num_tokens)
         self._check_open()
         if group is not None:
             self._check_group("alloc_device", group)
@@ -752,7 +745,7 @@ class HierarchicalCache:
         return self._evict("host", num_tokens)
 
     def _evict(self, tier: str, num_tokens: int) -> int:
-        _check_count(f"evict_{tier}", num_tokens)
+        non_negative_int(f"evict_{tier}", num_tokens)
         self._check_open()
         freed, stalled = 0, 0
         while True:
@@ -782,7 +775,8 @@ class HierarchicalCache:
         with self._lock:
             nodes = list(self._state.tree.nodes())
             tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.device is not None),
-                     "host_tokens": sum(len(n.key) for n in nodes if n.host_ready)}
+                     "host_tokens": sum(len(n.key) for n in nodes if n.host_ready),
+                     "host_fetching_tokens": self._state.fetching}  # prefetches' slots, not in the tree yet
             if self._sides is not None:  # pages held per sliding group and tier
                 tiers["sliding_pages"] = {g: {t: sum(int((getattr(n, t).side[g] >= 0).sum()) for n in nodes
                                                      if getattr(n, t) is not None) for t in ("device", "host")}
@@ -795,6 +789,19 @@ class HierarchicalCache:
             except Exception as e:  # a broken backend still lets the cache report
                 out["storage"] = {"error": repr(e)}
         return out
+
+    def memory_bytes(self) -> int:
+        """Host bytes of the cache's own metadata: every tree node (the roots too) with its
+        child map, token-id key and storage keys; each node's copies with their device
+        page numbers, host slot tensors and (hybrid) sliding groups' page arrays, a buffer
+        that the pieces of a split share counted once; the LRU heaps and their entries;
+        the device-page ownership maps. Each object as ``sys.getsizeof`` reports it.
+        Not counted: the KV pools and their allocators, the storage backend, the worker
+        threads. It walks the whole tree under the lock: for tools and tests, not for
+        every step of a serving loop."""
+        self._check_open()
+        with self._lock:
+            return self._state.memory_bytes()
 
     def check_integrity(self, engine_device_slots: int | None = None) -> None:
         """Raise :class:`~kvtier.errors.IntegrityError` unless the cache's invariants

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from .._checks import is_int
 from ..errors import CacheClosedError
 from ..storage.faults import WarningLimiter
 from .protocols import Storage
@@ -50,7 +51,7 @@ class StorageGuard:
         n = self._ask(lambda: self.storage.batch_exists(keys), "batch_exists")
         if n is None:
             return 0
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
+        if not is_int(n) or not 0 <= n <= len(keys):
             return self._fault("storage_exists", "answer", f"batch_exists answered {n!r} for {len(keys)} keys")
         return n
 
@@ -69,7 +70,7 @@ class StorageGuard:
         if not keys:
             return 0
         n = self._ask(lambda: grouped.reusable(keys, held), "reusable")
-        return n if isinstance(n, int) and 0 <= n <= len(keys) else 0
+        return n if is_int(n) and 0 <= n <= len(keys) else 0
 
     def _ask(self, call, what: str):
         """``call()`` on an exists thread within ``timeout``; ``None`` (counted) on a fault."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 from typing import Callable, Iterable
 
 TIERS = ("device", "host")
@@ -91,6 +92,13 @@ class LruIndex:
                 self._heaps[side_tier(t, g)] = [e for e in entries if _has_side(getattr(e[-1], t), g)]
         for heap in self._heaps.values():
             heapq.heapify(heap)
+
+    def memory_bytes(self) -> int:
+        """Host bytes of the heaps and their entries (an entry two heaps share counted
+        once; the nodes are the tree's)."""
+        entries = {id(e): e for heap in self._heaps.values() for e in heap}
+        return (sys.getsizeof(self._heaps) + sum(map(sys.getsizeof, self._heaps.values()))
+                + sum(map(sys.getsizeof, entries.values())))
 
     def contains(self, tier: str, node) -> bool:
         """Whether ``node`` has an entry in ``tier`` (integrity checks only: a scan)."""

@@ -24,9 +24,7 @@ import numpy as np
 from ..compiled import load
 from ..errors import IntegrityError
 from .residency import DeviceCopy, HostCopy, StorageCopy
-
-# the compiled in-place run comparison (``kvtier.compiled``: where built, unless KVTIER_NATIVE=0 at import)
-_same_at = getattr(load("kvtier.cache._tokens"), "same_at", None)
+from .tokens import COMPILED
 
 _tick = itertools.count(1)
 _serial = itertools.count(1)
@@ -156,8 +154,10 @@ class RadixTree:
         # NOTE: the inner loop is the hot path of every match: one int lookup and one
         # memcmp of a whole key per node (compiled: in place; else array slices of one
         # typecode, which compare with memcmp after a copy). The rare cases (a first-id
-        # collision, a match ending inside a node) take the outer loop.
-        same = _same_at
+        # collision, a match ending inside a node) take the outer loop. The switch is read
+        # here, once per walk.
+        compiled = load(COMPILED)
+        same = None if compiled is None else compiled.same_at
         while True:
             while pos < usable:
                 child = node.children.get(tokens[pos])

@@ -17,6 +17,8 @@ group holds ``[0, p)`` and every sliding group the pages of its window before ``
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
@@ -68,6 +70,10 @@ class Sides:
         self.owned = {g: np.zeros(self.device[g].size // page_size, dtype=bool) for g in self.names}
         self.fetching = dict.fromkeys(self.names, 0)  # host slots prefetches hold outside the tree
         self._holes = np.full(1 << 13, HOLE, dtype=np.int64)
+
+    def memory_bytes(self) -> int:
+        """Host bytes of the groups' device-page ownership maps and the kept ``-1`` array."""
+        return sum(sys.getsizeof(a) for a in (*self.owned.values(), self._holes))
 
     def holes(self, n: int) -> np.ndarray:
         """A new ``(n,)`` int64 array of ``-1`` (a copy of a kept one: faster than a fill)."""

@@ -23,6 +23,8 @@ counts them, so that :meth:`CacheState.check_integrity` tells them from a leak.
 
 from __future__ import annotations
 
+import itertools
+import sys
 import threading
 from array import array
 from typing import Callable
@@ -33,6 +35,7 @@ import torch
 from ..errors import IntegrityError, UsageError
 from ..pools.indices import page_token_slots
 from ..storage.keys import extend_keys
+from .footprint import Footprint
 from .handles import LoadHandle
 from .hybrid_state import HybridState
 from .inflight import InFlight
@@ -569,6 +572,17 @@ class CacheState(HybridState):
             for node in path:
                 self.begin_backup(node)
         return already, len(tokens) - matched
+
+    # -- accounting --------------------------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Host bytes of the tree's metadata (``HierarchicalCache.memory_bytes`` says what
+        is counted): every node, roots included, with its copies; the LRU index; the
+        device-page ownership maps."""
+        counted = Footprint()
+        for node in itertools.chain(self.tree.roots.values(), self.tree.nodes()):
+            counted.node(node)
+        sides = self.sides.memory_bytes() if self.sides is not None else 0
+        return counted.total + self.lru.memory_bytes() + sys.getsizeof(self._owned) + sides
 
     # -- integrity ---------------------------------------------------------------------------------------------
     def _check_base_run(self, node: Node) -> None:

@@ -21,8 +21,8 @@ _INT64 = np.iinfo(np.int64)
 _ZERO = array("q", [0])
 _ALL_INTS = object()
 
-# the compiled list reader (``kvtier.compiled``: where built, unless KVTIER_NATIVE=0 at import)
-_fill_int64 = getattr(load("kvtier.cache._tokens"), "fill_int64", None)
+#: the compiled list reader and run comparison, through ``kvtier.compiled.load`` at each call
+COMPILED = "kvtier.cache._tokens"
 
 
 def token_array(token_ids) -> array:
@@ -46,9 +46,10 @@ def token_array(token_ids) -> array:
             token_ids = list(token_ids)
         except TypeError:
             raise UsageError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
-    if _fill_int64 is not None:
+    compiled = load(COMPILED)
+    if compiled is not None:
         out = _ZERO * len(token_ids)
-        if _fill_int64(out, token_ids):
+        if compiled.fill_int64(out, token_ids):
             return out
     out = array("q")
     try:

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import asdict
 
 from ..errors import UsageError
-from ..integrations.tiny_models import MODELS
+from ..tiny_models import MODELS
 from ..layout import LAYOUTS
 from ..pools.common import check_device
 from .preflight import check_device_memory, check_host_memory, check_output_path, require_module
@@ -77,7 +77,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace, store):
     from .. import demo
-    from ..integrations.tiny_models import build
+    from ..tiny_models import build
     from ..integrations.transformers import spec_from_model
     from ..pools.hybrid import as_hybrid
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from ..hybrid import HybridSpec, KVGroup, _ranges
+from ..hybrid import HybridSpec, KVGroup, layer_ranges
 from ..spec import KVSpec
 from .layout_report import LayoutReport, layout_reports, memory_bytes
 from .preflight import check_host_memory, check_torch_bytes
@@ -54,7 +54,7 @@ def group_fields(g: KVGroup) -> dict:
     ``layers`` as ranges (``0,5,11-13``), components, bytes per token and, for a sliding
     group, ``window_bytes`` (``window`` tokens of it; 0 for a full group)."""
     window = g.attention.window
-    return {"name": g.name, "attention": g.attention.kind, "window": window, "layers": _ranges(g.layers),
+    return {"name": g.name, "attention": g.attention.kind, "window": window, "layers": layer_ranges(g.layers),
             "spec": g.spec.fingerprint(),
             "components": [{"name": c.name, "heads": c.head_num, "head_dim": c.head_dim} for c in g.spec.components],
             "bytes_per_token": g.bytes_per_token, "window_bytes": (window or 0) * g.bytes_per_token}
@@ -72,8 +72,8 @@ def _hybrid(spec: HybridSpec, args: argparse.Namespace) -> int:
     rows = []
     for g in spec.groups:
         window = "-" if g.attention.is_full else f"{g.attention.window * g.bytes_per_token:,} B"
-        rows.append([g.name, attention_text(g.attention), f"{len(g.layers)}: {_ranges(g.layers)}", _components(g.spec),
-                     f"{g.bytes_per_token:,} B", window])
+        rows.append([g.name, attention_text(g.attention), f"{len(g.layers)}: {layer_ranges(g.layers)}",
+                     _components(g.spec), f"{g.bytes_per_token:,} B", window])
     print_table("layer groups", ["group", "attention", "layers", "heads x dim", "bytes / token", "window bytes"],
                 rows)
     full = spec.full_bytes_per_token

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
+from .._checks import positive_int
 from ..layout import LAYOUTS, contiguous_run
 from ..pools import HostKVPool
 from ..spec import KVSpec
@@ -34,8 +34,7 @@ def memory_bytes(page_size: int) -> int:
 
 def layout_reports(spec: KVSpec, page_size: int) -> list[LayoutReport]:
     """One report per layout, measured on a one-page ``meta`` pool of ``spec`` (nothing allocated)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise UsageError(f"page_size must be a positive int, got {page_size!r}")
+    positive_int("page_size", page_size)
     reports = []
     for name in LAYOUTS:
         pool = HostKVPool(spec, page_size, page_size, layout=name, device="meta")

@@ -11,7 +11,7 @@ import argparse
 
 from .. import hybrid
 from ..errors import UsageError
-from ..hybrid import Attention, HybridSpec, KVGroup, _ranges
+from ..hybrid import Attention, HybridSpec, KVGroup, layer_ranges
 from ..spec import Component, KVSpec, parse_dtype
 
 _FIELDS = {
@@ -130,7 +130,7 @@ def _layer_ids(key: str, text: str, layers: int) -> set[int]:
         ids.extend(range(first, last + 1))
     twice = sorted({i for i in ids if ids.count(i) > 1})
     if twice:
-        raise UsageError(f"{_HYBRID}: {key}={text}: layers {_ranges(twice)} named twice")
+        raise UsageError(f"{_HYBRID}: {key}={text}: layers {layer_ranges(twice)} named twice")
     return set(ids)
 
 
@@ -180,7 +180,7 @@ def parse_hybrid(text: str, dtype) -> HybridSpec:
     for name in _GROUPS:
         layers = tuple(i for i, kind in enumerate(kinds) if kind == name)
         if layers and name not in geometry:
-            raise UsageError(f"{_HYBRID}: layers {_ranges(layers)} are {name} but there is no {name}: part "
+            raise UsageError(f"{_HYBRID}: layers {layer_ranges(layers)} are {name} but there is no {name}: part "
                              f"(e.g. {name}:{'window=128,' if name == 'swa' else ''}heads=8,head_dim=128)")
         if name in geometry and not layers:
             raise UsageError(f"{_HYBRID}: a {name}: part, but no layer is {name}")
@@ -257,8 +257,8 @@ def attention_text(attention: Attention) -> str:
 
 def describe_groups(spec: HybridSpec) -> str:
     """``this spec is hybrid: full (full, layers 0,5,...: L9-bf16-...), swa (sliding 128, ...)``."""
-    groups = ", ".join(f"{g.name} ({attention_text(g.attention)}, layers {_ranges(g.layers)}: {g.spec.fingerprint()})"
-                       for g in spec.groups)
+    groups = ", ".join(f"{g.name} ({attention_text(g.attention)}, layers {layer_ranges(g.layers)}: "
+                       f"{g.spec.fingerprint()})" for g in spec.groups)
     return f"this spec is hybrid: {groups}"
 
 

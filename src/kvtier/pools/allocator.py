@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .._checks import non_negative_int
 from ..errors import IntegrityError, UsageError
 from .common import check_sizes
 from .indices import page_numbers, page_token_slots
@@ -38,8 +39,7 @@ class PageAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` token slots in whole pages, as ``(n,)`` int64; ``None`` when too few are free."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise UsageError(f"alloc needs a non-negative int, got {n!r}")
+        non_negative_int("alloc", n)
         if n % self.page_size:
             raise UsageError(f"alloc({n}): not a multiple of page_size {self.page_size}")
         need = n // self.page_size

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Mapping
+
 import torch
 
+from .._checks import positive_ints
 from ..errors import UsageError
+from ..layout import Layout
 from ..spec import KVSpec
 from .memory import pool_bytes
 
@@ -12,11 +16,41 @@ _ALIGN = 4096  # component offsets inside one allocation: page-aligned for pinni
 
 
 def check_sizes(size: object, page_size: object) -> None:
-    for field, value in (("size", size), ("page_size", page_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"{field} must be a positive int, got {value!r}")
+    positive_ints(("size", size), ("page_size", page_size))
     if size % page_size:
         raise UsageError(f"size {size} is not a multiple of page_size {page_size}")
+
+
+def layout_shapes(spec: KVSpec, layout: Layout, num_pages: int, page_size: int) -> dict[str, tuple[int, ...]]:
+    """Each component's buffer shape in ``layout``'s axis order."""
+    sizes = {"page": num_pages, "slot": page_size, "layer": spec.layer_num}
+    return {c.name: layout.shape({**sizes, "head": c.head_num, "dim": c.head_dim}) for c in spec.components}
+
+
+def check_names(what: str, mapping: object, names, kind: str) -> None:
+    """``ValueError`` unless ``mapping`` is a mapping whose keys are exactly ``names``
+    (``kind``: what they name, e.g. ``"components"``)."""
+    if not isinstance(mapping, Mapping) or set(mapping) != set(names):
+        got = sorted(mapping) if isinstance(mapping, Mapping) else type(mapping).__name__
+        raise UsageError(f"{what} must map exactly the {kind} {list(names)}, got {got}")
+
+
+def check_buffers(spec: KVSpec, buffers: Iterable[tuple[str, object, tuple[int, ...]]], needs: str = "") -> None:
+    """An engine's tensors, as ``from_buffers`` takes them: each ``(where, tensor, shape)``
+    of ``buffers`` a tensor of that shape and ``spec.dtype``, on the first one's device;
+    ``ValueError`` naming the first mismatch (``where``; ``needs`` says why that shape)."""
+    first_where = first = None
+    for where, t, shape in buffers:
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"{where} is {type(t).__name__}, not a tensor")
+        if first is None:
+            first_where, first = where, t
+        if tuple(t.shape) != shape:
+            raise UsageError(f"{where} has shape {tuple(t.shape)}, expected {shape}{needs}")
+        if t.dtype != spec.dtype:
+            raise UsageError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
+        if t.device != first.device:
+            raise UsageError(f"{where} is on {t.device}, {first_where} on {first.device}")
 
 
 def parse_device(device: object) -> torch.device:

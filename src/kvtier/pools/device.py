@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import index_in_range
 from ..errors import UsageError
+from ..layout import DEVICE_LAYOUT
 from ..spec import KVSpec
 from .allocator import PageAllocator
-from .common import carve, check_sizes, check_spec, parse_device
+from .common import carve, check_buffers, check_names, check_sizes, check_spec, layout_shapes, parse_device
 from .views import PageViews
 
 
 class DeviceKVPool:
     """KV buffers as an engine holds them: ``buffer(name, layer)`` is ``(size, head, dim)``.
 
-    Either allocated here (one allocation; per-component ``(layer, size, head, dim)``
-    views) or wrapping an engine's own tensors with :meth:`from_buffers`.
+    Either allocated here (one allocation; per component a view in
+    :data:`~kvtier.layout.DEVICE_LAYOUT`'s order, ``(layer, page, slot, head, dim)``)
+    or wrapping an engine's own tensors with :meth:`from_buffers`.
     ``alloc``/``free`` hand out whole pages of token slots, as the host pool does.
     """
 
@@ -23,44 +26,36 @@ class DeviceKVPool:
         check_spec(spec)
         check_sizes(size, page_size)
         dev = parse_device(device)
-        shapes = {c.name: (spec.layer_num, size, c.head_num, c.head_dim) for c in spec.components}
-        self.raw, stacked = carve(spec, shapes, device=dev)
-        self._init(spec, size, page_size, dev, {n: list(t.unbind(0)) for n, t in stacked.items()}, stacked)
+        self.raw, buffers = carve(spec, layout_shapes(spec, DEVICE_LAYOUT, size // page_size, page_size), device=dev)
+        # NOTE: flatten(0, 1) of a layer's (page, slot, head, dim) is a view: slot follows page in memory
+        layers = {n: [t.flatten(0, 1) for t in DEVICE_LAYOUT.canonical(b).unbind(2)] for n, b in buffers.items()}
+        self._init(spec, size, page_size, dev, layers, buffers)
 
     @classmethod
     def from_buffers(cls, spec: KVSpec, buffers: dict[str, list[torch.Tensor]], page_size: int) -> "DeviceKVPool":
         """Wrap an engine's per-layer tensors ``{name: [layer0, layer1, ...]}``, each
         ``(size, head, dim)`` of ``spec.dtype``, all on one device. No copy is made."""
         check_spec(spec)
-        if not isinstance(buffers, dict) or set(buffers) != set(spec.names):
-            got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
-            raise UsageError(f"buffers must map exactly the components {list(spec.names)}, got {got}")
+        check_names("buffers", buffers, spec.names, "components")
         first = buffers[spec.names[0]][0] if buffers[spec.names[0]] else None
         if not isinstance(first, torch.Tensor):
             raise UsageError(f"buffers[{spec.names[0]!r}] must be a non-empty list of tensors")
         size = first.shape[0]
         for c in spec.components:
-            layers = buffers[c.name]
-            if len(layers) != spec.layer_num:
-                raise UsageError(f"buffers[{c.name!r}] has {len(layers)} layers, spec has {spec.layer_num}")
-            for i, t in enumerate(layers):
-                where = f"buffers[{c.name!r}][{i}]"
-                if not isinstance(t, torch.Tensor):
-                    raise UsageError(f"{where} is {type(t).__name__}, not a tensor")
-                if tuple(t.shape) != (size, c.head_num, c.head_dim):
-                    raise UsageError(f"{where} has shape {tuple(t.shape)}, expected {(size, c.head_num, c.head_dim)}")
-                if t.dtype != spec.dtype:
-                    raise UsageError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
-                if t.device != first.device:
-                    raise UsageError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}][0] on {first.device}")
+            if len(buffers[c.name]) != spec.layer_num:
+                raise UsageError(f"buffers[{c.name!r}] has {len(buffers[c.name])} layers, spec has {spec.layer_num}")
+        check_buffers(spec, ((f"buffers[{c.name!r}][{i}]", t, (size, c.head_num, c.head_dim))
+                             for c in spec.components for i, t in enumerate(buffers[c.name])))
         check_sizes(size, page_size)
         pool = cls.__new__(cls)
         pool.raw = None
-        stacked = {c.name: _stack_view(buffers[c.name]) for c in spec.components}
+        stacked = {c.name: _stack_view(buffers[c.name], page_size) for c in spec.components}
         pool._init(spec, size, page_size, first.device, {n: list(v) for n, v in buffers.items()}, stacked)
         return pool
 
-    def _init(self, spec, size, page_size, device, layers, stacked) -> None:
+    def _init(self, spec, size, page_size, device, layers, buffers) -> None:
+        """``layers[name]``: the engine's ``(size, head, dim)`` tensor per layer;
+        ``buffers[name]``: all of them as one view in ``DEVICE_LAYOUT``'s order, or ``None``."""
         self.spec = spec
         self.size = size
         self.page_size = page_size
@@ -70,11 +65,8 @@ class DeviceKVPool:
         num_pages = size // page_size
         self.page_views: dict[str, PageViews] = {}
         for c in spec.components:
-            # (layer, size, head, dim) -> (page, slot, layer, head, dim)
-            all_layers = stacked[c.name]
-            canon = None
-            if all_layers is not None:
-                canon = all_layers.unflatten(1, (num_pages, page_size)).permute(1, 2, 0, 3, 4)
+            buffer = buffers[c.name]
+            canon = None if buffer is None else DEVICE_LAYOUT.canonical(buffer)  # (page, slot, layer, head, dim)
             per_layer = tuple(t.unflatten(0, (num_pages, page_size)) for t in layers[c.name])
             self.page_views[c.name] = PageViews.build(canon, per_layer)
 
@@ -83,8 +75,7 @@ class DeviceKVPool:
         """``(size, head, dim)`` buffer of component ``name`` at ``layer``."""
         if name not in self._layers:
             raise UsageError(f"unknown component {name!r}; this pool has {list(self._layers)}")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.layer_num:
-            raise UsageError(f"layer {layer!r} out of range [0, {self.spec.layer_num})")
+        index_in_range("layer", layer, self.spec.layer_num)
         return self._layers[name][layer]
 
     @property
@@ -132,18 +123,20 @@ class DeviceKVPool:
         self._allocator.free_pages(pages)
 
 
-def _stack_view(layers: list[torch.Tensor]) -> torch.Tensor | None:
-    """A ``(layer, size, head, dim)`` view over per-layer tensors when they sit in one
-    storage at a constant stride (as engines that slice one allocation do); else None."""
+def _stack_view(layers: list[torch.Tensor], page_size: int) -> torch.Tensor | None:
+    """A view in ``DEVICE_LAYOUT``'s order over per-layer ``(size, head, dim)`` tensors when
+    they sit in one storage at a constant stride (as engines that slice one allocation
+    do); else None."""
     t0 = layers[0]
-    if len(layers) == 1:
-        return t0.unsqueeze(0)
+    (size, heads, dims), (token, head, dim) = t0.shape, t0.stride()
     es = t0.element_size()
-    gap = layers[1].data_ptr() - t0.data_ptr()
-    if gap <= 0 or gap % es:
+    gap = layers[1].data_ptr() - t0.data_ptr() if len(layers) > 1 else size * token * es  # one layer: as unsqueeze
+    if len(layers) > 1 and (gap <= 0 or gap % es):
         return None
     for i, t in enumerate(layers):
         same = t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr() and t.stride() == t0.stride()
         if not same or t.data_ptr() - t0.data_ptr() != i * gap:
             return None
-    return t0.as_strided((len(layers), *t0.shape), (gap // es, *t0.stride()))
+    sizes = {"layer": len(layers), "page": size // page_size, "slot": page_size, "head": heads, "dim": dims}
+    strides = {"layer": gap // es, "page": page_size * token, "slot": token, "head": head, "dim": dim}
+    return t0.as_strided(DEVICE_LAYOUT.shape(sizes), DEVICE_LAYOUT.shape(strides))

@@ -7,12 +7,13 @@ import os
 import numpy as np
 import torch
 
+from .._checks import index_in_range, is_int, positive_int
 from ..errors import UsageError
-from ..layout import Layout, get_layout, require_split_heads
+from ..layout import get_layout, require_split_heads
 from ..spec import KVSpec
 from ..transfer import CopyWorkers, check_io_backend, copy_pages
 from .allocator import PageAllocator
-from .common import carve, check_sizes, check_spec, parse_device
+from .common import carve, check_buffers, check_names, check_sizes, check_spec, layout_shapes, parse_device
 from .device import DeviceKVPool
 from .indices import page_numbers, page_starts
 from .meta import SpanTable, SpanTables
@@ -26,11 +27,6 @@ def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
     if pin_memory and not accel:
         raise UsageError("pin_memory=True needs an accelerator (CUDA) and none is available; use pin_memory=None")
     return bool(pin_memory)
-
-
-def _shapes(spec: KVSpec, layout: Layout, num_pages: int, page_size: int) -> dict[str, tuple[int, ...]]:
-    sizes = {"page": num_pages, "slot": page_size, "layer": spec.layer_num}
-    return {c.name: layout.shape({**sizes, "head": c.head_num, "dim": c.head_dim}) for c in spec.components}
 
 
 def _shared_allocation(buffers: list[torch.Tensor]) -> torch.Tensor | None:
@@ -59,7 +55,8 @@ class HostKVPool:
         lay = get_layout(layout)
         dev = parse_device(device)
         pin = _resolve_pin(pin_memory, dev)
-        raw, buffers = carve(spec, _shapes(spec, lay, size // page_size, page_size), device=dev, pin_memory=pin)
+        raw, buffers = carve(spec, layout_shapes(spec, lay, size // page_size, page_size), device=dev,
+                             pin_memory=pin)
         self._init(spec, page_size, lay, dev, raw, buffers, copy_threads)
 
     @classmethod
@@ -77,30 +74,20 @@ class HostKVPool:
         """
         check_spec(spec)
         lay = get_layout(layout)
-        if not isinstance(buffers, dict) or set(buffers) != set(spec.names):
-            got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
-            raise UsageError(f"buffers must map exactly the components {list(spec.names)}, got {got}")
+        check_names("buffers", buffers, spec.names, "components")
         first = buffers[spec.names[0]]
         if not isinstance(first, torch.Tensor) or first.dim() != len(lay.order):
             raise UsageError(f"buffers[{spec.names[0]!r}] must be a {len(lay.order)}-D tensor in {lay.name} order "
                              f"{lay.order}, got {getattr(first, 'shape', type(first).__name__)}")
         num_pages = first.shape[lay.order.index("page")]
         check_sizes(num_pages * page_size, page_size)
-        shapes = _shapes(spec, lay, num_pages, page_size)
+        shapes = layout_shapes(spec, lay, num_pages, page_size)
+        check_buffers(spec, ((f"buffers[{c.name!r}]", buffers[c.name], shapes[c.name]) for c in spec.components),
+                      needs=f" ({lay.name} {lay.order} with page_size {page_size})")
         for c in spec.components:
-            t, where = buffers[c.name], f"buffers[{c.name!r}]"
-            if not isinstance(t, torch.Tensor):
-                raise UsageError(f"{where} is {type(t).__name__}, not a tensor")
-            if tuple(t.shape) != shapes[c.name]:
-                raise UsageError(f"{where} has shape {tuple(t.shape)}; {lay.name} {lay.order} with page_size "
-                                 f"{page_size} needs {shapes[c.name]}")
-            if t.dtype != spec.dtype:
-                raise UsageError(f"{where} has dtype {t.dtype}, spec has {spec.dtype}")
-            if t.device != first.device:
-                raise UsageError(f"{where} is on {t.device}, buffers[{spec.names[0]!r}] on {first.device}")
-            if not t.is_contiguous():
-                raise UsageError(f"{where} is not contiguous (strides {t.stride()}); page spans need each "
-                                 f"component's buffer packed in {lay.name} order")
+            if not buffers[c.name].is_contiguous():
+                raise UsageError(f"buffers[{c.name!r}] is not contiguous (strides {buffers[c.name].stride()}); page "
+                                 f"spans need each component's buffer packed in {lay.name} order")
         pool = cls.__new__(cls)
         pool._init(spec, page_size, lay, first.device, _shared_allocation(list(buffers.values())),
                    {c.name: buffers[c.name] for c in spec.components}, copy_threads)
@@ -187,8 +174,7 @@ class HostKVPool:
     def load_to_device_per_layer(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
                                  device_indices: torch.Tensor, layer_id: int, io_backend: str = "direct") -> None:
         """Copy one layer of whole pages, every component, host -> device."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.spec.layer_num:
-            raise UsageError(f"layer_id {layer_id!r} out of range [0, {self.spec.layer_num})")
+        index_in_range("layer_id", layer_id, self.spec.layer_num)
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=False)
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
@@ -220,7 +206,7 @@ class HostKVPool:
     def _page_of(self, index: int) -> int:
         if isinstance(index, torch.Tensor) and index.numel() == 1:
             index = int(index)
-        if isinstance(index, bool) or not isinstance(index, int):
+        if not is_int(index):
             raise UsageError(f"page index must be an int token slot, got {index!r}")
         if not 0 <= index < self.size or index % self.page_size:
             raise UsageError(f"page index {index} must be a multiple of page_size {self.page_size} "
@@ -284,8 +270,7 @@ class HostKVPool:
 
     def _split_heads_table(self, split_factor: int) -> SpanTable:
         require_split_heads(self._layout)
-        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor <= 0:
-            raise UsageError(f"split_factor must be a positive int, got {split_factor!r}")
+        positive_int("split_factor", split_factor)
         for c in self.spec.components:
             if c.head_num % split_factor:
                 raise UsageError(f"component {c.name!r} has {c.head_num} heads, not divisible by "

@@ -22,6 +22,7 @@ import torch
 from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..spec import KVSpec
+from .common import check_names
 from .device import DeviceKVPool
 from .host import HostKVPool
 
@@ -45,9 +46,7 @@ def _sizes(spec: HybridSpec, size: int | Mapping[str, int]) -> dict[str, int]:
 
 
 def _check_pools(spec: HybridSpec, pools: Mapping[str, object], kind: type) -> dict:
-    if not isinstance(pools, Mapping) or set(pools) != set(spec.names):
-        got = sorted(pools) if isinstance(pools, Mapping) else type(pools).__name__
-        raise UsageError(f"pools must map exactly the groups {list(spec.names)}, got {got}")
+    check_names("pools", pools, spec.names, "groups")
     page_sizes = set()
     for g in spec.groups:
         pool = pools[g.name]
@@ -121,9 +120,7 @@ class HybridDevicePool(_GroupPools):
         """Wrap an engine's tensors: ``buffers[group][component]`` lists the group's
         layers in its ``layers`` order, each ``(size, head, dim)``."""
         spec = as_hybrid(spec)
-        if not isinstance(buffers, Mapping) or set(buffers) != set(spec.names):
-            got = sorted(buffers) if isinstance(buffers, Mapping) else type(buffers).__name__
-            raise UsageError(f"buffers must map exactly the groups {list(spec.names)}, got {got}")
+        check_names("buffers", buffers, spec.names, "groups")
         return cls.from_pools(spec, {g.name: DeviceKVPool.from_buffers(g.spec, buffers[g.name], page_size)
                                      for g in spec.groups})
 

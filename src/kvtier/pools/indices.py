@@ -17,8 +17,8 @@ from ..errors import UsageError
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
-# the compiled loops (``kvtier.compiled``: where built, unless KVTIER_NATIVE=0 at import)
-_native = load("kvtier.pools._indices")
+#: the compiled loops, through ``kvtier.compiled.load`` at each call
+COMPILED = "kvtier.pools._indices"
 
 #: inputs up to this many slots are checked in plain Python: below it, numpy's fixed
 #: cost per call (a few microseconds for the seven array ops) is the larger one.
@@ -88,9 +88,10 @@ def _small_page_ids(slots: list[int], page_size: int, size: int, unique: bool) -
 
 def _page_ids(flat: np.ndarray, *, page_size: int, size: int, what: str, unique: bool) -> np.ndarray:
     """:func:`page_starts` on a ``(n,)`` int64 array, ``n`` a positive multiple of ``page_size``."""
-    if _native is not None and flat.flags.c_contiguous:
+    compiled = load(COMPILED)
+    if compiled is not None and flat.flags.c_contiguous:
         page_ids = np.empty(flat.size // page_size, dtype=np.int64)
-        if _native.check_pages(flat, page_size, size, page_ids, unique) == -1:
+        if compiled.check_pages(flat, page_size, size, page_ids, unique) == -1:
             return page_ids
         # NOTE: a bad or repeated page: the numpy checks below find it and word the error
     pages = flat.reshape(-1, page_size)
@@ -144,9 +145,10 @@ def page_token_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     int64 array."""
     if page_size == 1:
         return pages.astype(np.int64)  # a copy
-    if _native is not None and pages.dtype == np.int64 and pages.flags.c_contiguous:
+    compiled = load(COMPILED)
+    if compiled is not None and pages.dtype == np.int64 and pages.flags.c_contiguous:
         out = np.empty(pages.size * page_size, dtype=np.int64)
-        _native.expand_pages(pages, page_size, out)
+        compiled.expand_pages(pages, page_size, out)
         return out
     return (np.multiply(pages, page_size)[:, None] + _offsets(page_size)).reshape(-1)
 

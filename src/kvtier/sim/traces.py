@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import TraceError, UsageError
+from .._checks import is_int, is_number, non_negative_int, positive_int
+from ..errors import TraceError
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,8 @@ def read_mooncake(path: str | Path, block_tokens: int | None = None) -> list[Req
 
 
 def iter_mooncake(path: str | Path, block_tokens: int | None = None) -> Iterator[Request]:
-    if block_tokens is not None and (isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
-                                     or block_tokens <= 0):
-        raise UsageError(f"block_tokens must be a positive int, got {block_tokens!r}")
+    if block_tokens is not None:
+        positive_int("block_tokens", block_tokens)
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             where = f"{path}, line {number}"
@@ -60,13 +60,12 @@ def _parse(line: str, where: str, block_tokens: int | None) -> Request:
     if missing:
         raise TraceError(f"{where}: missing {', '.join(missing)}")
     ids = row["hash_ids"]
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(map(is_int, ids)):
         raise TraceError(f"{where}: hash_ids must be a list of ints")
     for key in ("input_length", "output_length"):
-        if not isinstance(row[key], int) or isinstance(row[key], bool) or row[key] < 0:
-            raise TraceError(f"{where}: {key} must be a non-negative int, got {row[key]!r}")
+        non_negative_int(f"{where}: {key}", row[key], error=TraceError)
     stamp = row["timestamp"]
-    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not math.isfinite(stamp):
+    if not is_number(stamp) or not math.isfinite(stamp):
         raise TraceError(f"{where}: timestamp must be a finite number, got {stamp!r}")
     if block_tokens is not None:
         need = -(-row["input_length"] // block_tokens)
@@ -109,8 +108,7 @@ def repeat(requests: list[Request], times: int) -> list[Request]:
     Tripling Mooncake's public synthetic trace this way stands in for a 12k-request
     trace (``kvtier bench replay``): the working set and the hit structure per copy
     stay those of the real trace, and the replay is three times as long."""
-    if isinstance(times, bool) or not isinstance(times, int) or times <= 0:
-        raise UsageError(f"times must be a positive int, got {times!r}")
+    positive_int("times", times)
     ids = [b for r in requests for b in r.blocks]
     id_span = max(ids) - min(ids) + 1 if ids else 0
     stamps = [r.timestamp for r in requests]

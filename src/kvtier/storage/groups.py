@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .._checks import is_int, positive_int
 from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..pools.hybrid import HybridHostPool, as_hybrid
@@ -46,8 +47,7 @@ class GroupedStorage:
     """
 
     def __init__(self, storage, spec: KVSpec | HybridSpec, page_size: int) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise UsageError(f"page_size must be a positive int, got {page_size!r}")
+        positive_int("page_size", page_size)
         self.storage, self.page_size = storage, page_size
         self.spec = as_hybrid(spec).full
         self._tags = {name: group_tag(self.spec, name) for name in self.spec.names}
@@ -68,7 +68,7 @@ class GroupedStorage:
         for name, picked in pages.items():
             self.keys(name, [])  # the name is a group's
             picked = list(picked)
-            bad = [i for i in picked if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(keys)]
+            bad = [i for i in picked if not is_int(i) or not 0 <= i < len(keys)]
             if bad:
                 raise UsageError(f"pages[{name!r}] holds {bad[:4]}, not page numbers in [0, {len(keys)})")
             out[name] = picked
@@ -133,7 +133,7 @@ class GroupedStorage:
             n = self.storage.batch_exists(keys)
         except Exception:  # the backend counts and logs its own faults
             return 0
-        return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= len(keys) else 0
+        return n if is_int(n) and 0 <= n <= len(keys) else 0
 
     def batch_set(self, keys: Sequence[str], host_pool: HybridHostPool, host_indices: Mapping[str, torch.Tensor],
                   pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .._checks import positive_int
 from ..errors import UsageError
 
 _DOMAIN = b"kvtier-page-v1"
@@ -65,8 +66,7 @@ def extend_keys(parent: str | None, token_ids, page_size: int, namespace: str = 
     ``parent`` (``None``: they start the sequence). ``extend_keys(keys[i - 1], pages
     i.., ...)`` equals ``page_keys(all pages, ...)[i:]``, so a prefix tree can key
     each new page without rehashing its ancestors."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise UsageError(f"page_size must be a positive int, got {page_size!r}")
+    positive_int("page_size", page_size)
     if not isinstance(namespace, str) or not namespace:
         raise UsageError(f"namespace must be a non-empty str, got {namespace!r}")
     if hash not in HASHES:

@@ -107,6 +107,16 @@ class MooncakeStorage(Storage):
         self._client()
 
     # -- connection ----------------------------------------------------------------------
+    def client(self):
+        """The connected ``mooncake.store.MooncakeDistributedStore`` this store calls, for
+        a tool that drives the same Mooncake Store beside it (``kvtier bench storage``
+        times its raw ``batch_put_from`` / ``batch_get_into`` against this store's);
+        ``None`` when this store is closed or the master cannot be reached (counted as an
+        error, as for any call). The store still owns it: do not close it or unregister
+        the buffers it registered, and keep other objects outside ``prefix``, which
+        :meth:`clear` removes."""
+        return self._client()
+
     # NOTE: Mooncake's setup() retries an unreachable master for minutes while holding
     # the GIL, so a thread cannot bound it, and its RPCs to a master that is gone block
     # for seconds each. A plain TCP connect to the master (and to an HTTP metadata

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import positive_int
 from ..errors import IntegrityError, UsageError
 from ..spec import KVSpec
 
@@ -46,8 +47,7 @@ class PagePlan:
         full = spec.full
         multi = [c for c in full.components if c.head_num > 1]
         groups = head_groups or (math.gcd(*(c.head_num for c in multi)) if multi else 1)
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-            raise UsageError(f"head_groups must be a positive int, got {head_groups!r}")
+        positive_int("head_groups", groups)  # NOTE: a computed gcd is positive: only a given head_groups fails
         for c in multi:
             if c.head_num % groups:
                 raise UsageError(f"head_groups {groups} does not divide component {c.name!r}'s {c.head_num} heads")
@@ -55,8 +55,7 @@ class PagePlan:
         if multi and groups % size:
             raise UsageError(f"head_groups {groups} is not divisible by the shard size {size}")
         self.spec, self.page_size, self.groups = spec, page_size, groups
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise UsageError(f"page_size must be a positive int, got {page_size!r}")
+        positive_int("page_size", page_size)
         fp, es = f"{full.fingerprint()}/p{page_size}", spec.element_size
         token_bytes = page_size * spec.layer_num * es
         self.read_parts: list[Part] = []

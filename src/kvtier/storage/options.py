@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
+from .._checks import is_int
 from ..errors import UsageError
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -52,8 +53,8 @@ class Opt:
         """``value`` if it is valid for this option; ``ValueError`` naming it otherwise."""
         if value is None and self.none_ok:
             return value
-        ok = isinstance(value, self.kind) and not (isinstance(value, bool) and self.kind is not bool)
-        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = is_int(value) if self.kind is int else isinstance(value, self.kind)
+        if self.kind is float and is_int(value):
             value, ok = float(value), True
         if ok and self.kind is float:
             ok = math.isfinite(value)

@@ -9,8 +9,8 @@ for every layout and direction, so the CPU engine (``cpu.plan``) uses it for eve
 between views that do not overlap. It is built by ``pip install`` where a C compiler is
 present (``setup.py``, ``optional=True``); where it is not, kvtier copies with numpy alone.
 
-Environment: ``KVTIER_NATIVE=0`` forces the pure numpy path (read at each copy, so
-tests and benchmarks can switch it).
+Environment: ``KVTIER_NATIVE=0`` forces the pure numpy path (read at each copy plan,
+through ``kvtier.compiled.load``, so tests and benchmarks can switch it).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import ctypes
 
 import numpy as np
 
-from ..compiled import built, switched_on
+from ..compiled import built, load
 from ..errors import IntegrityError
 
-# None where not compiled (no compiler at install time): numpy does every copy
-_native = built("kvtier.transfer._native")
+#: the compiled copy; not built (no compiler at install time): numpy does every copy
+COMPILED = "kvtier.transfer._native"
 
 
 def enabled() -> bool:
-    """Whether copies may use the compiled path: built, and not switched off."""
-    return _native is not None and switched_on()
+    """Whether copies may use the compiled path: built, and not switched off (read now)."""
+    return load(COMPILED) is not None
 
 
 def path_name() -> str:
@@ -74,7 +74,8 @@ class Blocks:
 def copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
     """``dst[a:a + n] <- src[b:b + n]`` for each ``(a, b, n)`` of ``runs``, between page-major
     numpy views ``(page, *inner)``, with the compiled ``copy_pages``: one call, GIL released.
-    The C side checks every block against the memory each view spans."""
+    The C side checks every block against the memory each view spans. Only for a caller
+    that :func:`enabled` let (a plan made under the switch runs as planned)."""
     if not runs:
         return
     blocks = Blocks(dst[0], src[0])
@@ -88,5 +89,5 @@ def copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]]
     s_first = src.__array_interface__["data"][0] - s_low
     dst_pages = d_first + (np.repeat(r[:, 0], n) + within) * dst.strides[0]
     src_pages = s_first + (np.repeat(r[:, 1], n) + within) * src.strides[0]
-    _native.copy_pages((ctypes.c_char * d_len).from_address(d_low), (ctypes.c_char * s_len).from_address(s_low),
+    built(COMPILED).copy_pages((ctypes.c_char * d_len).from_address(d_low), (ctypes.c_char * s_len).from_address(s_low),
                        dst_pages, src_pages, blocks.shape, blocks.dst_strides, blocks.src_strides, blocks.block)

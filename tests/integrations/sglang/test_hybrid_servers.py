@@ -37,7 +37,7 @@ pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
 from sglang_server import (FIXED, MAX_NEW, PAGE, Server, assert_clean, require_server_modules,  # noqa: E402
                            stored_keys, write_standin)
 
-from kvtier.integrations.vllm.tiny import prompt  # noqa: E402
+from kvtier.testing.checkpoints import prompt  # noqa: E402
 
 WINDOW = 64
 LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -49,14 +49,14 @@ def save_mellum(path: Path) -> Path:
     """A tiny random Mellum with the offline tokenizer of kvtier's tiny vLLM models."""
     from transformers import MellumConfig
 
-    from kvtier.integrations.vllm.tiny import _common, _save
+    from kvtier.testing.checkpoints import common_config, save_checkpoint
 
     def config(vocab):
-        return MellumConfig(**_common(vocab, 256, len(LAYERS)), num_attention_heads=8, num_key_value_heads=2,
+        return MellumConfig(**common_config(vocab, 256, len(LAYERS)), num_attention_heads=8, num_key_value_heads=2,
                             head_dim=64, sliding_window=WINDOW, layer_types=LAYERS,
                             mlp_layer_types=["dense"] * len(LAYERS), num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=128, architectures=["MellumForCausalLM"])
-    return _save(path, 300, 0, "bfloat16", config)
+    return save_checkpoint(path, config)
 
 
 def assert_serves_both_pools(log: str) -> None:

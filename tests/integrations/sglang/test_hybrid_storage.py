@@ -30,7 +30,7 @@ from sglang_harness import (PAGE_SIZE, bits, fill_random, kvtier_config, mha_poo
                             token_major)
 
 from kvtier.integrations.sglang.pools import UnsupportedPoolError  # noqa: E402
-from kvtier.integrations.vllm.tiny import save_llama  # noqa: E402
+from kvtier.testing.checkpoints import save_llama  # noqa: E402
 
 GEOMETRIES = {  # full heads, sliding heads, K dim, V dim; full and sliding layer ids
     "mimo": (2, 4, 16, 8, (0, 4), (1, 2, 3)),
@@ -172,7 +172,7 @@ def test_restorable_prefixes_are_the_ends_of_whole_windows(checkpoint, tmp_path)
     backup(backend, group, hashes, kv_slots=torch.cat([kv, pools(group)[PoolName.KV].alloc(4 * PAGE_SIZE)]))
     result = backend.batch_exists_v2(hashes, [trailing()])
     assert (result.kv_hit_pages, result.restorable_prefix_pages) == (10, [6, 10])
-    swa = backend._pools["swa"]
+    swa = backend.binding("swa")
     swa.store.delete(swa.keys(hashes[9:10]))
     result = backend.batch_exists_v2(hashes, [trailing()])
     assert (result.kv_hit_pages, result.restorable_prefix_pages, result.extra_pool_hit_pages) == \
@@ -194,7 +194,7 @@ def test_pools_of_one_geometry_keep_their_own_pages(checkpoint, tmp_path):
     group = hybrid_group(checkpoint, "gpt-oss", "page_first")
     backend = attach(group, f"file://{tmp_path}")
     host = pools(group)
-    assert backend._pools["kv"].pool.spec == backend._pools["swa"].pool.spec  # one geometry
+    assert backend.binding("kv").pool.spec == backend.binding("swa").pool.spec  # one geometry
     hashes = page_keys(tokens(2))
     kv_w, swa_w = backup(backend, group, hashes)
     reader = hybrid_group(checkpoint, "gpt-oss", "page_first", seed=3)
@@ -203,7 +203,7 @@ def test_pools_of_one_geometry_keep_their_own_pages(checkpoint, tmp_path):
     assert same(host[PoolName.KV], kv_w, pools(reader)[PoolName.KV], kv_r)
     assert same(host[PoolName.SWA], swa_w, pools(reader)[PoolName.SWA], swa_r)
     assert not same(host[PoolName.KV], kv_w, pools(reader)[PoolName.SWA], swa_r)  # different bytes, kept apart
-    kv_key, swa_key = backend._pools["kv"].keys(hashes[:1])[0], backend._pools["swa"].keys(hashes[:1])[0]
+    kv_key, swa_key = backend.binding("kv").keys(hashes[:1])[0], backend.binding("swa").keys(hashes[:1])[0]
     assert kv_key != swa_key and swa_key.endswith("~swa")
 
 
@@ -266,7 +266,7 @@ def test_io_failures_answer_false_and_never_raise(checkpoint, tmp_path, monkeypa
     """sglang writes SWA before KV; a raise there would drop the KV write too."""
     group = hybrid_group(checkpoint, "mimo", "page_first")
     backend = attach(group, f"file://{tmp_path}")
-    swa = backend._pools["swa"]
+    swa = backend.binding("swa")
 
     def broken(*args, **kwargs):
         raise OSError("disk went away")

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from vllm.v1.kv_offload.base import (GPULoadStoreSpec, LookupResult, Medium, make_offload_key)
 from vllm_helpers import CPU_GQA, UNKNOWN, Rig, context  # noqa: E402
 
-from kvtier.integrations.vllm.tiny import save_llama  # noqa: E402
+from kvtier.testing.checkpoints import save_llama  # noqa: E402
 
 
 def to_keys(ints):

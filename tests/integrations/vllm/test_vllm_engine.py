@@ -23,7 +23,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm_helpers import close_llm, generate  # noqa: E402
 
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
-from kvtier.integrations.vllm.tiny import prompt, save_llama  # noqa: E402
+from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
 
 PROMPT_WORDS = 300  # about 620 tokens: 19 full blocks of 32
 SAMPLING = SamplingParams(max_tokens=12, temperature=0)

@@ -31,7 +31,7 @@ from vllm_helpers import close_llm, generate  # noqa: E402
 
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.integrations.vllm.groups import GroupedTier  # noqa: E402
-from kvtier.integrations.vllm.tiny import prompt, save_hybrid  # noqa: E402
+from kvtier.testing.checkpoints import prompt, save_hybrid  # noqa: E402
 
 BLOCK = 32
 WINDOW = 64

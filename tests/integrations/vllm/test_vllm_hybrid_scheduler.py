@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_id
 
 from kvtier import storage as kvstorage  # noqa: E402
 from kvtier.integrations.vllm.groups import GroupedTier  # noqa: E402
-from kvtier.integrations.vllm.tiny import save_llama  # noqa: E402
+from kvtier.testing.checkpoints import save_llama  # noqa: E402
 
 LAYER = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")  # group 0, group 1
 B = 32  # tokens per block of the first group; hash blocks

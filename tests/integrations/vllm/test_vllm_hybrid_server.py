@@ -16,7 +16,7 @@ pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test
 
 from vllm_server import Server  # noqa: E402
 
-from kvtier.integrations.vllm.tiny import prompt, save_hybrid  # noqa: E402
+from kvtier.testing.checkpoints import prompt, save_hybrid  # noqa: E402
 from kvtier.storage.pagefile import object_name  # noqa: E402
 
 #: KV cache groups vLLM makes of each tiny model (sliding window 64: 2 blocks of 32).

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key  # noqa: E402
 
 from kvtier.integrations.vllm.groups import GroupedTier  # noqa: E402
-from kvtier.integrations.vllm.tiny import save_llama  # noqa: E402
+from kvtier.testing.checkpoints import save_llama  # noqa: E402
 
 FULL_LAYERS = (0, 5, 11, 17, 23, 29, 35, 41, 47)
 BLOCKS = 24  # vLLM blocks of each KV cache tensor
@@ -82,7 +82,7 @@ def test_vllm_groups_mimo_into_one_full_and_five_sliding_groups(mimo):
         [("FullAttentionSpec", 128, 9)] + [("SlidingWindowSpec", 64, n) for n in (8, 8, 8, 8, 7)]
     assert len({g.kv_cache_spec.page_size_bytes for g in groups}) == 1  # vLLM evens the pages out
     spec = worker.connector_worker.spec
-    formats = spec._formats
+    formats = spec.formats
     assert [f.page_size * f.spec.layer_num for f in formats] == [9, 8, 8, 8, 8, 7]  # opaque: one slot a block
     tier = scheduler.connector_scheduler.manager.tier
     assert isinstance(tier, GroupedTier) and len(tier.tiers) == 6

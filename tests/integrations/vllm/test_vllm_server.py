@@ -14,7 +14,7 @@ pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test
 
 from vllm_server import Server  # noqa: E402
 
-from kvtier.integrations.vllm.tiny import prompt, save_llama  # noqa: E402
+from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
 
 PROMPTS = [prompt(300, offset=0), prompt(300, offset=5)]  # ~620 tokens each: 19 full blocks of 32
 FULL_BLOCKS = 19 * 32

@@ -137,14 +137,6 @@ def test_down_storage_is_a_miss(tmp_path):
     assert rig.tier.stats["write_failed"] == 1
 
 
-
-
-def _pins(tier):
-    """Host pages held by anything but READY blocks at rest."""
-    with tier._lock:
-        return sum(e.pins for e in tier._table._entries.values())
-
-
 class _Faulty:
     """A file store whose ``batch_get`` / ``batch_set`` answer short, raise or hang."""
 
@@ -182,12 +174,12 @@ def test_faulty_storage_reads_are_misses_and_pin_nothing(tmp_path, how):
         reported = rig.manager.get_stats().reduce()
         assert reported["vllm:kv_offload_kvtier_storage_errors:('file', 'storage_read')"] == 1
         assert reported["vllm:kv_offload_tiering_promotion_job_failures:('file',)"] == 3
-    assert rig.tier.free_keys() == 4 and _pins(rig.tier) == 0  # no host page is held by the read
+    assert rig.tier.free_keys() == 4 and rig.tier.pins() == 0  # no host page is held by the read
     out = rig.store(keys("x", "y", "z", "w"), [0, 1, 2, 3])  # the whole host tier still serves
     assert out is not None and out.keys_to_store == keys("x", "y", "z", "w")
     faulty.release.set()
     rig.tier.flush(5)
-    assert _pins(rig.tier) == 0
+    assert rig.tier.pins() == 0
 
 
 @pytest.mark.parametrize("how", ["short", "raise", "hang"])
@@ -201,7 +193,7 @@ def test_faulty_storage_lookups_are_misses_and_read_nothing(tmp_path, how):
     assert faulty.calls == 1
     rig.tier.flush(5)
     assert rig.tier.stats["storage_exists_errors"] == 1 and rig.tier.stats["fetched"] == 0
-    assert rig.tier.free_keys() == 4 and _pins(rig.tier) == 0
+    assert rig.tier.free_keys() == 4 and rig.tier.pins() == 0
     faulty.release.set()
 
 
@@ -218,7 +210,7 @@ def test_faulty_storage_writes_keep_blocks_host_only_and_pin_nothing(tmp_path, h
         while faulty.calls == 0 and time.monotonic() < deadline:  # the write is stuck in storage
             time.sleep(0.01)
         assert faulty.calls == 1
-    assert _pins(rig.tier) == 0  # its pages were staged: nothing holds the host pages
+    assert rig.tier.pins() == 0  # its pages were staged: nothing holds the host pages
     assert [rig.manager.lookup(k, context()) for k in keys("a", "b")] == [LookupResult.HIT] * 2
     # the host tier keeps storing (evicting a and b); the hung write holds the staging buffer,
     # so these blocks are not written but dropped, counted
@@ -227,7 +219,7 @@ def test_faulty_storage_writes_keep_blocks_host_only_and_pin_nothing(tmp_path, h
         assert rig.tier.stats["write_dropped"] == 4
     faulty.release.set()
     rig.tier.flush(5)
-    assert _pins(rig.tier) == 0 and rig.tier.stats.get("storage_read_errors", 0) == 0
+    assert rig.tier.pins() == 0 and rig.tier.stats.get("storage_read_errors", 0) == 0
 
 
 def test_storage_slower_than_stores_drops_writes_and_the_host_tier_keeps_serving(tmp_path):
@@ -244,7 +236,7 @@ def test_storage_slower_than_stores_drops_writes_and_the_host_tier_keeps_serving
     assert stats["written"] + stats["write_dropped"] == len(names)
     reported = rig.manager.get_stats().reduce()
     assert reported["vllm:kv_offload_tiering_backpressure_blocks_dropped:('file',)"] == stats["write_dropped"]
-    assert _pins(rig.tier) == 0 and rig.tier.free_keys() == 0
+    assert rig.tier.pins() == 0 and rig.tier.free_keys() == 0
 
 
 def test_offloaded_blocks_of_three_vllm_blocks_through_storage(tmp_path):

@@ -81,8 +81,9 @@ def _checkpoint(model_name: str) -> tuple[str, str | None]:
 
 
 @dataclass
-class _Binding:
-    """One registered host pool: sglang's, kvtier's view of it, and the store bound to its geometry."""
+class PoolBinding:
+    """One registered host pool: sglang's, kvtier's view of it, the store bound to its
+    geometry, and how its pages' keys are named (:meth:`keys`)."""
 
     name: str
     sglang_pool: Any
@@ -93,6 +94,7 @@ class _Binding:
     tag: str     # after each page hash: "" for KV, "~<pool name>" for the others
 
     def keys(self, keys: List[str]) -> list[str]:
+        """The store's keys of sglang's page hashes ``keys`` in this pool."""
         return [f"{self.prefix}{k}{self.tag}" for k in keys]
 
 
@@ -125,7 +127,7 @@ class KVTierStorage(HiCacheStorage):
         self._topology = Topology()
         self._prefix = ""
         self._throughput = _Throughput()
-        self._pools: dict[str, _Binding] = {}  # bound host pools by sglang name (v1's is "kv")
+        self._pools: dict[str, PoolBinding] = {}  # bound host pools by sglang name (v1's is "kv")
         self._pool_counts: dict[str, dict[str, int]] = {}  # pages moved through v2, by pool
         self.mem_pool_host = None
 
@@ -187,7 +189,7 @@ class KVTierStorage(HiCacheStorage):
                  ", ".join(f"{n} ({b.pool.spec.fingerprint()}, {type(b.sglang_pool).__name__})"
                            for n, b in sorted(pools.items())))
 
-    def _bind(self, mem_pool_host, name: str) -> _Binding:
+    def _bind(self, mem_pool_host, name: str) -> PoolBinding:
         """kvtier's view of one sglang host pool and a store bound to its geometry."""
         family = family_of(mem_pool_host)
         cfg = self.config
@@ -210,7 +212,7 @@ class KVTierStorage(HiCacheStorage):
         log.info("kvtier storage %s bound to sglang pool %s: spec %s, shard %s/%s, page_size %d, layout %s "
                  "(sglang %s), keys %s*%s", type(store).scheme, name, spec.fingerprint(), topology.tp_rank,
                  topology.tp_size, pool.page_size, pool.layout, mem_pool_host.layout, prefix, tag)
-        return _Binding(name, mem_pool_host, pool, topology, store, prefix, tag)
+        return PoolBinding(name, mem_pool_host, pool, topology, store, prefix, tag)
 
     def _namespace(self, mem_pool_host, spec) -> str:
         """The model part of every key: the configured namespace, else the checkpoint
@@ -301,7 +303,10 @@ class KVTierStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     # -- v2: the named pools of hybrid models ----------------------------------------------------------
-    def _binding(self, name) -> _Binding | None:
+    def binding(self, name) -> PoolBinding | None:
+        """What serves sglang's host pool ``name`` (a ``PoolName`` or its value): kvtier's
+        view of the pool, the store bound to its geometry and the keys its pages get;
+        ``None`` before sglang registers the pool and after :meth:`close`."""
         with self._lock:
             return None if self._closed else self._pools.get(_pool_name(name))
 
@@ -316,7 +321,7 @@ class KVTierStorage(HiCacheStorage):
         every pool can serve, ``kv_hit_pages`` the longest: a missing sliding page is
         never a hit. A pool that was never registered serves none. A storage fault is a
         miss. ``UnsupportedPoolError`` for a hit policy kvtier cannot serve, naming it."""
-        kv = self._binding(PoolName.KV)
+        kv = self.binding(PoolName.KV)
         if kv is None or not keys:
             return PoolTransferResult(0, {}, [])
         for transfer in pool_transfers or ():
@@ -331,7 +336,7 @@ class KVTierStorage(HiCacheStorage):
         for transfer in pool_transfers or ():
             if not restorable:
                 break
-            name, binding = _pool_name(transfer.name), self._binding(transfer.name)
+            name, binding = _pool_name(transfer.name), self.binding(transfer.name)
             present = binding.store.exists_each(binding.keys(keys[:kv_pages])) if binding is not None \
                 else [False] * kv_pages
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
@@ -361,7 +366,7 @@ class KVTierStorage(HiCacheStorage):
 
     def _move_v2(self, transfer: PoolTransfer, op: str) -> list[bool]:
         keys = list(transfer.keys or ())
-        name, binding = _pool_name(transfer.name), self._binding(transfer.name)
+        name, binding = _pool_name(transfer.name), self.binding(transfer.name)
         if not keys:
             return []
         done = [False] * len(keys)
@@ -385,7 +390,7 @@ class KVTierStorage(HiCacheStorage):
         self._count(name, op, done)
         return done
 
-    def _set_new(self, binding: _Binding, keys: List[str], indices: torch.Tensor) -> list[bool]:
+    def _set_new(self, binding: PoolBinding, keys: List[str], indices: torch.Tensor) -> list[bool]:
         """Store the pages of ``keys`` not stored yet (page hashes name their content:
         a stored page is kept, as sglang's contract has it); per key, whether stored."""
         full = binding.keys(keys)

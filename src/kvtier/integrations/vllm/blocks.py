@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from ..._checks import is_int
 from ...errors import UsageError
 from ...spec import DTYPE_NAMES, DTYPES_BY_NAME, Component, KVSpec
 
@@ -192,7 +193,7 @@ def format_from_json(d: dict) -> BlockFormat:
         raise UsageError(f"format has block order {order!r}")
     name, page_size, page_bytes = d.get("name"), d.get("page_size"), d.get("page_bytes")
     for field, v in (("page_size", page_size), ("page_bytes", page_bytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        if not is_int(v) or v <= 0:
             raise UsageError(f"format has {field} {v!r}")
     if not isinstance(name, str) or not name:
         raise UsageError(f"format has name {name!r}")

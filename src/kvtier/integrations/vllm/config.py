@@ -13,6 +13,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..._checks import is_number, positive_int, positive_number
 from ...errors import UsageError
 
 #: Keys that vLLM's OffloadingConnector and OffloadingSpec read themselves.
@@ -45,24 +46,18 @@ class KVTierConfig:
     sliding_host_share: float = 0.25
 
     def __post_init__(self) -> None:
-        if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes <= 0:
-            raise UsageError(f"kvtier: host_bytes must be a positive int (bytes of host memory), "
-                             f"got {self.host_bytes!r}")
+        positive_int("kvtier: host_bytes", self.host_bytes)
         if self.storage is not None and (not isinstance(self.storage, str) or "://" not in self.storage):
             raise UsageError(f"kvtier: storage must be a URL like file:///dir or redis://host:6379/0, "
                              f"got {self.storage!r}")
         if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
             raise UsageError(f"kvtier: namespace must be a non-empty str, got {self.namespace!r}")
-        timeout = self.storage_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise UsageError(f"kvtier: storage_timeout_s must be a positive number, got {timeout!r}")
-        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads <= 0:
-            raise UsageError(f"kvtier: io_threads must be a positive int, got {self.io_threads!r}")
-        buffer = self.storage_buffer_bytes
-        if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int) or buffer <= 0):
-            raise UsageError(f"kvtier: storage_buffer_bytes must be a positive int (bytes), got {buffer!r}")
+        positive_number("kvtier: storage_timeout_s", self.storage_timeout_s)
+        positive_int("kvtier: io_threads", self.io_threads)
+        if self.storage_buffer_bytes is not None:
+            positive_int("kvtier: storage_buffer_bytes", self.storage_buffer_bytes)
         share = self.sliding_host_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        if not is_number(share) or not 0 < share <= 1:
             raise UsageError(f"kvtier: sliding_host_share must be a number in (0, 1], got {share!r}")
         if not isinstance(self.host_dir, str) or not self.host_dir.startswith("/"):
             raise UsageError(f"kvtier: host_dir must be an absolute directory path, got {self.host_dir!r}")

@@ -247,6 +247,10 @@ class PageTable:
             self._loading_pages -= len(entry.pages)
         self._free.free(torch.from_numpy(entry.pages))
 
+    def pins(self) -> int:
+        """Loads into vLLM and copies out to storage in flight, over every entry: 0 at rest."""
+        return sum(e.pins for e in self._entries.values())
+
     def usage(self) -> dict[str, float]:
         """Fractions of the pages: ``used`` (held by any entry), ``write`` (reserved
         for stores in flight), ``read`` (pinned by loads in flight)."""

@@ -39,10 +39,11 @@ from pathlib import Path
 
 import torch
 
+from ..._checks import is_int
 from ...errors import RegionError, UsageError
 from ...layout import get_layout
 from ...pools import HostKVPool
-from ...pools.host import _shapes as pool_shapes
+from ...pools.common import layout_shapes
 from .blocks import BlockFormat, format_from_json, format_to_json
 
 MAGIC = b"KVTIERPOOL"
@@ -89,7 +90,7 @@ class RegionInfo:
         """``(component, offset, shape)`` of each component's buffer in the file, the
         shape in the layout's axis order (as a host pool allocates it)."""
         spec = self.format.spec
-        shapes = pool_shapes(spec, get_layout(self.layout), self.num_pages, self.format.page_size)
+        shapes = layout_shapes(spec, get_layout(self.layout), self.num_pages, self.format.page_size)
         out, offset = [], HEADER_BYTES
         for c in spec.components:
             out.append((c.name, offset, shapes[c.name]))
@@ -113,12 +114,13 @@ class RegionInfo:
             raise UsageError("header is not an object")
         fields = {"engine_id": str, "rank": int, "world_size": int, "pid": int, "layout": str, "num_pages": int}
         for name, kind in fields.items():
-            if not isinstance(d.get(name), kind) or isinstance(d.get(name), bool):
-                raise UsageError(f"header field {name!r} is {d.get(name)!r}")
+            value = d.get(name)
+            if not (is_int(value) if kind is int else isinstance(value, kind)):
+                raise UsageError(f"header field {name!r} is {value!r}")
         if d["num_pages"] <= 0 or not 0 <= d["rank"] < d["world_size"]:
             raise UsageError(f"header has {d['num_pages']} pages, rank {d['rank']} of {d['world_size']}")
         group = d.get("group", 0)
-        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        if not is_int(group) or group < 0:
             raise UsageError(f"header field 'group' is {group!r}")
         get_layout(d["layout"])
         return cls(d["engine_id"], d["rank"], d["world_size"], d["pid"], format_from_json(d["format"]),

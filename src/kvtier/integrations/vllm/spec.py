@@ -269,6 +269,11 @@ class KVTierOffloadingSpec(CPUOffloadingSpec):
     def tier(self) -> HostTier | GroupedTier | None:
         return self._tier
 
+    @property
+    def formats(self) -> tuple[BlockFormat, ...]:
+        """This worker's block format of each KV cache group (empty before :meth:`get_worker`)."""
+        return tuple(self._formats)
+
 
 def engine_tier(engine_id: str) -> HostTier | GroupedTier | None:
     """The scheduler-side host tier of engine ``engine_id`` (its

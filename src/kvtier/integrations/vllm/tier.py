@@ -218,6 +218,11 @@ class HostTier:
         with self._lock:
             return self._table.usage()
 
+    def pins(self) -> int:
+        """Loads and storage copies in flight that hold host pages (``PageTable.pins``)."""
+        with self._lock:
+            return self._table.pins()
+
     # -- the manager's calls -------------------------------------------------------------------
     def reserve(self, keys: Iterable[bytes]) -> Reservation | None:
         """Pages for the keys not held yet, evicting least recently used READY blocks
