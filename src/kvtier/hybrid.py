@@ -7,7 +7,7 @@ alternates sliding and full layers; Gemma 3 has 5 sliding : 1 full. A
 ids it covers, their :class:`~kvtier.spec.KVSpec` (one geometry for all of them), and
 their :class:`Attention` (full, or sliding with a window of ``W`` past tokens).
 
-What a group's kind means for a cache (see DESIGN 5c): a prefix of ``p`` tokens is
+What a group's kind means for a cache (docs/hybrid.md): a prefix of ``p`` tokens is
 reusable only when every full group has all of ``[0, p)`` and every sliding group
 has the pages covering ``[p - W, p)``; sliding KV outside every window that a later
 request can resume from is not worth keeping.
@@ -242,7 +242,7 @@ class HybridSpec:
     def reusable_pages(self, page_size: int, present: Mapping[str, Sequence[bool]]) -> int:
         """The longest prefix, in whole pages, a request can resume after: the largest
         ``p`` such that every full group has pages ``[0, p)`` and every sliding group
-        the pages of its window before ``p * page_size`` (DESIGN 5c). ``present[name][i]``
+        the pages of its window before ``p * page_size`` (the reuse rule). ``present[name][i]``
         says whether group ``name`` holds page ``i`` in some tier; every group is named,
         and a group's missing page is never made up for by another's."""
         if set(present) != set(self.names):

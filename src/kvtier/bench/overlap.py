@@ -44,7 +44,7 @@ class OverlapRow:
     both_ms: float     # the engine loop: wait_layer(i), then layer i's compute
     hidden: float      # (load + compute - both) / min(load, compute)
     load_gbps: float
-    load_shorter: bool  # the target (>= 0.8 hidden) is for this case
+    load_shorter: bool  # the target (>= 0.8 hidden) is for this case
 
 
 def hidden_fraction(load_s: float, compute_s: float, both_s: float) -> float:

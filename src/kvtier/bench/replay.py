@@ -2,7 +2,7 @@
 
 The trace is a public one repeated (:func:`kvtier.sim.traces.repeat`: Mooncake's
 3,993-request synthetic trace three times, ids remapped so copies share no KV),
-replayed with the README's configuration (1e6 device, 4e6 host tokens, unlimited
+replayed with docs/performance.md's configuration (1e6 device, 4e6 host tokens, unlimited
 storage, write_through). The floor, measured in the same run, is one Python pass
 over the same requests that looks every full block of every prompt up in a dict
 and adds the missing ones: the least any replay of the trace must do.
@@ -18,7 +18,7 @@ from pathlib import Path
 from ..sim.simulator import SimConfig, simulate
 from ..sim.traces import Request, read_mooncake, repeat
 
-#: Where the public trace lies in a checkout next to the shared folder (the README's path).
+#: Where the public trace lies in a checkout next to the shared folder (the path the docs use).
 DEFAULT_TRACE = Path("../shared/traces/synthetic_trace.jsonl")
 
 

@@ -2,7 +2,7 @@
 
 Each layer group has its own device and host pool (:mod:`kvtier.pools.hybrid`). For a
 prefix of ``tokens`` tokens, a full group moves every page of it and a sliding group
-only the pages of its window before the resume point (DESIGN 5c), each group's pages
+only the pages of its window before the resume point (docs/hybrid.md), each group's pages
 in random order on both sides. Backup copies every group in one call; load copies one
 model layer per call, across groups, for every layer. Each GB/s figure is a ratio to a
 memcpy of each group's bytes between that group's two pools, same direction, same run.

@@ -133,7 +133,7 @@ class HierarchicalCache:
     :class:`CacheClosedError`.
 
     Hybrid models (a :class:`~kvtier.hybrid.HybridSpec` with sliding-window groups,
-    DESIGN 5c): pass a :class:`HybridDevicePool` and a :class:`HybridHostPool`. The
+    docs/hybrid.md): pass a :class:`HybridDevicePool` and a :class:`HybridHostPool`. The
     full groups share every slot this API names (``device_indices``, ``alloc_device``;
     for a model with no full group these are placeholders holding no KV, and
     ``commit``/``insert`` take ``None`` for them);

@@ -76,7 +76,7 @@ class HybridState:
         return True
 
     def _hybrid_lens(self, path, device_len: int, host_len: int) -> tuple[int, int, Probe]:
-        """DESIGN 5c on a walked path: ``(device_len, host_len, probe)``, the device hit
+        """The hybrid reuse rule (docs/hybrid.md) on a walked path: ``(device_len, host_len, probe)``, the device hit
         being the longest prefix whose every group is on the device, the host hit
         what device and host hold together beyond it."""
         ps, windows = self.page_size, self.sides.windows

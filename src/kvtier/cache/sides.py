@@ -12,7 +12,7 @@ every committed sequence, every ``retention_interval`` tokens, and every branch
 point) are taken; the caller's other pages are freed at once, and so never reach
 the host or storage. A prefix of ``p`` pages is resumable only when every full
 group holds ``[0, p)`` and every sliding group the pages of its window before ``p``
-(DESIGN 5c): :func:`resumable` answers that for many ``p`` at once.
+(the reuse rule of docs/hybrid.md): :func:`resumable` answers that for many ``p`` at once.
 """
 
 from __future__ import annotations

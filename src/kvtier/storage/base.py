@@ -86,7 +86,7 @@ def _check_keys(keys: Iterable[str]) -> list[str]:
 
 
 class Storage(ABC):
-    """One interface for every L3 backend (see DESIGN section 4)."""
+    """One interface for every L3 backend (see docs/storage.md)."""
 
     scheme = ""
     #: Options a URL query may carry (``kvtier.storage.options``); subclasses extend it.

@@ -8,7 +8,7 @@ own key, the page key with the group's name and a digest of its fingerprint
 (attention, layer ids, geometry) appended; a plain ``KVSpec`` is one group whose
 keys are the page keys themselves, so uniform models keep the objects they have.
 
-A lookup (:meth:`GroupedStorage.reusable`) answers with DESIGN 5c's rule: a prefix
+A lookup (:meth:`GroupedStorage.reusable`) answers with the hybrid reuse rule (docs/hybrid.md): a prefix
 counts only when every full group holds all its pages and every sliding group the
 pages of its window; one group's missing page is never a hit for the others.
 """
