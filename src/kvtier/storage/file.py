@@ -57,7 +57,7 @@ from .codec import MAX_NAME_BYTES
 from .objects import PagePlan, Part
 from .options import Opt, check_options
 from . import pageio
-from .pagefile import ALIGN, FileLayout, align_up, field_parts, file_field, part_name
+from .pagefile import ALIGN, FileLayout, align_up, field_parts, file_field, header_room, longest_name, part_name
 from .threaded import ThreadedStorage
 
 _ROOT = "kvtier-v2"
@@ -292,7 +292,7 @@ class FileStorage(ThreadedStorage):
     def _checked(self, keys, host_pool, host_indices, writing: bool):
         keys, pages = self._check_pages(keys, host_pool, host_indices, writing=writing)
         plan = self._plan(host_pool)
-        longest = max((len(k.encode()) for k in keys), default=0) + 1 + len(plan.prefix) + 32
+        longest = longest_name(max((len(k.encode()) for k in keys), default=0), plan)
         if longest > MAX_NAME_BYTES:
             raise UsageError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
                              f"{MAX_NAME_BYTES}; use shorter keys")
@@ -302,7 +302,7 @@ class FileStorage(ThreadedStorage):
         keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=True)
         copies = _Page(plan, host_pool, plan.write_parts)
         field = file_field(plan, plan.write_parts)
-        head_room = max((self._head_room(k, plan) for k in keys), default=0)
+        head_room = header_room(max((len(k.encode()) for k in keys), default=0), plan)
         stored = [False] * len(keys)
         t0 = time.perf_counter()
 
@@ -326,7 +326,7 @@ class FileStorage(ThreadedStorage):
         keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=False)
         copies = _Page(plan, host_pool, plan.read_parts)
         sources = self._sources(plan)
-        head_room = max((self._head_room(k, plan) for k in keys), default=0)
+        head_room = header_room(max((len(k.encode()) for k in keys), default=0), plan)
         loaded = [False] * len(keys)
         t0 = time.perf_counter()
 
@@ -413,12 +413,6 @@ class FileStorage(ThreadedStorage):
             staged_all += [s for _, staged in mine.values() for s in staged]
         for piece, buf in staged_all:  # every part checked before any staged byte reaches the pool
             np.copyto(piece, buf.view(piece.dtype).reshape(piece.shape))
-
-    @staticmethod
-    def _head_room(key: str, plan: PagePlan) -> int:
-        """Bytes enough for the header of any file of ``key`` in ``plan``'s geometry."""
-        name = len(key.encode()) + len(plan.prefix) + 48  # '#', '/g<a>-<b>of<G>+rep'
-        return align_up(32 + name + 8 * (plan.groups + 1))
 
     def _read_file(self, path: str, layout: FileLayout, names: list[str], dests: dict, sink, head) -> None:
         """Parts ``dests`` (part name -> (buffers, staged)) of the file at ``path``, read and
