@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test test-vllm test-sglang bench install clean
+.PHONY: demo test test-vllm test-sglang bench gpu-check install clean
 
 $(STAMP): pyproject.toml Makefile setup.py src/kvtier/transfer/_native.c src/kvtier/cache/_tokens.c src/kvtier/pools/_indices.c src/kvtier/storage/_pageio.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test-vllm:
 test-sglang:
 	bash scripts/sglang-env.sh
 	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/integrations/sglang
+
+# kvtier's CUDA checks in one command, on a machine with an NVIDIA GPU whose python3 holds a
+# CUDA torch and Triton (nothing installed; logs and JSON in gpu-check/, or $$OUT)
+gpu-check:
+	bash scripts/gpu-check.sh
 
 bench: $(STAMP)
 	$(BIN)/kvtier bench transfer
