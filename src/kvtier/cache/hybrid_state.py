@@ -19,7 +19,7 @@ from ..errors import IntegrityError, UsageError
 from .inflight import InFlight
 from .lru import side_tier
 from ..pools.indices import page_token_slots
-from .sides import HOLE, resumable
+from .sides import HOLE, lowest, resumable
 
 
 class Probe:
@@ -70,7 +70,7 @@ class HybridState:
                 if node.device is None:
                     return False
                 lo, hi = max(w.start, start) - start, min(w.stop, end) - start
-                if lo < hi and node.device.side[g][lo:hi].min() < 0:
+                if lo < hi and lowest(node.device.side[g][lo:hi]) < 0:
                     return False
                 end = start
         return True
@@ -131,7 +131,7 @@ class HybridState:
                 lo, hi = max(w.start, at), min(w.stop, at + n)
                 if lo < hi:
                     held = node.device.side[g][lo - at:hi - at]
-                    if held.min() >= 0:
+                    if lowest(held) >= 0:
                         slots[lo * ps:hi * ps] = page_token_slots(held, ps)
                     else:
                         piece = page_token_slots(np.maximum(held, 0), ps)

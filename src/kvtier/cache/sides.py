@@ -55,6 +55,12 @@ def resumable(windows: dict[str, int], held: dict[str, np.ndarray], limit: int, 
     return int(hits[-1]) + 1 if hits.size else 0
 
 
+def lowest(pages: np.ndarray) -> int:
+    """The smallest of ``pages`` (a non-empty int64 array; ``HOLE`` marks a page not held).
+    NOTE: a window is a few pages: ``min`` over a list is 0.2 us where numpy's reduce
+    takes 1.3, and a hybrid match asks twice per sliding group."""
+    return min(pages.tolist()) if pages.size <= 64 else int(pages.min())
+
 class Sides:
     """The sliding groups of a hybrid cache: pools, windows and the keep rule."""
 
