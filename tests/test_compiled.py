@@ -17,7 +17,7 @@ from kvtier.cache.radix import RadixTree
 from kvtier.pools import indices
 from kvtier.storage import pageio
 from kvtier.transfer import native
-from services import unavailable
+from tests.support.services import unavailable
 
 #: each compiled module and the functions of it that kvtier calls
 FUNCTIONS = {tokens.COMPILED: ("fill_int64", "same_at"), indices.COMPILED: ("check_pages", "expand_pages"),

@@ -3,7 +3,7 @@ import torch
 
 from kvtier import LAYOUTS, UnsupportedLayoutError
 from kvtier.layout import get_layout, require_split_heads
-from helpers import LAYOUT_ORDERS
+from tests.support.pools import LAYOUT_ORDERS
 
 
 def test_layout_table_matches_contract():

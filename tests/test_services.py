@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-import services
 from kvtier.bench import servers
+from tests.support import services
 
 
 def _executable(path, text="#!/bin/sh\nexit 0\n"):

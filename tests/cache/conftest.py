@@ -1,11 +1,7 @@
-import sys
-from pathlib import Path
 
 import pytest
 
 import kvtier.storage
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvtier.storage
-from engine import PAGE, check_prefix, compute, make_cache, serve
 from kvtier.cache.footprint import Footprint
+from tests.support.cache_engine import PAGE, check_prefix, compute, make_cache, serve
 
 A = list(range(100, 116))  # 4 pages
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kvtier.storage
-from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random
 from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool
+from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random
 
 PAGE = 4
 PROMPT = list(range(500, 520))  # 5 pages

@@ -1,4 +1,4 @@
-"""The cache on hybrid specs (DESIGN 5c): exact reuse of every group from device,
+"""The cache on hybrid specs (the reuse rule of docs/hybrid.md): exact reuse of every group from device,
 host and storage; sliding pages kept only in resume points' windows; a missing
 page of any group ends the hit before it."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import kvtier.storage
-from helpers import HYBRID_SPECS
-from hybrid_engine import HybridEngine, make_cache, prefix_hashes
 from kvtier.storage.groups import GroupedStorage
 from kvtier.storage.keys import page_keys
 from kvtier import HierarchicalCache, HybridDevicePool, HybridHostPool, KVSpec
+from tests.support.cache_hybrid_engine import HybridEngine, make_cache, prefix_hashes
+from tests.support.pools import HYBRID_SPECS
 
 SERVED = ("mimo", "oss", "all_swa", "long_window")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")

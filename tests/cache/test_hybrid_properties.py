@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvtier.storage
-from faults import FaultyStore, LoadFaults
-from helpers import HYBRID_SPECS
-from hybrid_engine import HybridEngine, make_cache
+from tests.support.cache_faults import FaultyStore, LoadFaults
+from tests.support.cache_hybrid_engine import HybridEngine, make_cache
+from tests.support.pools import HYBRID_SPECS
 
 PAGE = 4
 # prompts built from page ids: pages of the same id are the same tokens, so prompts share prefixes

@@ -4,16 +4,16 @@ runs it after every call that changes state."""
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 import kvtier
 import kvtier.storage
-from engine import make_cache, serve
 from kvtier.cache import IntegrityError
 from kvtier.cache.residency import DeviceCopy, HostCopy
 from kvtier.cache.state import CacheState
+from tests.support import ROOT
+from tests.support.cache_engine import make_cache, serve
 
 A = list(range(100, 112))            # 3 pages
 B = list(range(200, 208))            # 2 pages
@@ -88,12 +88,12 @@ def test_a_node_of_a_partial_page_is_named():
 
 
 def test_the_check_holds_under_python_O():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from engine import make_cache, serve; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from tests.support.cache_engine import make_cache, serve; "
             "from kvtier import IntegrityError; c = make_cache(); serve(c, list(range(8))); c.flush(); "
             "c.host_pool.alloc(4)\n"
             "try:\n    c.check_integrity()\nexcept IntegrityError as e:\n    print('raised:', e)")
-    here = str(Path(__file__).parent)
-    out = subprocess.run([sys.executable, "-O", "-c", code, here], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-O", "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "raised: host slots leaked", out.stderr
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kvtier.storage
-from engine import check_prefix, compute, make_cache, serve
+from tests.support.cache_engine import check_prefix, compute, make_cache, serve
 
 A = list(range(100, 112))            # 3 pages
 B = list(range(200, 208))            # 2 pages

@@ -4,8 +4,8 @@ no hit count, no statistic, no backup)."""
 import pytest
 import torch
 
-from engine import make_cache, serve
 from kvtier import CacheClosedError
+from tests.support.cache_engine import make_cache, serve
 
 A = list(range(100, 112))            # 3 pages
 B = list(range(200, 208))            # 2 pages

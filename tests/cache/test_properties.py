@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvtier.storage
-from engine import PAGE, make_cache, serve, serve_acquire
-from faults import FaultyStore, LoadFaults
 from kvtier import CacheClosedError
+from tests.support.cache_engine import PAGE, make_cache, serve, serve_acquire
+from tests.support.cache_faults import FaultyStore, LoadFaults
 
 # prompts built from page ids: pages of the same id are the same tokens, so prompts share prefixes
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=5).map(

@@ -133,7 +133,7 @@ def test_device_slots_of_a_split_chain_are_its_nodes_slots_in_order():
     slots: the match's device slots are still each node's own, in path order."""
     import torch
 
-    from engine import PAGE, make_cache
+    from tests.support.cache_engine import PAGE, make_cache
 
     cache = make_cache(device_tokens=64, host_tokens=64, write_policy="write_through")
     tokens = list(range(100, 124))  # 6 pages
@@ -167,7 +167,7 @@ def test_device_slots_expand_the_same_on_an_accelerator():
     run on the CPU, that branch must give the numpy expansion's slots."""
     import torch
 
-    from engine import PAGE, make_cache
+    from tests.support.cache_engine import PAGE, make_cache
 
     cache = make_cache(device_tokens=64, host_tokens=64)
     tokens = list(range(100, 124))

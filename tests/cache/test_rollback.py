@@ -6,10 +6,10 @@ import threading
 import pytest
 
 import kvtier.storage
-from engine import NAMESPACE, PAGE, check_prefix, make_cache, serve
-from faults import FaultyStore, LoadFaults
-from invariants import drained
 from kvtier import CacheClosedError
+from tests.support.cache_engine import NAMESPACE, PAGE, check_prefix, make_cache, serve
+from tests.support.cache_faults import FaultyStore, LoadFaults
+from tests.support.cache_invariants import drained
 
 A = list(range(100, 116))  # 4 pages
 

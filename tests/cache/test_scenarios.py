@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from engine import PAGE, SPEC, check_prefix, make_cache, serve
+from tests.support.cache_engine import PAGE, SPEC, check_prefix, make_cache, serve
 
 A = list(range(100, 112))            # 3 pages
 B = list(range(200, 208))            # 2 pages
@@ -151,7 +151,7 @@ def test_insert_reports_cached_prefix_and_adopts_recomputed_host_pages():
     serve(cache, A)
     cache.evict_device(64)                          # A only on the host now
     slots = cache.alloc_device(12)
-    from engine import compute
+    from tests.support.cache_engine import compute
 
     compute(cache, A, slots, 0)                     # the engine recomputed A instead of loading it
     assert cache.insert(A, slots) == 0

@@ -1,7 +1,7 @@
 """``CacheState`` driven directly, with no ``HierarchicalCache`` around it and no
-worker threads (``state_rig``): inserting, matching, locks, eviction order, and the
-device <-> host transitions, each checked by the exact slots and nodes involved
-and by ``check_integrity`` after every step.
+worker threads (``tests.support.cache_state_rig``): inserting, matching, locks,
+eviction order, and the device <-> host transitions, each checked by the exact
+slots and nodes involved and by ``check_integrity`` after every step.
 
 Backups and loads are started by the state and run here the way ``Mover`` runs
 them (the copy, then ``finish_backup`` / ``finish_load`` under the lock). Storage
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SPEC
-from state_rig import StateRig, fill, read, run, same
+from tests.support.cache_engine import SPEC
+from tests.support.cache_state_rig import StateRig, fill, read, run, same
 
 A = run(100, 2)                # 2 pages
 B = run(200, 2)

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 import kvtier.storage
-from engine import check_prefix, make_cache, serve
+from tests.support.cache_engine import check_prefix, make_cache, serve
 
 A = list(range(100, 116))  # 4 pages
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from engine import PAGE, make_cache, serve, serve_acquire
-from faults import LoadFaults
-from invariants import drained
+from tests.support.cache_engine import PAGE, make_cache, serve, serve_acquire
+from tests.support.cache_faults import LoadFaults
+from tests.support.cache_invariants import drained
 
 
 def _prompt(rng) -> list[int]:
@@ -97,7 +97,7 @@ def test_splits_during_slow_and_failing_loads():
 
 def test_requests_over_faulty_storage_shared_by_two_caches(tmp_path):
     import kvtier.storage
-    from faults import FaultyStore
+    from tests.support.cache_faults import FaultyStore
 
     store = FaultyStore(kvtier.storage.open(f"file://{tmp_path}"))
     caches = [make_cache(device_tokens=32, host_tokens=32, storage=store, prefetch_policy="wait_complete",

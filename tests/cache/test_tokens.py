@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.cache import tokens
 from kvtier.compiled import load
-from services import unavailable
+from tests.support.services import unavailable
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 

@@ -11,10 +11,10 @@ import torch
 pytest.importorskip("transformers")
 
 import kvtier.storage  # noqa: E402
-from hf_hybrid_models import FAMILIES, WINDOW, build, sliding_layers  # noqa: E402
 from kvtier.hybrid import HybridSpec  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     CachedGenerator, UnsupportedModelError, _forward, _new_cache, generate_uncached, spec_from_model)
+from tests.support.transformers_models import FAMILIES, WINDOW, build, sliding_layers  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")

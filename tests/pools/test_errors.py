@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtier import DeviceKVPool, HostKVPool, KVSpec
-from helpers import SPECS, bits, random_device_pool, slots
+from tests.support.pools import SPECS, bits, random_device_pool, slots
 
 SPEC = SPECS["asym"]
 

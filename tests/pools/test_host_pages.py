@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvtier import HostKVPool, UnsupportedLayoutError
-from helpers import LAYOUT_ORDERS, SPECS, bits, flat_page, logical_page, native_order, random_device_pool, slots
+from tests.support.pools import (LAYOUT_ORDERS, SPECS, bits, flat_page, logical_page, native_order,
+                                 random_device_pool, slots)
 
 PAGE_SIZES = [1, 16]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtier import DeviceKVPool, HostKVPool
-from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, record_copy_threads, slots
+from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, record_copy_threads, slots
 
 BACKENDS = ["direct", "kernel", "auto"]
 PAGE_SIZES = [1, 16]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtier import HostKVPool, KVSpec
-from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, flat_page, random_device_pool, slots
+from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, flat_page, random_device_pool, slots
 
 PAGE_SIZE = 4
 PAGES = 5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool, HybridSpec
-from helpers import HYBRID_SPECS, LAYOUT_ORDERS, SPECS, bits, fill_random, slots
+from tests.support.pools import HYBRID_SPECS, LAYOUT_ORDERS, SPECS, bits, fill_random, slots
 
 PAGE = 4
 

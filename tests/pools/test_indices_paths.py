@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvtier.compiled import load
 from kvtier.pools import indices
 from kvtier.pools.indices import page_slots, page_starts, page_token_slots
-from services import unavailable
+from tests.support.services import unavailable
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvtier import HostKVPool, UnsupportedLayoutError
-from helpers import LAYOUT_ORDERS, SPECS, fill_random, slots
+from tests.support.pools import LAYOUT_ORDERS, SPECS, fill_random, slots
 
 PAGES = 7
 

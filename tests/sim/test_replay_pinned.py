@@ -5,7 +5,7 @@ import pytest
 
 from kvtier.sim import SimConfig, simulate, synthetic
 
-# (device, host, storage) hit blocks, computed by kvtier at f423016 (before issue 15's speed-ups)
+# (device, host, storage) hit blocks, computed by kvtier at f423016 (before the tree's later speed-ups)
 PINNED = {"write_through": (1810, 918, 352), "write_through_selective": (1810, 829, 0),
           "write_back": (1810, 1200, 374)}
 

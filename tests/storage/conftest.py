@@ -8,7 +8,7 @@ from kvtier.storage import pageio
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every fault at INFO/WARNING
 
-from services import MooncakeMaster, RedisServer, require_client, unavailable
+from tests.support.services import MooncakeMaster, RedisServer, require_client, unavailable
 
 # Every test of a backend's own module needs that backend's Python client, server fixture or not.
 CLIENTS = {"test_redis.py": "redis", "test_mooncake.py": "mooncake.store"}

@@ -6,8 +6,8 @@ import torch
 
 import kvtier.storage
 from kvtier import Component, HostKVPool, KVSpec
-from helpers import SPECS, bits
-from storage_helpers import filled_host, flat_pages, shard_flat
+from tests.support.pools import SPECS, bits
+from tests.support.storage import filled_host, flat_pages, shard_flat
 
 
 def keys_for(n_pages, page_size=4, namespace="model", salt=None, start=0):

@@ -5,9 +5,9 @@ import logging
 import pytest
 
 import kvtier.storage
-from helpers import SPECS
 from kvtier.storage.faults import BackendDown, Breaker, WarningLimiter
-from storage_helpers import filled_host
+from tests.support.pools import SPECS
+from tests.support.storage import filled_host
 
 
 class Clock:

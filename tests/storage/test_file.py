@@ -14,8 +14,9 @@ import kvtier.storage
 from kvtier import HostKVPool, KVSpec
 from kvtier.storage.objects import PagePlan
 from kvtier.storage.pagefile import ALIGN, FileLayout, object_name
-from helpers import SPECS
-from storage_helpers import PeakRSS, blank_host, file_size_limit, filled_host, flat_pages, run_bounded
+from tests.support import ROOT
+from tests.support.pools import SPECS
+from tests.support.storage import PeakRSS, blank_host, file_size_limit, filled_host, flat_pages, run_bounded
 
 SPEC = SPECS["asym"]
 
@@ -63,10 +64,10 @@ def test_a_second_process_reads_what_the_first_wrote(tmp_path):
     want = [p.tolist() for p in flat_pages(host, idx)]
     script = textwrap.dedent(f"""
         import json, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        sys.path.insert(0, {str(ROOT)!r})
         import kvtier.storage
         from kvtier import HostKVPool
-        from helpers import SPECS, bits
+        from tests.support.pools import SPECS, bits
         store = kvtier.storage.open("file://{tmp_path}")
         keys = kvtier.storage.page_keys(list(range(12)), 4, namespace="m")
         host = HostKVPool(SPECS["asym"], 12, 4, layout="page_head")

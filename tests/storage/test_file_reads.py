@@ -15,9 +15,9 @@ from kvtier.bench.storage import evict_cached
 from kvtier.storage import pageio
 from kvtier.storage.pagefile import ALIGN
 from kvtier.layout import LAYOUTS
-from helpers import SPECS, bits
-from services import unavailable
-from storage_helpers import blank_host, filled_host, flat_pages, shard_flat
+from tests.support.pools import SPECS, bits
+from tests.support.services import unavailable
+from tests.support.storage import blank_host, filled_host, flat_pages, shard_flat
 
 SPEC = SPECS["asym"]  # one file a page of 4 parts (head groups of the 4 K and 4 V heads), 480 bytes each
 

@@ -7,7 +7,7 @@ import torch
 import kvtier.storage
 from kvtier import HybridHostPool, HybridSpec
 from kvtier.storage.groups import GroupedStorage, group_tag
-from helpers import HYBRID_SPECS, SPECS, bits, fill_random
+from tests.support.pools import HYBRID_SPECS, SPECS, bits, fill_random
 
 PAGE = 4
 

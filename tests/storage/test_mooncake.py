@@ -5,9 +5,9 @@ import torch
 
 import kvtier.storage
 from kvtier import HostKVPool, UnsupportedLayoutError
-from helpers import SPECS
-from services import MooncakeMaster
-from storage_helpers import filled_host, flat_pages
+from tests.support.pools import SPECS
+from tests.support.services import MooncakeMaster
+from tests.support.storage import filled_host, flat_pages
 
 SPEC = SPECS["asym"]
 
@@ -60,7 +60,7 @@ def test_master_down_gives_misses_not_exceptions():
 
 
 def test_unreachable_master_at_open_is_counted_and_retried_later():
-    from services import free_port
+    from tests.support.services import free_port
 
     store = kvtier.storage.open(f"mooncake://127.0.0.1:{free_port()}?protocol=tcp&metadata=P2PHANDSHAKE",
                                 connect_timeout=0.5)
@@ -85,7 +85,7 @@ def test_the_client_is_the_one_the_store_calls(store):
 
 
 def test_no_client_while_the_master_cannot_be_reached():
-    from services import free_port
+    from tests.support.services import free_port
 
     store = kvtier.storage.open(f"mooncake://127.0.0.1:{free_port()}?protocol=tcp&metadata=P2PHANDSHAKE",
                                 connect_timeout=0.5, backoff=0)

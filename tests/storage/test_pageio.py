@@ -13,8 +13,8 @@ import pytest
 import xxhash
 
 from kvtier.storage import pageio
-from services import unavailable
-from storage_helpers import file_size_limit
+from tests.support.services import unavailable
+from tests.support.storage import file_size_limit
 
 RNG = np.random.default_rng(5)
 

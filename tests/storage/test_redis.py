@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import kvtier.storage
-from helpers import SPECS
-from services import RedisServer
 from kvtier import HostKVPool
-from storage_helpers import PeakRSS, filled_host, flat_pages
+from tests.support.pools import SPECS
+from tests.support.services import RedisServer
+from tests.support.storage import PeakRSS, filled_host, flat_pages
 
 SPEC = SPECS["asym"]
 
@@ -88,7 +88,7 @@ def test_clear_removes_only_its_prefix(redis_server):
 
 
 def test_redis_cluster_round_trip():
-    from services import RedisCluster
+    from tests.support.services import RedisCluster
 
     cluster = RedisCluster().start()
     try:
@@ -235,7 +235,7 @@ def test_bad_options_and_database_index_fail_at_open(redis_server, suffix, match
 
 
 def test_server_down_at_open_is_a_counted_miss():
-    from services import free_port
+    from tests.support.services import free_port
 
     for url in (f"redis://127.0.0.1:{free_port()}/0", f"redis+cluster://127.0.0.1:{free_port()}"):
         store = kvtier.storage.open(url, socket_connect_timeout=0.5)

@@ -12,10 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, record_copy_threads, slots
 from kvtier import DeviceKVPool, HostKVPool, KVSpec
 from kvtier.transfer import copy as copy_mod
 from kvtier.transfer import coalesce, cpu
+from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, record_copy_threads, slots
 
 FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtier import DeviceKVPool, HostKVPool
-from helpers import LAYOUT_ORDERS, SPECS, bits, random_device_pool, slots
+from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, random_device_pool, slots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

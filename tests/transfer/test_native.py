@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
 from kvtier import HostKVPool, KVSpec, compiled as compiled_modules
 from kvtier.transfer import cpu, native
-from services import unavailable
+from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
+from tests.support.services import unavailable
 
 # dim rows of 64 bytes (bf16 x 32): whole cache lines, so the streaming-store branch runs too
 GEOMETRIES = {**SPECS, "lines": KVSpec.mha(2, 2, 32)}

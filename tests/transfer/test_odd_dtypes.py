@@ -4,8 +4,8 @@ io_backend: device -> host -> device round trips are bit-exact."""
 import pytest
 import torch
 
-from helpers import LAYOUT_ORDERS, bits, random_device_pool, slots
 from kvtier import HostKVPool, KVSpec
+from tests.support.pools import LAYOUT_ORDERS, bits, random_device_pool, slots
 
 DTYPES = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "bfloat16") if hasattr(torch, n)]
 

@@ -10,13 +10,16 @@ import pytest
 
 pytest.importorskip("triton")
 
+from tests.support import ROOT  # noqa: E402
+from tests.support.pools import LAYOUT_ORDERS, SPECS  # noqa: E402
+
 SCRIPT = textwrap.dedent("""
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {root!r})
     from kvtier import HostKVPool
     from kvtier.transfer import triton_kernel
-    from helpers import LAYOUT_ORDERS, SPECS, bits, random_device_pool
+    from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, random_device_pool
 
     failures, runs = [], 0
     for spec_name, spec in SPECS.items():
@@ -47,16 +50,12 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_kernel_round_trips_every_geometry_and_layout_under_the_interpreter():
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")][-1].split(maxsplit=3)
     runs, failures = int(result[1]), int(result[2])
-    sys.path.insert(0, tests)
-    from helpers import LAYOUT_ORDERS, SPECS
-
     assert runs == sum(len(s.names) * s.layer_num for s in SPECS.values()) * len(LAYOUT_ORDERS) * 2
     assert failures == 0, result[3]
 

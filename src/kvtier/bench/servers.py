@@ -3,7 +3,7 @@
 A server that cannot run here raises :class:`ServerUnavailable` with the reason: no
 binary, or a binary that exits at start (its own last words, such as the loader's
 ``libibverbs.so.1: cannot open shared object file``). The tests build on these
-classes in ``tests/services.py`` (TLS, clusters).
+classes in ``tests/support/services.py`` (TLS, clusters).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from sglang.srt.runtime_context import _CONTEXT, get_parallel  # noqa: E402
 from kvtier import UnsupportedLayoutError  # noqa: E402
 from kvtier.integrations.sglang import (KVTierMHAHostPool, KVTierStorage, install_host_pool,  # noqa: E402
                                        uninstall_host_pool)
-from sglang_harness import (PAGE_SIZE, attach, backup, bits, fill_random, kvtier_config, page_keys,  # noqa: E402
-                            prefetch, same_tokens, token_major)
+from tests.support.sglang_rig import (PAGE_SIZE, attach, backup, bits, build_host_pool, device_pool,  # noqa: E402
+                                      fill_random, kvtier_config, page_keys, pools, prefetch, same_tokens,
+                                      sglang_pool, token_major)
 
 LAYERS = 3
 DTYPE = torch.bfloat16
@@ -35,33 +36,6 @@ def installed():
     install_host_pool()
     yield
     uninstall_host_pool()
-
-
-def device_pool(head_num=4, head_dim=16, v_head_dim=8, tokens=256, device="cpu"):
-    return MHATokenToKVPool(size=tokens, page_size=PAGE_SIZE, dtype=DTYPE, head_num=head_num, head_dim=head_dim,
-                            layer_num=LAYERS, device=device, enable_memory_saver=False, v_head_dim=v_head_dim,
-                            start_layer=0, end_layer=LAYERS)
-
-
-def build(layout, kv_pool):
-    """The host pool sglang's ``build_kv_host_pool`` makes for ``kv_pool``."""
-    with _CONTEXT.override_server_args(hicache_ratio=2.0, hicache_size=0, hicache_mem_layout=layout), \
-            get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):
-        return hybrid_pool_assembler.build_kv_host_pool(kv_pool=kv_pool, page_size=PAGE_SIZE)
-
-
-def pools(layout, **geometry):
-    """sglang's device pool (``device_pool(**geometry)``) and the host pool sglang builds for it."""
-    device = device_pool(**geometry)
-    return device, build(layout, device)
-
-
-def sglang_pool(layout, device):
-    """sglang's own host pool for ``device`` (unpinned: this machine has no CUDA)."""
-    info = device.get_device_pool_infos()[0].buffer_info
-    cls = AsymmetricMHATokenToKVPoolHost if info.head_dim != info.v_head_dim else MHATokenToKVPoolHost
-    return cls(info, 2.0, 0, PAGE_SIZE, layout, pin_memory=False, device="cpu", device_capacity_tokens=device.size,
-               start_layer=device.start_layer, end_layer=device.end_layer)
 
 
 def factory_choice(device):
@@ -114,7 +88,7 @@ def test_symmetric_mha_and_mla_keep_sglang_pools_unless_asked():
         assert factory_choice(asymmetric) is KVTierMHAHostPool
         assert hybrid_pool_assembler.is_mla_pool(mla)  # build_kv_host_pool takes MLATokenToKVPoolHost, not the factory
         install_host_pool(symmetric=True)
-        assert type(build("page_head", symmetric)) is KVTierMHAHostPool
+        assert type(build_host_pool("page_head", symmetric)) is KVTierMHAHostPool
     finally:
         uninstall_host_pool()
     assert factory_choice(symmetric) is MHATokenToKVPoolHost and factory_choice(asymmetric) is \
@@ -127,7 +101,7 @@ def test_per_layer_views_and_row_width_as_sglangs_symmetric_pool_has_them(layout
     device = device_pool(head_num=2, head_dim=16, v_head_dim=16)
     install_host_pool(symmetric=True)
     try:
-        ours, asymmetric = build(layout, device), build(layout, device_pool(v_head_dim=8))
+        ours, asymmetric = build_host_pool(layout, device), build_host_pool(layout, device_pool(v_head_dim=8))
     finally:
         uninstall_host_pool()
     assert ours.token_stride_size == 2 * 16 * 2
@@ -263,7 +237,7 @@ def test_page_buffer_meta_lays_pages_out_as_sglangs_asymmetric_pool(layout):
     theirs = sglang_pool(layout, device)
     install_host_pool()
     try:
-        ours = build(layout, device)
+        ours = build_host_pool(layout, device)
     finally:
         uninstall_host_pool()
     indices = torch.arange(6 * PAGE_SIZE, 9 * PAGE_SIZE)
@@ -287,7 +261,7 @@ def test_flat_pages_are_in_sglangs_byte_order(layout):
     theirs = sglang_pool(layout, device)
     install_host_pool(symmetric=True)
     try:
-        ours = build(layout, device)
+        ours = build_host_pool(layout, device)
     finally:
         uninstall_host_pool()
     fill_random(theirs, seed=5)

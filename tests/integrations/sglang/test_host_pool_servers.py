@@ -1,5 +1,5 @@
 """kvtier host pools with a real Mooncake master on loopback: kvtier's ``mooncake://``
-backend and sglang's own Mooncake backend (tests/services.py starts the master; a
+backend and sglang's own Mooncake backend (tests/support/services.py starts the master; a
 missing one skips, or fails under KVTIER_REQUIRE_SERVICES=1)."""
 
 import os
@@ -11,11 +11,11 @@ pytest.importorskip("sglang")
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every fault at INFO/WARNING
 
 import torch  # noqa: E402
-from services import MooncakeMaster  # noqa: E402
-from sglang_harness import PAGE_SIZE, attach, backup, bits, fill_random, kvtier_config, prefetch, token_major  # noqa: E402
-from test_host_pool import pools, sglang_pool, device_pool  # noqa: E402
 
 from kvtier.integrations.sglang import KVTierMHAHostPool, install_host_pool, uninstall_host_pool  # noqa: E402
+from tests.support.services import MooncakeMaster  # noqa: E402
+from tests.support.sglang_rig import (PAGE_SIZE, attach, backup, bits, device_pool, fill_random,  # noqa: E402
+                                      kvtier_config, pools, prefetch, sglang_pool, token_major)
 
 PAGES = 6
 TOKENS = list(range(11000, 11000 + PAGES * PAGE_SIZE))

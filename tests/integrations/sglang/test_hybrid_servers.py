@@ -14,7 +14,7 @@ from storage, then from its host tier once another prompt evicted it.
 
 NOTE: two stand-ins go on the servers' ``PYTHONPATH`` (``sglang_server.write_standin``),
 besides the torchvision one: ``sgl_kernel`` (no CPU wheel here; only the two functions
-sglang's CPU path calls are real, see shared ENGINES.md) and a
+sglang's CPU path calls are real) and a
 ``sitecustomize`` that fixes one sglang 0.5.23 bug on this path: its ``torch_native``
 attention backend writes a sliding layer's K/V at the SWA pool's slots
 (``translate_loc_from_full_to_swa``) but reads them back at the full pool's slots
@@ -32,12 +32,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
-
-from sglang_server import (FIXED, MAX_NEW, PAGE, Server, assert_clean, require_server_modules,  # noqa: E402
-                           stored_keys, write_standin)
+pytest.importorskip("sglang.srt")
 
 from kvtier.testing.checkpoints import prompt  # noqa: E402
+from tests.support.sglang_server import (FIXED, MAX_NEW, PAGE, Server, assert_clean, require_server_modules,  # noqa: E402
+                                         stored_keys, write_standin)
 
 WINDOW = 64
 LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]

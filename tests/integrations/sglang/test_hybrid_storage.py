@@ -15,7 +15,7 @@ import hashlib
 
 import pytest
 
-pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
+pytest.importorskip("sglang.srt")
 
 import sglang.srt.mem_cache.pool_host.common as sglang_host_common  # noqa: E402
 import torch  # noqa: E402
@@ -26,11 +26,11 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.runtime_context import get_context, restore_context, snapshot_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
-from sglang_harness import (PAGE_SIZE, bits, fill_random, kvtier_config, mha_pools, page_keys,  # noqa: E402
-                            token_major)
 
 from kvtier.integrations.sglang.pools import UnsupportedPoolError  # noqa: E402
 from kvtier.testing.checkpoints import save_llama  # noqa: E402
+from tests.support.sglang_rig import (PAGE_SIZE, bits, fill_random, kvtier_config, mha_pools, page_keys,  # noqa: E402
+                                      token_major)
 
 GEOMETRIES = {  # full heads, sliding heads, K dim, V dim; full and sliding layer ids
     "mimo": (2, 4, 16, 8, (0, 4), (1, 2, 3)),

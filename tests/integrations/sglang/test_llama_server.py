@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
-
-from sglang_server import FIXED, MAX_NEW, PAGE, Server, assert_clean, require_server_modules, stored_keys  # noqa: E402
-from sglang_server import write_standin  # noqa: E402
+pytest.importorskip("sglang.srt")
 
 from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
+from tests.support.sglang_server import FIXED, MAX_NEW, PAGE, Server, assert_clean, require_server_modules, stored_keys  # noqa: E402
+from tests.support.sglang_server import write_standin  # noqa: E402
 
 #: ~360 tokens each, first pages all different (sglang's default prefetch_threshold is 256 tokens)
 PROMPTS = {"a": prompt(170, 0), "b": prompt(170, 5), "c": prompt(170, 9)}

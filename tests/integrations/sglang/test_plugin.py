@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -16,15 +15,13 @@ pytest.importorskip("sglang")
 
 from kvtier.integrations.sglang.plugin import mode_from_env  # noqa: E402
 
-HERE = Path(__file__).parent
 SGLANG_OWN = ["AsymmetricMHATokenToKVPoolHost", "MHATokenToKVPoolHost"]
 KVTIER_ASYM = ["KVTierMHAHostPool", "MHATokenToKVPoolHost"]
 TOOK_OVER = "kvtier took over sglang's host pool AsymmetricMHATokenToKVPoolHost: KVTierMHAHostPool"
 
 CHILD = textwrap.dedent("""
     import json, logging, sys
-    sys.path.insert(0, {here!r})
-    import conftest  # noqa: F401 - the torchvision stand-in
+    import tests.integrations.sglang.conftest  # noqa: F401 - the torchvision stand-in
     if {block_pool!r}:
         sys.modules["kvtier.integrations.sglang.host_pool"] = None  # kvtier's pool class fails to import
     from sglang.srt.plugins import load_plugins
@@ -64,7 +61,7 @@ def child_env(tmp_path, **env) -> dict:
 
 
 def run_child(tmp_path, published=(), block_pool=False, **env) -> subprocess.CompletedProcess:
-    script = CHILD.format(here=str(HERE), published=json.dumps([list(a) for a in published]), block_pool=block_pool)
+    script = CHILD.format(published=json.dumps([list(a) for a in published]), block_pool=block_pool)
     return subprocess.run([sys.executable, "-c", script], env=child_env(tmp_path, **env), capture_output=True,
                           text=True, timeout=600)
 

@@ -1,19 +1,19 @@
 """KVTierStorage with a real Redis server and a real Mooncake master, on loopback
-(tests/services.py starts them; a missing one skips, or fails under
+(tests/support/services.py starts them; a missing one skips, or fails under
 KVTIER_REQUIRE_SERVICES=1)."""
 
 import os
 
 import pytest
 
-pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
+pytest.importorskip("sglang.srt")
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every fault at INFO/WARNING
 
 from kvtier.integrations.sglang.pools import UnsupportedPoolError  # noqa: E402
-from services import MooncakeMaster, RedisServer  # noqa: E402
-from sglang_harness import (PAGE_SIZE, STORAGE_BATCH_SIZE, attach, backup, fill_random, kvtier_config,  # noqa: E402
-                            make_pools, prefetch, same_tokens)
+from tests.support.services import MooncakeMaster, RedisServer  # noqa: E402
+from tests.support.sglang_rig import (PAGE_SIZE, STORAGE_BATCH_SIZE, attach, backup, fill_random, kvtier_config,  # noqa: E402
+                                      make_pools, prefetch, same_tokens)
 
 PAGES = STORAGE_BATCH_SIZE + 3
 TOKENS = list(range(9000, 9000 + PAGES * PAGE_SIZE))

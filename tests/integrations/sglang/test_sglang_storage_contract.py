@@ -18,13 +18,13 @@ from unittest.mock import patch
 
 import pytest
 
-pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
+pytest.importorskip("sglang.srt")
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageConfig, PoolHitPolicy, PoolName,  # noqa: E402
                                                   PoolTransfer, PoolTransferResult)
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
-from sglang_harness import PAGE_SIZE, bits, fill_random, kvtier_config, mha_pools, token_major  # noqa: E402
+from tests.support.sglang_rig import PAGE_SIZE, bits, fill_random, kvtier_config, mha_pools, token_major  # noqa: E402
 
 
 def _config() -> HiCacheStorageConfig:

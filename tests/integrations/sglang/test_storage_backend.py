@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
+pytest.importorskip("sglang.srt")
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
@@ -21,8 +21,8 @@ from sglang.srt.observability.metrics_collector import StorageMetrics  # noqa: E
 
 from kvtier.integrations.sglang import KVTierStorage  # noqa: E402
 from kvtier.integrations.sglang.pools import UnsupportedPoolError  # noqa: E402
-from sglang_harness import (PAGE_SIZE, POOLS, STORAGE_BATCH_SIZE, attach, backup, fill_random,  # noqa: E402
-                            kvtier_config, make_pools, mha_pools, page_keys, prefetch, same_tokens)
+from tests.support.sglang_rig import (PAGE_SIZE, POOLS, STORAGE_BATCH_SIZE, attach, backup, fill_random,  # noqa: E402
+                                      kvtier_config, make_pools, mha_pools, page_keys, prefetch, same_tokens)
 
 PAGES = STORAGE_BATCH_SIZE + 22  # two controller batches: 128 pages, then 22
 

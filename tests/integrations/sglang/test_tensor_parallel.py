@@ -6,10 +6,10 @@ its own controller with its ``tp_rank``/``tp_size``; they share one store.
 
 import pytest
 
-pytest.importorskip("sglang.srt")  # a bare `sglang` may be this test folder
+pytest.importorskip("sglang.srt")
 
-from sglang_harness import (PAGE_SIZE, STORAGE_BATCH_SIZE, attach, backup, fill_random, kvtier_config,  # noqa: E402
-                            make_pools, prefetch, same_tokens)
+from tests.support.sglang_rig import (PAGE_SIZE, STORAGE_BATCH_SIZE, attach, backup, fill_random, kvtier_config,  # noqa: E402
+                                      make_pools, prefetch, same_tokens)
 
 HEADS = 8
 PAGES = STORAGE_BATCH_SIZE + 4

@@ -7,16 +7,13 @@ import json
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm.config")  # a bare `vllm` may be this test folder
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from test_readme import blocks, python_blocks  # noqa: E402
+pytest.importorskip("vllm.config")
 
 from kvtier.integrations.vllm.config import KVTierConfig  # noqa: E402
+from tests.test_readme import blocks, python_blocks  # noqa: E402
 
 
 def test_pages_have_vllm_examples():

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.tiering.fs.io")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.tiering.fs.io")
 
 from kvtier.bench import storage as bench  # noqa: E402
 from kvtier.bench.storage_peers import VllmFsTier, vllm_fs_io  # noqa: E402

@@ -11,13 +11,13 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import (GPULoadStoreSpec, LookupResult, Medium, make_offload_key)
-from vllm_helpers import CPU_GQA, UNKNOWN, Rig, context  # noqa: E402
 
 from kvtier.testing.checkpoints import save_llama  # noqa: E402
+from tests.support.vllm_rig import CPU_GQA, UNKNOWN, Rig, context  # noqa: E402
 
 
 def to_keys(ints):
@@ -168,7 +168,7 @@ def test_vllms_scheduler_stores_then_loads_the_same_bytes(tiny_model, tmp_path, 
     """vLLM's scheduler and OffloadingConnector with kvtier's spec: a request's full
     blocks are stored; after the GPU prefix cache is reset, the same prompt's blocks are
     loaded from kvtier, holding what the first request's blocks held."""
-    from scheduler_rig import SchedulerRig
+    from tests.support.vllm_scheduler_rig import SchedulerRig
 
     rig = SchedulerRig(tiny_model, str(tmp_path), blocks_per_chunk=blocks_per_chunk)
     tokens = [random.Random(5).randrange(3, 400) for _ in range(6 * 32 * blocks_per_chunk + 10)]

@@ -15,15 +15,14 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": 
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}.items():
     os.environ.setdefault(_k, _v)
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
-from vllm_helpers import close_llm, generate  # noqa: E402
-
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
+from tests.support.vllm_rig import close_llm, generate  # noqa: E402
 
 PROMPT_WORDS = 300  # about 620 tokens: 19 full blocks of 32
 SAMPLING = SamplingParams(max_tokens=12, temperature=0)

@@ -6,11 +6,10 @@ pins; a job's block ids come group by group; bytes land in their own group's poo
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
-from vllm_helpers import LAYERS, context, keys  # noqa: E402
 
 from kvtier import HostKVPool  # noqa: E402
 from kvtier.integrations.vllm import KVTierOffloadingManager, KVTierOffloadingWorker  # noqa: E402
@@ -18,6 +17,7 @@ from kvtier.integrations.vllm.blocks import Geometry, block_format  # noqa: E402
 from kvtier.integrations.vllm.groups import GroupedTier  # noqa: E402
 from kvtier.integrations.vllm.tier import HostTier  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerGroup, block_pages  # noqa: E402
+from tests.support.vllm_rig import LAYERS, context, keys  # noqa: E402
 
 GEOMETRIES = (Geometry("CPU_ATTN", "LBHNC", False, 2, 32, 32, torch.bfloat16),
               Geometry("CPU_ATTN", "LBHNC", False, 4, 32, 64, torch.bfloat16))

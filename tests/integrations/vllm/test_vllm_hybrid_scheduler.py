@@ -14,16 +14,16 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch  # noqa: E402
-from scheduler_rig import HEAD, HEADS, SchedulerRig  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx, make_offload_key  # noqa: E402
 
 from kvtier import storage as kvstorage  # noqa: E402
 from kvtier.integrations.vllm.groups import GroupedTier  # noqa: E402
 from kvtier.testing.checkpoints import save_llama  # noqa: E402
+from tests.support.vllm_scheduler_rig import HEAD, HEADS, SchedulerRig  # noqa: E402
 
 LAYER = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")  # group 0, group 1
 B = 32  # tokens per block of the first group; hash blocks

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
-
-from vllm_server import Server  # noqa: E402
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 from kvtier.testing.checkpoints import prompt, save_hybrid  # noqa: E402
 from kvtier.storage.pagefile import object_name  # noqa: E402
+from tests.support.vllm_server import Server  # noqa: E402
 
 #: KV cache groups vLLM makes of each tiny model (sliding window 64: 2 blocks of 32).
 GROUPS = {"gpt-oss": 2, "gemma3": 6}

@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,  # noqa: E402

@@ -4,13 +4,13 @@ eviction order, resets."""
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ScheduleEndContext  # noqa: E402
-from vllm_helpers import BLOCK, CPU_GQA, FA_GQA, LAYERS, MLA, UNKNOWN, Rig, context, keys  # noqa: E402
 
 from kvtier.integrations.vllm.blocks import block_format  # noqa: E402
+from tests.support.vllm_rig import BLOCK, CPU_GQA, FA_GQA, LAYERS, MLA, UNKNOWN, Rig, context, keys  # noqa: E402
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
-
-from vllm_server import Server  # noqa: E402
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
+from tests.support.vllm_server import Server  # noqa: E402
 
 PROMPTS = [prompt(300, offset=0), prompt(300, offset=5)]  # ~620 tokens each: 19 full blocks of 32
 FULL_BLOCKS = 19 * 32

@@ -7,14 +7,14 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_helpers import CPU_GQA, Engine, context, gpu_spec, keys, offloading_config  # noqa: E402
 
 from kvtier.integrations.vllm import KVTierOffloadingSpec, UnsupportedVLLMSetupError  # noqa: E402
 from kvtier.integrations.vllm.region import region_path  # noqa: E402
+from tests.support.vllm_rig import CPU_GQA, Engine, context, gpu_spec, keys, offloading_config  # noqa: E402
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -10,18 +10,18 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base")  # a bare `vllm` may be this test folder
+pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
-from vllm_helpers import BLOCK, CPU_GQA, LAYERS, Rig, context, gpu_spec, keys  # noqa: E402
 
 import kvtier.storage  # noqa: E402
 from kvtier import HostKVPool  # noqa: E402
 from kvtier.integrations.vllm import KVTierOffloadingManager, KVTierOffloadingWorker  # noqa: E402
 from kvtier.integrations.vllm.blocks import Geometry, block_format  # noqa: E402
 from kvtier.integrations.vllm.tier import HostTier  # noqa: E402
+from tests.support.vllm_rig import BLOCK, CPU_GQA, LAYERS, Rig, context, gpu_spec, keys  # noqa: E402
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

@@ -6,7 +6,7 @@ where their cached tokens came from, ``/flush_cache``, and kvtier's stored objec
 
 NOTE: stand-ins go on the servers' ``PYTHONPATH`` (:func:`write_standin`), besides the
 torchvision one: ``sgl_kernel`` (no CPU wheel here; only the two functions sglang's CPU
-path calls are real, see shared ENGINES.md) and, for sliding-window models, a
+path calls are real) and, for sliding-window models, a
 ``sitecustomize`` that fixes sglang 0.5.23's ``torch_native`` reads of sliding layers on
 hybrid SWA pools (test_hybrid_servers.py says why).
 """
@@ -24,12 +24,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services import stop_process_group, unavailable
-
 from kvtier.bench.servers import free_port
 from kvtier.storage.pagefile import object_name
+from tests.support.services import stop_process_group, unavailable
 
-HERE = Path(__file__).parent
+#: The torchvision stand-in that sglang's tests put on the path (see their conftest.py).
+TORCHVISION_STANDIN = Path(__file__).parents[1] / "integrations" / "sglang" / "standin"
 PAGE, MAX_NEW = 16, 16
 #: What sglang's HTTP server imports (scripts/sglang-env.sh installs them; elsewhere the tests skip).
 SERVER_MODULES = ["fastapi", "uvicorn", "uvloop", "setproctitle", "interegular", "multipart", "prometheus_client",
@@ -180,7 +180,7 @@ class Server:
                 "--page-size", str(PAGE), "--enable-cache-report", "--host", "127.0.0.1", "--port", str(self.port)]
         kvtier_src = Path(importlib.util.find_spec("kvtier").origin).parents[1]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": os.pathsep.join([str(standin), str(HERE / "standin"), str(kvtier_src)])}
+               "PYTHONPATH": os.pathsep.join([str(standin), str(TORCHVISION_STANDIN), str(kvtier_src)])}
         env.pop("KVTIER_SGLANG_HOST_POOL", None)
         if store is not None:
             storage = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",

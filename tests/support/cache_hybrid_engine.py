@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvtier import HierarchicalCache, HybridDevicePool, HybridHostPool
-from helpers import bits
+from tests.support.pools import bits
 
 NAMESPACE = "hybrid-test-model"
 _MOD = 32749  # a prime below 2**15: every value fits the narrowest (2-byte) element

@@ -13,9 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services import stop_process_group
-
 from kvtier.bench.servers import free_port
+from tests.support.services import stop_process_group
 
 #: What every test server gets; VLLM_SERVER_DEV_MODE adds POST /reset_prefix_cache.
 BASE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",

@@ -9,7 +9,7 @@ import signal
 import torch
 
 from kvtier import HostKVPool, KVSpec
-from helpers import bits, random_device_pool
+from tests.support.pools import bits, random_device_pool
 
 
 def filled_host(spec: KVSpec, pages: int, page_size: int = 4, layout: str = "page_first", seed: int = 0):

@@ -15,11 +15,13 @@ import threading
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mha import (AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost,
+                                                get_mha_host_pool_cls)
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import _CONTEXT, get_parallel
 
 PAGE_SIZE = 4
 LAYERS = 3
@@ -162,5 +164,34 @@ def prefetch(controller, host, tokens: list[int]) -> tuple[int, int, torch.Tenso
     return hit_tokens, pages, slots
 
 
-__all__ = ["PAGE_SIZE", "POOLS", "STORAGE_BATCH_SIZE", "attach", "backup", "fill_random", "kvtier_config",
-           "make_pools", "mha_pools", "mla_pools", "page_keys", "prefetch", "same_tokens", "token_major"]
+def device_pool(head_num=4, head_dim=16, v_head_dim=8, tokens=256, device="cpu"):
+    """sglang's MHA device pool, ``LAYERS`` layers of ``DTYPE`` (asymmetric K/V by default)."""
+    return MHATokenToKVPool(size=tokens, page_size=PAGE_SIZE, dtype=DTYPE, head_num=head_num, head_dim=head_dim,
+                            layer_num=LAYERS, device=device, enable_memory_saver=False, v_head_dim=v_head_dim,
+                            start_layer=0, end_layer=LAYERS)
+
+
+def build_host_pool(layout, kv_pool):
+    """The host pool sglang's ``build_kv_host_pool`` makes for ``kv_pool``."""
+    with _CONTEXT.override_server_args(hicache_ratio=2.0, hicache_size=0, hicache_mem_layout=layout), \
+            get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):
+        return hybrid_pool_assembler.build_kv_host_pool(kv_pool=kv_pool, page_size=PAGE_SIZE)
+
+
+def pools(layout, **geometry):
+    """sglang's device pool (``device_pool(**geometry)``) and the host pool sglang builds for it."""
+    device = device_pool(**geometry)
+    return device, build_host_pool(layout, device)
+
+
+def sglang_pool(layout, device):
+    """sglang's own host pool for ``device`` (unpinned: this machine has no CUDA)."""
+    info = device.get_device_pool_infos()[0].buffer_info
+    cls = AsymmetricMHATokenToKVPoolHost if info.head_dim != info.v_head_dim else MHATokenToKVPoolHost
+    return cls(info, 2.0, 0, PAGE_SIZE, layout, pin_memory=False, device="cpu", device_capacity_tokens=device.size,
+               start_layer=device.start_layer, end_layer=device.end_layer)
+
+
+__all__ = ["PAGE_SIZE", "POOLS", "STORAGE_BATCH_SIZE", "attach", "backup", "build_host_pool", "device_pool",
+           "fill_random", "kvtier_config", "make_pools", "mha_pools", "mla_pools", "page_keys", "pools", "prefetch",
+           "same_tokens", "sglang_pool", "token_major"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from engine import PAGE, SPEC
 from kvtier import DeviceKVPool, HostKVPool
 from kvtier.cache.inflight import InFlight
 from kvtier.cache.radix import Node
@@ -20,6 +19,7 @@ from kvtier.cache.state import CacheState
 from kvtier.cache.stats import CacheStats
 from kvtier.cache.tokens import token_array
 from kvtier.pools.indices import page_numbers
+from tests.support.cache_engine import PAGE, SPEC
 
 
 def run(first: int, pages: int) -> list[int]:
