@@ -17,13 +17,15 @@ import itertools
 import sys
 from typing import Callable, Iterable
 
+from .sides import highest
+
 TIERS = ("device", "host")
 _heappush = heapq.heappush
 
 
 def _has_side(copy, group: str) -> bool:
     side = None if copy is None or copy.side is None else copy.side[group]
-    return side is not None and side.size > 0 and (max(side.tolist()) if side.size <= 64 else side.max()) >= 0
+    return side is not None and side.size > 0 and highest(side) >= 0
 
 
 def side_tier(tier: str, group: str) -> str:

@@ -61,6 +61,11 @@ def lowest(pages: np.ndarray) -> int:
     takes 1.3, and a hybrid match asks twice per sliding group."""
     return min(pages.tolist()) if pages.size <= 64 else int(pages.min())
 
+
+def highest(pages: np.ndarray) -> int:
+    """The largest of ``pages`` (a non-empty int64 array), as :func:`lowest` reads it."""
+    return max(pages.tolist()) if pages.size <= 64 else int(pages.max())
+
 class Sides:
     """The sliding groups of a hybrid cache: pools, windows and the keep rule."""
 

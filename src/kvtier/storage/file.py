@@ -138,27 +138,6 @@ def _checksum(bufs: list) -> int:
     return h.intdigest()
 
 
-def _skip(bufs: list, n: int) -> list:
-    """``bufs`` less their first ``n`` bytes (and empty buffers)."""
-    out = [b for b in bufs if len(b)]
-    while out and n >= len(out[0]):
-        n -= len(out.pop(0))
-    if n:
-        out[0] = out[0][n:]
-    return out
-
-
-def _io_all(call, fd: int, bufs: list, offset: int) -> None:
-    """``preadv``/``pwritev`` of every byte of ``bufs`` at ``offset`` (a call may move fewer)."""
-    bufs = _skip(bufs, 0)
-    while bufs:
-        n = call(fd, bufs[:1024], offset)  # at most IOV_MAX buffers a call
-        if n == 0:
-            raise OSError(errno.EIO, "the file ended early (changed while it was read)")
-        offset += n
-        bufs = _skip(bufs, n)
-
-
 def _runs(indices: list[int]) -> list[list[int]]:
     """``indices`` (ascending) split into runs of consecutive ones."""
     runs = [[i] for i in indices[:1]]
@@ -290,19 +269,21 @@ class FileStorage(ThreadedStorage):
             self._stats.timed("exists", time.perf_counter() - t0)
 
     def _checked(self, keys, host_pool, host_indices, writing: bool):
+        """``(keys, pages, plan, head_room)``: the batch checked, and the bytes that hold
+        the header of any of its files."""
         keys, pages = self._check_pages(keys, host_pool, host_indices, writing=writing)
         plan = self._plan(host_pool)
-        longest = longest_name(max((len(k.encode()) for k in keys), default=0), plan)
+        key_bytes = max((len(k.encode()) for k in keys), default=0)
+        longest = longest_name(key_bytes, plan)
         if longest > MAX_NAME_BYTES:
             raise UsageError(f"object names '<key>#<field>' would be up to {longest} bytes, over the header's "
                              f"{MAX_NAME_BYTES}; use shorter keys")
-        return keys, pages, plan
+        return keys, pages, plan, header_room(key_bytes, plan)
 
     def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
-        keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=True)
+        keys, pages, plan, head_room = self._checked(keys, host_pool, host_indices, writing=True)
         copies = _Page(plan, host_pool, plan.write_parts)
         field = file_field(plan, plan.write_parts)
-        head_room = header_room(max((len(k.encode()) for k in keys), default=0), plan)
         stored = [False] * len(keys)
         t0 = time.perf_counter()
 
@@ -323,10 +304,9 @@ class FileStorage(ThreadedStorage):
         return stored
 
     def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
-        keys, pages, plan = self._checked(keys, host_pool, host_indices, writing=False)
+        keys, pages, plan, head_room = self._checked(keys, host_pool, host_indices, writing=False)
         copies = _Page(plan, host_pool, plan.read_parts)
         sources = self._sources(plan)
-        head_room = header_room(max((len(k.encode()) for k in keys), default=0), plan)
         loaded = [False] * len(keys)
         t0 = time.perf_counter()
 
@@ -446,9 +426,9 @@ class FileStorage(ThreadedStorage):
                         if i != run[0]:
                             bufs.append(sink[:layout.pad_before(i)])
                         bufs += dests[names[i]][0]
-                    _io_all(os.preadv, direct[0] if _aligned(bufs, offset) else fd, bufs, offset)
+                    pageio.io_all(os.preadv, direct[0] if _aligned(bufs, offset) else fd, bufs, offset)
                 if not have_head:
-                    _io_all(os.preadv, fd, [head], 0)
+                    pageio.io_all(os.preadv, fd, [head], 0)
                 got = [_checksum(dests[names[i]][0]) for i in wanted]
         finally:
             os.close(fd)
@@ -516,7 +496,7 @@ class FileStorage(ThreadedStorage):
                 # a direct write moves each buffer in one call: the disk wants large requests
                 sums = pageio.move(fd, parts, write=True, chunk=0 if direct else pageio.CHUNK)
                 head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
-                _io_all(os.pwritev, fd, [head], 0)
+                pageio.io_all(os.pwritev, fd, [head], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:

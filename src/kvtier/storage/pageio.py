@@ -92,7 +92,7 @@ def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int | None 
                 piece = view[a:a + chunk] if chunk else view
                 if write:
                     h.update(piece)
-                _move_all(call, fd, piece, offset)
+                io_all(call, fd, [piece], offset)
                 if not write:
                     h.update(piece)
                 offset += len(piece)
@@ -100,9 +100,22 @@ def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int | None 
     return tuple(sums)
 
 
-def _move_all(call, fd: int, piece: memoryview, offset: int) -> None:
-    while len(piece):
-        n = call(fd, [piece], offset)
+def _skip(bufs: list, n: int) -> list:
+    """``bufs`` less their first ``n`` bytes (and empty buffers)."""
+    out = [b for b in bufs if len(b)]
+    while out and n >= len(out[0]):
+        n -= len(out.pop(0))
+    if n:
+        out[0] = out[0][n:]
+    return out
+
+
+def io_all(call, fd: int, bufs: list, offset: int) -> None:
+    """``preadv``/``pwritev`` of every byte of ``bufs`` at ``offset`` (a call may move fewer)."""
+    bufs = _skip(bufs, 0)
+    while bufs:
+        n = call(fd, bufs[:1024], offset)  # at most IOV_MAX buffers a call
         if n == 0:
             raise OSError(errno.EIO, "the file ended early (changed while it was read)")
-        piece, offset = piece[n:], offset + n
+        offset += n
+        bufs = _skip(bufs, n)
