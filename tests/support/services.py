@@ -195,6 +195,39 @@ class RedisCluster:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class EngineServer:
+    """An engine's HTTP server on loopback in its own process group, logging to ``log``:
+    the start, the log, a JSON ``POST`` and the stop both engines' rigs share."""
+
+    def __init__(self, argv: list[str], env: dict, log, port: int) -> None:
+        self.log, self.port = log, port
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=self._out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_text(self) -> str:
+        if not self._out.closed:
+            self._out.flush()
+        return self.log.read_text(errors="replace")
+
+    def _post(self, path: str, body: dict | None = None, timeout: float = 120.0) -> bytes:
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                     json.dumps(body).encode() if body is not None else b"",
+                                     {"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read()
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group; SIGKILL to whatever of it is left after
+        20 s (the engines' workers clean up their shared memory on SIGTERM, so they get the
+        time to)."""
+        stop_process_group(self.proc)
+        self._out.close()
+
+
 def stop_process_group(proc, grace_s: float = 20.0) -> None:
     """SIGTERM to ``proc``'s process group (an engine server and the processes it spawned),
     SIGKILL to whatever of it is left after ``grace_s`` (they clean up their shared memory

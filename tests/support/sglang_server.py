@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 import urllib.error
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from kvtier.bench.servers import free_port
 from kvtier.storage.pagefile import object_name
-from tests.support.services import stop_process_group, unavailable
+from tests.support.services import EngineServer, unavailable
 
 #: The torchvision stand-in that sglang's tests put on the path (see their conftest.py).
 TORCHVISION_STANDIN = Path(__file__).parents[1] / "integrations" / "sglang" / "standin"
@@ -167,17 +166,17 @@ class Answer:
         return (self.prompt_tokens - 1) // PAGE * PAGE
 
 
-class Server:
+class Server(EngineServer):
     """``python -m sglang.launch_server`` in its own process group, logging to a file: with
     HiCache, kvtier's host pools and kvtier's L3 on ``store``, or, with ``store`` None,
     sglang alone (no hierarchical cache)."""
 
     def __init__(self, model: Path, store: Path | None, standin: Path, log: Path, max_total_tokens: int) -> None:
-        self.log, self.port = log, free_port()
+        port = free_port()
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
                 "--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
                 "--cuda-graph-backend-prefill", "disabled", "--max-total-tokens", str(max_total_tokens),
-                "--page-size", str(PAGE), "--enable-cache-report", "--host", "127.0.0.1", "--port", str(self.port)]
+                "--page-size", str(PAGE), "--enable-cache-report", "--host", "127.0.0.1", "--port", str(port)]
         kvtier_src = Path(importlib.util.find_spec("kvtier").origin).parents[1]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
                "PYTHONPATH": os.pathsep.join([str(standin), str(TORCHVISION_STANDIN), str(kvtier_src)])}
@@ -190,9 +189,7 @@ class Server:
                      "--hicache-storage-backend-extra-config", json.dumps(storage),
                      "--hicache-storage-prefetch-policy", "wait_complete"]
             env["KVTIER_SGLANG_HOST_POOL"] = "all"  # sglang's own host pool dies on CPU-only torch
-        self._out = open(log, "wb")
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=self._out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        super().__init__(argv, env, log, port)
 
     def wait_ready(self, timeout: float = 400.0) -> "Server":
         deadline = time.monotonic() + timeout
@@ -205,17 +202,8 @@ class Server:
         self.stop()
         raise RuntimeError(f"sglang not ready after {timeout}s:\n{self.log_text()[-6000:]}")
 
-    def log_text(self) -> str:
-        if not self._out.closed:
-            self._out.flush()
-        return self.log.read_text(errors="replace")
-
     def _post(self, path: str, body: dict | None = None) -> bytes:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
-                                     json.dumps(body).encode() if body is not None else b"",
-                                     {"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.read()
+        return super()._post(path, body, timeout=300)
 
     def generate(self, text: str) -> Answer:
         """Greedy ``/generate`` of MAX_NEW tokens, with where its cached tokens came from."""
@@ -238,11 +226,6 @@ class Server:
                 if e.code != 400 or time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
-
-    def stop(self) -> None:
-        """SIGTERM to the process group, SIGKILL to what is left after 20 s."""
-        stop_process_group(self.proc)
-        self._out.close()
 
 
 def stored_keys(store: Path) -> dict[str, list[Path]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import urllib.error
@@ -14,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtier.bench.servers import free_port
-from tests.support.services import stop_process_group
+from tests.support.services import EngineServer
 
 #: What every test server gets; VLLM_SERVER_DEV_MODE adds POST /reset_prefix_cache.
 BASE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
@@ -27,7 +26,7 @@ def kvtier_transfer_config(**extra) -> str:
                                                      "spec_module_path": "kvtier.integrations.vllm", **extra}})
 
 
-class Server:
+class Server(EngineServer):
     """``layout``: ``"default"`` (vLLM's own: engine core and workers in processes of
     their own) or ``"in-process"`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker runs
     in the engine core's process). ``cli``: start it as ``vllm serve MODEL`` (the venv's
@@ -35,21 +34,19 @@ class Server:
 
     def __init__(self, model: str, log: Path, *, kvtier: dict | None = None, layout: str = "default",
                  tp: int = 1, cli: bool = False) -> None:
-        self.model, self.log, self.port = model, log, free_port()
+        self.model, port = model, free_port()
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         env.update(BASE_ENV)
         if layout == "in-process":
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         start = [str(Path(sys.executable).with_name("vllm")), "serve", model] if cli else \
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-        argv = [*start, "--port", str(self.port), "--host", "127.0.0.1", "--block-size", "32",
+        argv = [*start, "--port", str(port), "--host", "127.0.0.1", "--block-size", "32",
                 "--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching",
                 "--seed", "0", "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp)]
         if kvtier is not None:
             argv += ["--kv-transfer-config", kvtier_transfer_config(**kvtier)]
-        self._out = open(log, "wb")
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=self._out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        super().__init__(argv, env, log, port)
 
     def wait_ready(self, timeout: float = 300.0) -> "Server":
         deadline = time.monotonic() + timeout
@@ -70,17 +67,8 @@ class Server:
         finally:
             self.stop()
 
-    def log_text(self) -> str:
-        if not self._out.closed:
-            self._out.flush()
-        return self.log.read_text(errors="replace")
-
     def _post(self, path: str, body: dict | None = None) -> dict:
-        data = json.dumps(body).encode() if body is not None else b""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data,
-                                     {"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(req, timeout=120) as r:
-            raw = r.read()
+        raw = super()._post(path, body, timeout=120)
         return json.loads(raw) if raw.strip() else {}
 
     def complete(self, prompt: str, max_tokens: int = 12) -> tuple[str, int]:
@@ -108,10 +96,3 @@ class Server:
                 name = base + ("{" + ",".join(kept) + "}" if kept else "")
             out[name] = out.get(name, 0.0) + float(value)
         return out
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group; SIGKILL to whatever of it is left after
-        20 s (vLLM's engine core and workers included: they clean up their shared memory
-        on SIGTERM, so they get the time to)."""
-        stop_process_group(self.proc)
-        self._out.close()
