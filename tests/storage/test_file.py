@@ -227,10 +227,13 @@ def test_bad_keyword_options_fail_at_open(tmp_path):
         kvtier.storage.open(f"file://{tmp_path}", fsync="yes")
 
 
-def test_objects_are_owner_only_whatever_the_umask(tmp_path):
+@pytest.mark.parametrize("umask", [0o000, 0o077], ids=["loosest", "strictest"])
+def test_objects_are_owner_only_whatever_the_umask(tmp_path, umask):
+    """The store's own modes decide, whether the umask would leave more bits (the
+    loosest) or take some of them (the strictest takes a shared store's group bits)."""
     import stat
 
-    old = os.umask(0o000)  # the loosest umask: the store's own modes decide
+    old = os.umask(umask)
     try:
         private = kvtier.storage.open(f"file://{tmp_path}/private")
         shared = kvtier.storage.open(f"file://{tmp_path}/shared?shared=true")

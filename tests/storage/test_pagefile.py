@@ -10,6 +10,7 @@ import torch
 
 import kvtier.storage
 from kvtier import Component, HostKVPool, KVSpec
+from kvtier.errors import CorruptObject
 from kvtier.storage.codec import MAX_NAME_BYTES
 from kvtier.storage.objects import PagePlan
 from kvtier.storage.pagefile import FileLayout, file_field, header_room, longest_name
@@ -60,3 +61,20 @@ def test_a_key_is_refused_exactly_when_its_longest_name_would_not_fit(tmp_path):
     assert store.batch_set(["x" * room], pool, torch.arange(4)) == [True]
     with pytest.raises(ValueError, match=f"up to {MAX_NAME_BYTES + 1} bytes"):
         store.batch_set(["x" * (room + 1)], pool, torch.arange(4))
+
+
+def test_a_renamed_layout_is_the_one_built_for_that_name():
+    """``renamed`` (the store's shortcut for files of one field) gives the header,
+    offsets and checks of a layout built for the new name; a name of another length
+    (another header) is refused."""
+    sizes = [5000, 300, 4096]
+    first, second = "key-1#fp/p16/g0-2of2+rep", "key-2#fp/p16/g0-2of2+rep"
+    renamed, built = FileLayout(first, sizes).renamed(second), FileLayout(second, sizes)
+    assert (renamed.offsets, renamed.total, renamed.header_len) == (built.offsets, built.total, built.header_len)
+    sums = [1, 2, 3]
+    assert renamed.header(sums) == built.header(sums) != FileLayout(first, sizes).header(sums)
+    assert renamed.checksums(built.header(sums)) == (1, 2, 3)
+    with pytest.raises(CorruptObject):
+        renamed.checksums(FileLayout(first, sizes).header(sums))
+    with pytest.raises(ValueError, match="a name of 25 bytes for a layout of 24"):
+        FileLayout(first, sizes).renamed("key-10#fp/p16/g0-2of2+rep")

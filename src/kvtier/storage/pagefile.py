@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import struct
 
+from ..errors import UsageError
 from .codec import CorruptObject, UnexpectedObject
 from .objects import PagePlan, Part
 
@@ -58,6 +59,17 @@ class FileLayout:
         self.sizes, self.total = sizes, end
         self._prefix = _FIXED.pack(MAGIC, VERSION, len(sizes), self.header_len, 0, end, len(raw)) + raw
         self._sums = struct.Struct(f"<{len(sizes)}Q")
+
+    def renamed(self, name: str) -> "FileLayout":
+        """This layout for another object whose name has as many UTF-8 bytes: the same
+        offsets and header length, only the name differs (cheaper than building it)."""
+        raw = name.encode()
+        if len(raw) != len(self._prefix) - _FIXED.size:
+            raise UsageError(f"renamed: a name of {len(raw)} bytes for a layout of {len(self._prefix) - _FIXED.size}")
+        other = object.__new__(FileLayout)
+        other.__dict__.update(self.__dict__)
+        other._prefix = self._prefix[:_FIXED.size] + raw
+        return other
 
     def pad_before(self, i: int) -> int:
         """Zero bytes between part ``i - 1`` and part ``i``."""
