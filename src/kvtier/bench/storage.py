@@ -6,7 +6,8 @@ number of objects of the same payload sizes from/to one contiguous, written buff
 plain files (one per page, ``os.writev``/``os.readv`` on as many threads as kvtier's
 ``io_threads``), redis-py pipelined ``SET``/``GET``, Mooncake
 ``batch_put_from``/``batch_get_into``. Each kvtier figure is reported as
-a ratio to the raw figure measured in the same run. Objects are removed between
+a ratio to the raw figure measured in the same run, their rounds alternated (a
+machine whose speed drifts slows both alike). Objects are removed between
 repetitions (untimed), so every put writes. Files are also read cold: each file's
 pages are dropped from the page cache before each repetition (``posix_fadvise``), so
 the read comes from the disk (kvtier then reads with O_DIRECT, the raw client
@@ -49,13 +50,18 @@ class StorageRow:
     ratio: float
 
 
-def _best(fn, prepare, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat + 1):  # the first run warms up
-        prepare()
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+def _alternated(clients: dict, repeat: int) -> dict[str, float]:
+    """Each client's best seconds for ``fn`` (after ``prepare``, untimed): ``clients``
+    maps a name to ``(fn, prepare)``. The rounds alternate between the clients, so a
+    machine whose speed drifts during the run (a shared disk, a busy neighbour) slows
+    each of them alike, rather than whichever ran last."""
+    best = dict.fromkeys(clients, float("inf"))
+    for _ in range(repeat + 1):  # the first round warms up
+        for name, (fn, prepare) in clients.items():
+            prepare()
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
     return best
 
 
@@ -175,40 +181,33 @@ def evict_cached(root: Path) -> int:
 
 
 def _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers=()) -> list[StorageRow]:
-    """kvtier against ``raw``, then (files) against each of ``peers``: ``(name, client)``."""
-    rows = []
-    for op in ("put", "get"):
-        if op == "put":
-            ours = _best(lambda: store.batch_set(keys, host, idx), store.clear, repeat)
-            base = _best(raw.put, raw.clear, repeat)
-        else:
-            store.clear()
-            raw.clear()
-            store.batch_set(keys, host, idx)
-            raw.put()
-            ours = _best(lambda: store.batch_get(keys, host, idx), lambda: None, repeat)
-            base = _best(raw.get, lambda: None, repeat)
-        rows.append(StorageRow(name, op, objects, payload / 1e9, payload / ours / 1e9, payload / base / 1e9,
-                               base / ours))
+    """kvtier against ``raw`` and (files) against each of ``peers`` (``(name, client)``),
+    every op's rounds alternated between them (see :func:`_alternated`)."""
+    others = {"raw": raw, **dict(peers)}
+    ops = {"put": (lambda: store.batch_set(keys, host, idx), store.clear, lambda c: (c.put, c.clear)),
+           # the objects the last put round left
+           "get": (lambda: store.batch_get(keys, host, idx), _nothing, lambda c: (c.get, _nothing))}
     if name == "file":  # and out of the page cache, as after a restart or under memory pressure
-        ours = _best(lambda: store.batch_get(keys, host, idx), lambda: evict_cached(store.root), repeat)
-        base = _best(raw.get, lambda: evict_cached(raw.root), repeat)
-        rows.append(StorageRow(name, "cold get", objects, payload / 1e9, payload / ours / 1e9, payload / base / 1e9,
-                               base / ours))
-        mine = {row.op: payload / (row.kvtier_gbps * 1e9) for row in rows}
-        for peer_name, peer in peers:
-            times = {"put": _best(peer.put, peer.clear, repeat)}
-            times["get"] = _best(peer.get, lambda: None, repeat)
-            times["cold get"] = _best(peer.get, lambda: evict_cached(peer.root), repeat)
-            peer.clear()
-            rows += [StorageRow(f"file vs {peer_name}", op, objects, payload / 1e9, payload / mine[op] / 1e9,
-                                payload / t / 1e9, t / mine[op]) for op, t in times.items()]
+        ops["cold get"] = (ops["get"][0], lambda: evict_cached(store.root),
+                           lambda c: (c.get, lambda: evict_cached(c.root)))
+    rows = []
+    for op, (ours, prepare, theirs) in ops.items():
+        times = _alternated({"kvtier": (ours, prepare), **{n: theirs(c) for n, c in others.items()}}, repeat)
+        mine = times.pop("kvtier")
+        rows += [StorageRow(name if other == "raw" else f"{name} vs {other}", op, objects, payload / 1e9,
+                            payload / mine / 1e9, payload / t / 1e9, t / mine) for other, t in times.items()]
+    order = [name, *(f"{name} vs {other}" for other in others if other != "raw")]
+    rows.sort(key=lambda r: order.index(r.backend))  # against the raw client first, then each peer (stable)
     stats = store.stats()
     if stats["errors"] or stats["misses"]:  # a fault is a miss: the figures would time less than the work
         raise OSError(f"{name}: storage errors during the benchmark: {stats}")
-    store.clear()
-    raw.clear()
+    for client in (store, *others.values()):
+        client.clear()
     return rows
+
+
+def _nothing() -> None:
+    pass
 
 
 def _file_peers(workdir: Path, pages: int, page_bytes: int, threads: int, skipped: dict) -> list:
@@ -217,8 +216,8 @@ def _file_peers(workdir: Path, pages: int, page_bytes: int, threads: int, skippe
     if io is None:
         skipped["vllm fs"] = "vLLM (0.32 or later) is not installed in this environment"
         return []
-    root = workdir / "vllm-fs"
-    peers = [("vllm fs buffered", VllmFsTier(io, root, pages, page_bytes, threads, o_direct=False))]
+    peers = [("vllm fs buffered", VllmFsTier(io, workdir / "vllm-fs", pages, page_bytes, threads, o_direct=False))]
+    root = workdir / "vllm-fs-o_direct"  # its own: the rounds of both alternate
     if VllmFsTier.available(io, root):
         peers.append(("vllm fs o_direct", VllmFsTier(io, root, pages, page_bytes, threads, o_direct=True)))
     else:
@@ -233,10 +232,12 @@ _MOONCAKE_SEGMENT_EXTRA = 64 << 20
 def memory_bytes(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
                  page_size: int = 64, pages: int = 32, backends=BACKENDS) -> int:
     """Host memory :func:`run` takes at its peak: a device and a host pool, the raw client's
-    buffer and kvtier's staging (each about the payload), and Mooncake's segment."""
+    buffer and kvtier's staging (each about the payload), the file peers' buffers (two,
+    where vLLM is installed), and Mooncake's segment."""
     pool = pages * page_size * KVSpec.mha(layers, heads, head_dim, v_head_dim).bytes_per_token
     mooncake = 4 * pool + _MOONCAKE_SEGMENT_EXTRA if "mooncake" in backends else 0
-    return 4 * pool + mooncake
+    peers = 2 * pool if "file" in backends else 0
+    return 4 * pool + max(mooncake, peers)
 
 
 def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
@@ -287,8 +288,12 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
                     skipped[name] = str(e)
                     continue
                 objects = pages if name == "file" else len(sizes)
-                peers = _file_peers(workdir, pages, page_sizes[0], io_threads, skipped) if name == "file" else ()
-                rows += _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers)
+                # NOTE: no name holds the raw client or the peers past their backend: their
+                # buffers are gone before the next backend's (memory_bytes counts one set)
+                rows += _measure(name, store, raw, host, idx, keys, payload, objects, repeat,
+                                 _file_peers(workdir, pages, page_sizes[0], io_threads, skipped)
+                                 if name == "file" else ())
+                del raw
     finally:
         if directory is None:
             shutil.rmtree(workdir, ignore_errors=True)
