@@ -190,3 +190,23 @@ def test_compiled_loops_check_their_buffers(compiled):
     assert got.tolist() == [6, 7, 8, 0, 1, 2]
     with pytest.raises(ValueError, match="need 6, the output holds 5"):
         compiled.expand_pages(np.array([2, 0], dtype=np.int64), 3, np.empty(5, dtype=np.int64))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])
+def test_page_token_slots_writes_into_a_stretch_of_a_larger_array(native, monkeypatch):
+    """With ``out``, the slots land in that stretch (and nowhere else) on both paths; an
+    ``out`` of another size, dtype or a strided one is refused before anything is written."""
+    if not native:
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+    pages = np.array([7, 2, 5], dtype=np.int64)
+    for page_size in (1, 4):
+        whole = np.full(20, -1, dtype=np.int64)
+        got = page_token_slots(pages, page_size, out=whole[3:3 + 3 * page_size])
+        assert got.base is whole or got.base is whole.base
+        want = page_token_slots(pages, page_size).tolist()
+        assert whole.tolist() == [-1] * 3 + want + [-1] * (17 - 3 * page_size)
+    for bad in (np.zeros(11, dtype=np.int64), np.zeros(12, dtype=np.int32), np.zeros(24, dtype=np.int64)[::2]):
+        before = bad.copy()
+        with pytest.raises(ValueError, match=r"out must be a contiguous \(12,\) int64 array"):
+            page_token_slots(pages, 4, out=bad)
+        assert np.array_equal(bad, before)

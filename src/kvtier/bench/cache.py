@@ -12,8 +12,9 @@ diverge, as chat traffic does. Timed, per page size:
   lists and as ``array('q')``, with Python's garbage collector on, as a server runs:
   p50, p99 and the worst call, and the collections that ran meanwhile.
 
-Each time is also given as a ratio to a floor measured in the same run: copying the
-prompt's token list (``list(tokens)``), the least any call that takes the prompt does.
+Each time is also given as a ratio to a floor measured in the same run (its rounds
+alternated with the matches'): copying the prompt's token list (``list(tokens)``),
+the least any call that takes the prompt does.
 The tree's memory per cached page is ``HierarchicalCache.memory_bytes()`` (nodes, keys,
 device page arrays, LRU entries and the device-page ownership map; not the KV pools).
 Inserts are also timed into a full pool, each prompt's slots from ``alloc_device``
@@ -49,14 +50,23 @@ _INSERTS = 200  # timed inserts per input type
 
 def per_call_us(fn, calls: int) -> float:
     """Fastest mean over 5 rounds of ``calls`` calls, after one untimed call."""
-    fn()
-    best = float("inf")
+    return per_call_us_each({"fn": fn}, calls)["fn"]
+
+
+def per_call_us_each(fns: dict, calls: int) -> dict:
+    """:func:`per_call_us` of each of ``fns`` (name -> function), their rounds alternated:
+    figures that are compared (a ratio, a floor) then see the same machine, even when
+    its speed drifts during the run."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best * 1e6
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t) / calls)
+    return {name: b * 1e6 for name, b in best.items()}
 
 
 def check_config(page_sizes, prompt_tokens: int, tree_pages: int) -> None:
@@ -208,12 +218,13 @@ def bench_page_size(page_size: int, prompt_tokens: int, tree_pages: int, seed: i
     nodes_crossed = len(cache.match_prefix(fragmented).path)
 
     as_list = cached.tolist()
-    floor = per_call_us(lambda: list(as_list), 200)
     inputs = {"list": as_list, "array": cached, "numpy": np.frombuffer(cached, dtype=np.int64).copy(),
               "tensor": torch.frombuffer(bytearray(cached), dtype=torch.int64)}
-    hit = {kind: per_call_us(lambda x=x: cache.match_prefix(x), 200) for kind, x in inputs.items()}
     fresh = prompts.array().tolist()
-    miss = per_call_us(lambda: cache.match_prefix(fresh), 200)
+    timed = per_call_us_each({"floor": lambda: list(as_list), "miss": lambda: cache.match_prefix(fresh),
+                              **{kind: lambda x=x: cache.match_prefix(x) for kind, x in inputs.items()}}, 200)
+    floor, miss = timed.pop("floor"), timed.pop("miss")
+    hit = timed
     frag_list = fragmented.tolist()
     frag = {"array": per_call_us(lambda: cache.match_prefix(fragmented), 50),
             "list": per_call_us(lambda: cache.match_prefix(frag_list), 50)}

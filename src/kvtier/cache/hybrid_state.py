@@ -131,8 +131,8 @@ class HybridState:
                 lo, hi = max(w.start, at), min(w.stop, at + n)
                 if lo < hi:
                     held = node.device.side[g][lo - at:hi - at]
-                    if lowest(held) >= 0:
-                        slots[lo * ps:hi * ps] = page_token_slots(held, ps)
+                    if lowest(held) >= 0:  # in place: no array per piece
+                        page_token_slots(held, ps, out=slots[lo * ps:hi * ps])
                     else:
                         piece = page_token_slots(np.maximum(held, 0), ps)
                         piece[np.repeat(held < 0, ps)] = HOLE

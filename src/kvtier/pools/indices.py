@@ -140,17 +140,26 @@ def page_slots(page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.from_numpy(page_token_slots(_host_int64(page_ids), page_size))
 
 
-def page_token_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+def page_token_slots(pages: np.ndarray, page_size: int, out: np.ndarray | None = None) -> np.ndarray:
     """Page numbers ``(p,)`` (int64 numpy) -> their token slots, a new ``(p * page_size,)``
-    int64 array."""
-    if page_size == 1:
+    int64 array, or written into ``out`` (a contiguous int64 array of that size, say a
+    stretch of a larger one) and returned."""
+    n = pages.size * page_size
+    if out is not None and (out.dtype != np.int64 or out.shape != (n,) or not out.flags.c_contiguous):
+        raise UsageError(f"page_token_slots: out must be a contiguous ({n},) int64 array, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if page_size == 1 and out is None:
         return pages.astype(np.int64)  # a copy
     compiled = load(COMPILED)
     if compiled is not None and pages.dtype == np.int64 and pages.flags.c_contiguous:
-        out = np.empty(pages.size * page_size, dtype=np.int64)
+        out = np.empty(n, dtype=np.int64) if out is None else out
         compiled.expand_pages(pages, page_size, out)
         return out
-    return (np.multiply(pages, page_size)[:, None] + _offsets(page_size)).reshape(-1)
+    slots = (np.multiply(pages, page_size)[:, None] + _offsets(page_size)).reshape(-1)
+    if out is None:
+        return slots
+    out[:] = slots
+    return out
 
 
 @functools.lru_cache(maxsize=16)
