@@ -139,6 +139,26 @@ def test_memory_bytes_count_the_sliding_pages():
     cache.close()
 
 
+def test_nodes_that_full_page_eviction_removed_do_not_pile_up_in_the_sliding_heaps():
+    """Full pages evicted over and over while the sliding pool never runs short (so no
+    sliding eviction pops its heap): the entries of removed nodes, each holding its
+    node and key, stay a bounded share of the live tree (half of it, and 64 more), not
+    the 4x that the duplicate bound alone allows."""
+    spec = HYBRID_SPECS["mimo"]
+    cache = make_cache(spec, 4, sizes(spec, 48, 4096), sizes(spec, 48, 4096))
+    eng, rng = HybridEngine(cache), random.Random(5)
+    state, worst = cache._state, 0
+    for _ in range(600):
+        eng.serve(prompt(rng, 40))
+        live = sum(1 for _ in state.tree.nodes())
+        dead = {id(e[-1]) for name, heap in state.lru._heaps.items() if ":" in name for e in heap
+                if not state.tree.attached(e[-1])}
+        worst = max(worst, len(dead) - (live // 2 + 64))
+    assert cache.stats()["host_evicted_tokens"] > 40 * 500  # full pages churned: nodes left the tree
+    assert worst <= 0
+    cache.close()
+
+
 def test_retention_interval_keeps_a_window_every_interval(tmp_path):
     spec = HYBRID_SPECS["mimo"]
     store = CountingStore(kvtier.storage.open(f"file://{tmp_path}"))

@@ -93,6 +93,7 @@ class CacheState(HybridState):
         self.sides = sides
         self.lru = LruIndex(sides.names if sides is not None else ())
         self._nodes = 0
+        self._removed = 0  # hybrid: nodes removed since the LRU index was last compacted
         self._owned = np.zeros(device_pool.size // self.page_size, dtype=bool)  # device pages held by nodes
         # 0 .. page_size - 1 on an accelerator that holds the slot tensors (``slots_of``
         # expands pages there); None when they live on the CPU (numpy expands them)
@@ -185,8 +186,13 @@ class CacheState(HybridState):
     def _added(self, node: Node) -> None:
         self._nodes += 1
         self.lru.push(node)
-        if len(self.lru) > 4 * self._nodes + 1024:
+        # NOTE: a hybrid cache's sliding heaps pop only when a sliding pool runs short, so
+        # the entries of nodes that full-page eviction removed (each holding its node and
+        # key) would stay until the duplicate bound; compacting after as many removals as
+        # half the live nodes keeps them a bounded share of the tree, at O(1) amortized
+        if len(self.lru) > 4 * self._nodes + 1024 or self._removed > self._nodes // 2 + 64:
             self.lru.rebuild(self.tree.nodes())
+            self._removed = 0
 
     def _set_device(self, node: Node, pages: np.ndarray, side: dict | None = None) -> None:
         """Give ``node`` the device pages ``pages`` (an array the node may keep) and, for
@@ -223,6 +229,7 @@ class CacheState(HybridState):
         if self.tree.attached(node):
             self.tree.remove(node)
             self._nodes -= 1
+            self._removed += self.sides is not None  # its sliding entries are dead (see _added)
             if not node.parent.is_root:
                 self.lru.push(node.parent)
 
