@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from ..storage.base import Storage, _check_keys
+from ..storage.base import Storage
 
 
 class SimStorage(Storage):
@@ -59,7 +59,7 @@ class SimStorage(Storage):
 
     def delete(self, keys) -> None:
         with self._lock:
-            for k in _check_keys(keys):
+            for k in self._check_keys(keys):
                 self._keys.pop(k, None)
 
     def clear(self) -> None:

@@ -91,6 +91,8 @@ class Storage(ABC):
     scheme = ""
     #: Options a URL query may carry (``kvtier.storage.options``); subclasses extend it.
     OPTIONS: dict[str, Opt] = {"page_size": Opt(int, 1, none_ok=True), "head_groups": Opt(int, 1, none_ok=True)}
+    #: The keys check every backend applies (for subclasses outside this package)
+    _check_keys = staticmethod(_check_keys)
     #: Options only keywords can carry.
     KEYWORDS: set[str] = {"spec"}
 
