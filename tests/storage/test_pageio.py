@@ -52,6 +52,36 @@ def test_parts_written_and_read_back_with_each_part_digest(tmp_path, pageio_path
         os.close(fd)
 
 
+def test_the_python_loop_moves_pieces_that_end_at_chunk_multiples_of_the_file(tmp_path, monkeypatch):
+    """Pieces are aligned in the file, not in the buffers (a part starts after its 4 KiB
+    header): every piece but a buffer's last ends at a multiple of ``chunk``, none is
+    longer than ``chunk``, and together they cover each buffer once, in order."""
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
+    calls = []
+    real = pageio.io_all
+    monkeypatch.setattr(pageio, "io_all", lambda call, fd, bufs, offset: calls.append(
+        (offset, sum(len(b) for b in bufs))) or real(call, fd, bufs, offset))
+    chunk = 4096
+    parts = _parts([[3 * chunk + 5, 2 * chunk], [chunk + 1]])
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        pageio.move(fd, [(offset + 100, bufs) for offset, bufs in parts], write=True, chunk=chunk)
+    finally:
+        os.close(fd)
+    ends = {offset + 100 + sum(len(b) for b in bufs[:i + 1]) for offset, bufs in parts for i in range(len(bufs))}
+    assert all(n <= chunk and ((at + n) % chunk == 0 or at + n in ends) for at, n in calls)
+    covered = [(offset + 100, sum(len(b) for b in bufs)) for offset, bufs in parts]
+    pos = iter(calls)
+    for start, length in covered:  # in order, no gap, no overlap
+        at = start
+        while at < start + length:
+            got, n = next(pos)
+            assert got == at
+            at += n
+        assert at == start + length
+    assert next(pos, None) is None
+
+
 def test_the_two_loops_agree_on_a_damaged_part(tmp_path, monkeypatch):
     """One flipped bit changes that part's digest only, in either loop."""
     if not pageio.compiled():

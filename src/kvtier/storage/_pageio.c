@@ -95,7 +95,14 @@ static int move_parts(int fd, const part_t *parts, Py_ssize_t nparts, Py_buffer 
             char *at = (char *)bufs[b].buf;
             size_t left = (size_t)bufs[b].len;
             while (left) {
-                size_t n = chunk && chunk < left ? chunk : left;
+                /* each piece ends at a multiple of chunk in the file: the page cache then
+                 * holds a written file in large folios, which read back far faster */
+                size_t n = left;
+                if (chunk) {
+                    size_t room = chunk - (size_t)((unsigned long long)offset % chunk);
+                    if (room < n)
+                        n = room;
+                }
                 if (write)
                     xxh_update(state, at, n);  /* first: the write's copy then reads from cache */
                 if (move_all(fd, at, n, offset, write) < 0)
@@ -121,8 +128,9 @@ static void release(Py_buffer *bufs, Py_ssize_t n) {
 PyDoc_STRVAR(move_doc,
 "move(fd, parts, chunk, write) -> tuple of int\n\n"
 "Each part of ``parts`` (``(offset, buffers)``, buffers contiguous, writable to\n"
-"read into) read from ``fd`` at its offset (``write``: written there), ``chunk`` bytes\n"
-"at a time (0: each buffer in one call), and its xxh3-64 digest. Raises OSError\n"
+"read into) read from ``fd`` at its offset (``write``: written there), in pieces that\n"
+"end at multiples of ``chunk`` in the file (0: each buffer in one call), and its\n"
+"xxh3-64 digest. Raises OSError\n"
 "(EIO when a read meets the end of the file); the GIL is released meanwhile.");
 
 static PyObject *move(PyObject *self, PyObject *args) {

@@ -533,7 +533,7 @@ class FileStorage(ThreadedStorage):
                 if stat.S_IMODE(os.fstat(fd).st_mode) != self._file_mode:  # the umask took bits
                     os.fchmod(fd, self._file_mode)
                 # a direct write moves each buffer in one call: the disk wants large requests
-                sums = pageio.move(fd, parts, write=True, chunk=0 if direct else pageio.CHUNK)
+                sums = pageio.move(fd, parts, write=True, chunk=0 if direct else pageio.WRITE_CHUNK)
                 head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
                 pageio.io_all(os.pwritev, fd, [head], 0)
                 if self.fsync:
