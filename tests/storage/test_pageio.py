@@ -151,3 +151,44 @@ def test_bind_refuses_a_null_address():
         unavailable("kvtier.storage._pageio is not built (no C compiler at install time?)")
     with pytest.raises(ValueError):
         module.bind(1, 2, 0, 4, 5)
+
+
+def test_preallocate_reserves_the_file_or_says_it_did_not(tmp_path, monkeypatch):
+    """Compiled, on a file system with fallocate: the new file is ``length`` bytes long
+    and its blocks are reserved. Switched off: False, and the file is untouched (no
+    emulation that writes zeros). A bad length is refused."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with monkeypatch.context() as mp:
+            mp.setenv("KVTIER_NATIVE", "0")
+            assert pageio.preallocate(fd, 3 * 4096 + 5) is False
+            assert os.fstat(fd).st_size == 0
+        if not pageio.compiled():
+            unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
+        if not pageio.preallocate(fd, 3 * 4096 + 5):
+            unavailable(f"the file system of {tmp_path} has no fallocate")
+        st = os.fstat(fd)
+        assert st.st_size == 3 * 4096 + 5 and st.st_blocks * 512 >= 4 * 4096
+        assert os.pread(fd, 100, 4096) == bytes(100)
+        with pytest.raises(ValueError, match="length must be positive, got 0"):
+            pageio.preallocate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def test_the_file_store_reserves_each_file_whole_before_writing_it(tmp_path, monkeypatch):
+    """Every page file is preallocated at its full length, once, before its parts are
+    written (a file the disk holds in one extent reads back cold in one request)."""
+    import torch
+
+    import kvtier.storage
+    from kvtier import HostKVPool, KVSpec
+
+    asked = []
+    real = pageio.preallocate
+    monkeypatch.setattr(pageio, "preallocate", lambda fd, n: asked.append((os.fstat(fd).st_size, n)) or real(fd, n))
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    pool = HostKVPool(KVSpec.mha(2, 2, 8), 8, 4)
+    assert store.batch_set(["k0", "k1"], pool, torch.arange(8)) == [True, True]
+    sizes = sorted(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert sorted(n for _, n in asked) == sizes and all(before == 0 for before, _ in asked)

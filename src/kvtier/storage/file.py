@@ -532,6 +532,7 @@ class FileStorage(ThreadedStorage):
             try:
                 if stat.S_IMODE(os.fstat(fd).st_mode) != self._file_mode:  # the umask took bits
                     os.fchmod(fd, self._file_mode)
+                pageio.preallocate(fd, layout.total)  # one extent: a cold read is one disk request
                 # a direct write moves each buffer in one call: the disk wants large requests
                 sums = pageio.move(fd, parts, write=True, chunk=0 if direct else pageio.WRITE_CHUNK)
                 head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)

@@ -78,6 +78,17 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     return None if module is None else module.cached_pages(fd, offset, length)
 
 
+def preallocate(fd: int, length: int) -> bool:
+    """Reserve the first ``length`` bytes of the new file ``fd`` on disk in one request
+    (Linux's ``fallocate``), so the file system can give it one extent: written
+    piece by piece, a page file one block over a power of two (8 MiB and its 4 KiB
+    header) was split in two, and a cold read then takes two disk requests. False
+    (nothing done) where it cannot be asked: the module not built or switched off, a
+    file system without it. Never emulated by writing zeros."""
+    module = built("kvtier.storage._pageio") if switched_on() else None
+    return False if module is None else module.preallocate(fd, length)
+
+
 def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int | None = None) -> tuple[int, ...]:
     """Each part ``(offset, buffers)`` read from ``fd`` into its contiguous buffers (or
     written from them), in pieces that end at multiples of ``chunk`` in the file (0: a
