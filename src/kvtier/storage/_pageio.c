@@ -131,8 +131,8 @@ PyDoc_STRVAR(move_doc,
 "Each part of ``parts`` (``(offset, buffers)``, buffers contiguous, writable to\n"
 "read into) read from ``fd`` at its offset (``write``: written there), in pieces that\n"
 "end at multiples of ``chunk`` in the file (0: each buffer in one call), and its\n"
-"xxh3-64 digest. Raises OSError\n"
-"(EIO when a read meets the end of the file); the GIL is released meanwhile.");
+"xxh3-64 digest. Raises OSError (EIO when a read meets the end of the file); the\n"
+"GIL is released meanwhile.");
 
 static PyObject *move(PyObject *self, PyObject *args) {
     (void)self;

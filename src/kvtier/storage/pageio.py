@@ -10,7 +10,8 @@ the symbols its extension exports; it is used only after a digest it computes ma
 loop below gives the same bytes and digests.
 
 ``cached_pages`` says how much of a file the page cache holds without reading it, so
-that a cold file can be read with O_DIRECT.
+that a cold file can be read with O_DIRECT; ``preallocate`` reserves a new file whole
+on disk, so that it gets one extent.
 """
 
 from __future__ import annotations
