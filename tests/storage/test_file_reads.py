@@ -221,10 +221,13 @@ def _direct_allowed(directory) -> bool:
 @NEEDS_DIRECT
 @pytest.mark.parametrize("layout", ["page_head", "page_first"])
 def test_cold_aligned_pages_read_with_direct_io_bit_exactly(tmp_path, monkeypatch, layout):
-    """Files whose header is not cached are read with O_DIRECT (aligned parts, in place
-    or staged), cached ones buffered; both bit-exact, a damaged part still a miss."""
+    """The per-file path (where the compiled reader is not used: staged layouts, no C
+    compiler, KVTIER_NATIVE=0): files whose header is not cached are read with O_DIRECT
+    (aligned parts, in place or staged), cached ones buffered; both bit-exact, a damaged
+    part still a miss."""
     if not _direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
     host, idx = filled_host(ALIGNED, 4, page_size=16, seed=11)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="d")
@@ -248,6 +251,56 @@ def test_cold_aligned_pages_read_with_direct_io_bit_exactly(tmp_path, monkeypatc
     victim.write_bytes(bytes(data))
     assert store.batch_get(keys, reader, ridx) == [True, True, False, True]
     assert store.stats()["corrupt"] == 1
+
+
+@pytest.fixture
+def read_statuses(monkeypatch):
+    """Every status the compiled reader returns, as each call returns (skips where it is
+    not used)."""
+    if not pageio.compiled():
+        unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
+    seen, real = [], pageio.read_pages
+    monkeypatch.setattr(pageio, "read_pages", lambda *a: seen.extend(out := real(*a)) or out)
+    return seen
+
+
+@NEEDS_DIRECT
+def test_the_compiled_reader_reads_cached_files_and_cold_ones_with_direct_io(tmp_path, read_statuses):
+    """``page_head`` pages are read by the compiled reader straight into the pool: just
+    written (cached) buffered, once dropped from the page cache with O_DIRECT, both
+    bit-exact; a damaged part is a miss (judged and deleted by the per-file path)."""
+    if not _direct_allowed(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    host, idx = filled_host(ALIGNED, 4, page_size=16, layout="page_head", seed=15)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="c")
+    assert store.batch_set(keys, host, idx) == [True] * 4
+    reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout="page_head")
+    assert store.batch_get(keys, reader, ridx) == [True] * 4
+    assert read_statuses == [pageio.READ] * 4
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
+    for _ in range(20):  # a page just used may stay cached a moment
+        evict_cached(tmp_path)
+        read_statuses.clear()
+        reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout="page_head")
+        assert store.batch_get(keys, reader, ridx) == [True] * 4
+        if read_statuses == [pageio.DIRECT] * 4:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the files stayed cached after 20 evictions: {list(read_statuses)}")
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
+    assert store.direct_io
+    victim, = object_files(store, keys[1])
+    data = bytearray(victim.read_bytes())
+    data[2 * ALIGN + 5] ^= 0x10  # part 1 of 2
+    victim.write_bytes(bytes(data))
+    evict_cached(tmp_path)
+    read_statuses.clear()
+    assert store.batch_get(keys, reader, ridx) == [True, False, True, True]
+    # the statuses come in the order the I/O threads answered
+    assert len(read_statuses) == 4 and read_statuses.count(pageio.OTHER) == 1
+    assert store.stats()["corrupt"] == 1 and not victim.exists()
 
 
 @NEEDS_DIRECT
@@ -290,7 +343,9 @@ def test_a_file_out_of_the_page_cache_is_cold(tmp_path, monkeypatch, ask, pages)
 @NEEDS_DIRECT
 def test_a_filesystem_without_direct_io_reads_buffered(monkeypatch, tmp_path):
     """Where opening with O_DIRECT fails (tmpfs), the store turns direct reads off and
-    reads the same bytes buffered."""
+    reads the same bytes buffered (the per-file path, which the compiled reader hands
+    such files to)."""
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
     host, idx = filled_host(ALIGNED, 2, page_size=16, seed=12)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = kvtier.storage.page_keys(list(range(32)), 16, namespace="t")

@@ -63,13 +63,20 @@ class FileLayout:
     def renamed(self, name: str) -> "FileLayout":
         """This layout for another object whose name has as many UTF-8 bytes: the same
         offsets and header length, only the name differs (cheaper than building it)."""
-        raw = name.encode()
-        if len(raw) != len(self._prefix) - _FIXED.size:
-            raise UsageError(f"renamed: a name of {len(raw)} bytes for a layout of {len(self._prefix) - _FIXED.size}")
         other = object.__new__(FileLayout)
         other.__dict__.update(self.__dict__)
-        other._prefix = self._prefix[:_FIXED.size] + raw
+        other._prefix = self.prefix(name)
         return other
+
+    def prefix(self, name: str | None = None) -> bytes:
+        """The header's bytes before the checksums: this object's, or (``name``) those of
+        another object whose name has as many UTF-8 bytes."""
+        if name is None:
+            return self._prefix
+        raw = name.encode()
+        if len(raw) != len(self._prefix) - _FIXED.size:
+            raise UsageError(f"a name of {len(raw)} bytes for a layout of {len(self._prefix) - _FIXED.size}")
+        return self._prefix[:_FIXED.size] + raw
 
     def pad_before(self, i: int) -> int:
         """Zero bytes between part ``i - 1`` and part ``i``."""

@@ -9,9 +9,11 @@ the symbols its extension exports; it is used only after a digest it computes ma
 ``xxhash.xxh3_64_intdigest``. Where it is missing, or ``KVTIER_NATIVE=0``, the Python
 loop below gives the same bytes and digests.
 
-``cached_pages`` says how much of a file the page cache holds without reading it, so
-that a cold file can be read with O_DIRECT; ``preallocate`` reserves a new file whole
-on disk, so that it gets one extent.
+``read_pages`` reads a batch of page files straight into a pool and checks them, in
+one compiled call (no Python per file; compiled only). ``cached_pages`` says
+how much of a file the page cache holds without reading it, so that a cold file can
+be read with O_DIRECT; ``preallocate`` reserves a new file whole on disk, so that it
+gets one extent.
 """
 
 from __future__ import annotations
@@ -119,6 +121,36 @@ def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int | None 
                 a += len(piece)
         sums.append(h.intdigest())
     return tuple(sums)
+
+
+#: ``read_pages``'s status of each file
+READ, MISSING, COLD, OTHER, DIRECT = range(5)
+
+
+def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files: list,
+               direct: bool) -> bytes | None:
+    """Page files of one layout (``header_len``, ``total`` bytes, ``nsums`` checksums)
+    read straight into ``pool`` (a writable contiguous buffer) in one compiled call, the
+    GIL released; None where the compiled loop is not used (see :func:`compiled`).
+
+    ``parts``: the parts to read, in file order, ``(checksum index, file offset, pieces)``
+    each, a piece ``(start, step, bytes)`` going to ``pool[start + page * step:][:bytes]``;
+    ``files``: ``(path, header prefix, page)`` each. A file counts as read if it is a
+    regular file of ``total`` bytes, its header is the prefix, the checksums and zeros,
+    and every part read matches its checksum. A cached file is read ``CHUNK`` at a time,
+    each chunk hashed while in the CPU's cache. With ``direct``, a file mostly out of
+    the page cache (the same three stretches as the file store counts) is read with
+    O_DIRECT, one request per run of parts that follow each other in the file, then
+    hashed; a run whose buffers are not aligned for it is read buffered.
+
+    Per file one status: ``READ``, ``DIRECT`` (read with O_DIRECT), ``MISSING``, ``COLD``
+    (cold, but the file system refuses O_DIRECT or the file was replaced meanwhile:
+    nothing read) or ``OTHER``: for the caller's own path to read again and judge. A
+    page whose file is not read may hold bytes read meanwhile. Raises ``ValueError``
+    (nothing read) for a piece of any page outside ``pool``."""
+    if not compiled():
+        return None
+    return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct)
 
 
 def _skip(bufs: list, n: int) -> list:

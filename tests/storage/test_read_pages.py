@@ -1,0 +1,177 @@
+"""``pageio.read_pages``, the compiled batch reader of page files: each file's wanted
+parts land at their pieces in the pool, bit-exact, from the page cache or (cold) with
+O_DIRECT; anything but an intact file of the expected object is not read, with its
+status; a piece outside the pool is refused before any byte moves."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.bench.storage import evict_cached
+from kvtier.storage import pageio
+from kvtier.storage.pagefile import ALIGN, FileLayout
+from tests.support.services import unavailable
+
+RNG = np.random.default_rng(17)
+SIZES = [2 * ALIGN, 2 * ALIGN, 2 * ALIGN, ALIGN + 100]  # the last part unaligned, as a rep part may be
+PAGES = 4
+# the pool: per page, each part split in two pieces (as K and V of a head group are),
+# a block apart (the pieces of the 8 KiB parts stay aligned for O_DIRECT)
+HALVES = [(n // 2, n - n // 2) for n in SIZES]
+STEP = 16 * ALIGN  # bytes from page to page (room between pages; aligned)
+
+
+@pytest.fixture(autouse=True)
+def _compiled():
+    if not pageio.compiled():
+        unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
+
+
+def _pool() -> np.ndarray:
+    raw = np.zeros(PAGES * STEP + ALIGN, dtype=np.uint8)  # aligned for O_DIRECT
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip:skip + PAGES * STEP]
+
+
+def _pieces(wanted):
+    """``read_pages``'s parts for the parts ``wanted`` of a layout of ``SIZES``."""
+    layout = FileLayout("k#f", SIZES)
+    out, start = [], 0
+    for k, (a, b) in enumerate(HALVES):
+        if k in wanted:
+            out.append((k, layout.offsets[k], [(start, STEP, a), (start + a + ALIGN, STEP, b)]))
+        start += a + b + ALIGN
+    return out
+
+
+def _expected(pool_pages: dict, contents: dict, wanted) -> np.ndarray:
+    """The pool once the files ``contents`` (name -> parts' bytes) are read to their pages."""
+    want = _pool()
+    for name, page in pool_pages.items():
+        for k, _, pieces in _pieces(wanted):
+            data = contents[name][k]
+            (s0, _, a), (s1, _, b) = pieces
+            want[s0 + page * STEP:s0 + page * STEP + a] = data[:a]
+            want[s1 + page * STEP:s1 + page * STEP + b] = data[a:]
+    return want
+
+
+def _write(path, name: str, parts=None) -> list[np.ndarray]:
+    layout = FileLayout(name, SIZES)
+    parts = parts or [RNG.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
+    with open(path, "wb") as f:
+        f.write(layout.header([xxhash.xxh3_64_intdigest(p) for p in parts]))
+        for k, p in enumerate(parts):
+            f.seek(layout.offsets[k])
+            f.write(p.tobytes())
+    return parts
+
+
+def _files(tmp_path, pages: dict):
+    layout = FileLayout("k#f", SIZES)
+    return [(str(tmp_path / name), FileLayout(f"{name}#f", SIZES).prefix(), page) for name, page in pages.items()], \
+        layout
+
+
+def _read(pool, files, layout, wanted=range(len(SIZES)), direct=False):
+    return list(pageio.read_pages(pool, layout.header_len, layout.total, len(SIZES), _pieces(wanted), files, direct))
+
+
+@pytest.mark.parametrize("wanted", [range(4), [1, 3], [0, 1]], ids=["all", "gaps", "first-two"])
+def test_cached_files_land_at_their_pages_bit_exactly(tmp_path, wanted):
+    pages = {"a": 2, "b": 0, "c": 3}  # names of one length: one layout
+    contents = {name: _write(tmp_path / name, f"{name}#f") for name in pages}
+    files, layout = _files(tmp_path, pages)
+    pool = _pool()
+    assert _read(pool, files, layout, wanted) == [pageio.READ] * 3
+    assert np.array_equal(pool, _expected(pages, contents, wanted))  # page 1 and the gaps untouched
+
+
+def test_anything_but_the_intact_expected_file_is_not_read(tmp_path):
+    """Missing; a symlink to a good file; a FIFO (no block); another size; another
+    object's header; a damaged part; bytes in the header's padding. Another object's
+    file moves no byte into the pool."""
+    good = _write(tmp_path / "g", "g#f")
+    os.symlink(tmp_path / "g", tmp_path / "s")
+    os.mkfifo(tmp_path / "p")
+    _write(tmp_path / "x", "x#f")
+    with open(tmp_path / "x", "ab") as f:
+        f.write(b"\0")
+    _write(tmp_path / "o", "q#f")  # a whole file, of key q
+    bad = [p.copy() for p in good]
+    _write(tmp_path / "d", "d#f", bad)
+    with open(tmp_path / "d", "r+b") as f:
+        f.seek(FileLayout("d#f", SIZES).offsets[2] + 7)
+        f.write(bytes([bad[2][7] ^ 1]))
+    _write(tmp_path / "h", "h#f")
+    with open(tmp_path / "h", "r+b") as f:
+        f.seek(ALIGN - 1)
+        f.write(b"\1")
+    names = ["m", "s", "p", "x", "o", "d", "h", "g"]
+    files, layout = _files(tmp_path, {name: i % PAGES for i, name in enumerate(names)})
+    pool = _pool()
+    got = _read(pool, files[:5], layout)
+    assert got == [pageio.MISSING] + [pageio.OTHER] * 4
+    assert not pool.any()
+    assert _read(pool, files[5:], layout) == [pageio.OTHER, pageio.OTHER, pageio.READ]
+
+
+def test_a_piece_outside_the_pool_is_refused_before_any_byte_moves(tmp_path):
+    _write(tmp_path / "a", "a#f")
+    _write(tmp_path / "b", "b#f")
+    files, layout = _files(tmp_path, {"a": 0, "b": PAGES})  # page PAGES is past the pool
+    pool = _pool()
+    with pytest.raises(ValueError, match=r"page 4 puts piece 0 outside the pool's \d+ bytes"):
+        _read(pool, files, layout)
+    assert not pool.any()
+    with pytest.raises(ValueError, match="checksum 4 of 4"):
+        pageio.read_pages(pool, layout.header_len, layout.total, 4, [(4, layout.offsets[3], [])], files[:1], False)
+    with pytest.raises(ValueError, match="outside the pool"):
+        pageio.read_pages(pool, layout.header_len, layout.total, 4, [(0, layout.offsets[0], [(-1, 0, 1)])],
+                          files[:1], False)
+    assert not pool.any()
+
+
+def _direct_allowed(directory) -> bool:
+    try:
+        os.close(os.open(directory / "direct-probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("wanted", [range(4), [1, 3], [0, 1]], ids=["all", "gaps", "first-two"])
+def test_cold_files_are_read_with_direct_io_bit_exactly(tmp_path, wanted):
+    """Out of the page cache, with ``direct``: read with O_DIRECT (so still not cached
+    after), one request per run of parts, the unaligned last part buffered; the same
+    bytes as a cached read."""
+    if not _direct_allowed(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    (tmp_path / "direct-probe").unlink()
+    pages = {"a": 1, "b": 3}
+    contents = {name: _write(tmp_path / name, f"{name}#f") for name in pages}
+    files, layout = _files(tmp_path, pages)
+    for _ in range(20):  # a page just used may stay cached a moment
+        evict_cached(tmp_path)
+        pool = _pool()
+        got = _read(pool, files, layout, wanted, direct=True)
+        if got == [pageio.DIRECT] * 2:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the files stayed cached after 20 evictions: {got}")
+    assert np.array_equal(pool, _expected(pages, contents, wanted))
+    if pageio.cached_pages(os.open(tmp_path, os.O_RDONLY), 0, 1) is None:  # (a directory's fd: closed at exit)
+        return
+    for name in pages:
+        fd = os.open(tmp_path / name, os.O_RDONLY)
+        try:
+            direct = [k for k in wanted if SIZES[k] % ALIGN == 0]
+            assert [pageio.cached_pages(fd, layout.offsets[k], SIZES[k]) for k in direct] == [0] * len(direct)
+        finally:
+            os.close(fd)
