@@ -19,5 +19,7 @@ setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_n
                              optional=True, extra_compile_args=_ARGS),
                    Extension("kvtier.pools._indices", ["src/kvtier/pools/_indices.c"],
                              optional=True, extra_compile_args=_ARGS),
-                   Extension("kvtier.storage._pageio", ["src/kvtier/storage/_pageio.c"],
+                   Extension("kvtier.storage._pageio",
+                             ["src/kvtier/storage/_pageio.c", "src/kvtier/storage/_pageio_read.c"],
+                             depends=["src/kvtier/storage/_pageio.h"],
                              optional=True, extra_compile_args=_ARGS)])

@@ -359,7 +359,9 @@ class FileStorage(ThreadedStorage):
                     loaded[i] = self._get_page(keys[i], plan, sources, copies, pages[i], scratch)
 
         try:
-            self._run(get_chunk, len(keys), sum(p.nbytes for p in plan.read_parts))
+            # a few pages a call for the compiled reader: each call has its setup (paths,
+            # arguments parsed and checked)
+            self._run(get_chunk, len(keys), sum(p.nbytes for p in plan.read_parts), least=8 if compiled else 1)
         except Exception as e:  # an unexpected fault: the pages not yet loaded stay misses
             self._fault("get", e)
         hits = sum(loaded)

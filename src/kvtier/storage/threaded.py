@@ -75,13 +75,14 @@ class ThreadedStorage(Storage):
         offsets = np.cumsum([0, *sizes]).tolist()
         return [arena[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
-    def _run(self, fn, n: int, page_bytes: int) -> None:
-        """``fn(range)`` over chunks of the ``n`` pages: at most ``CHUNK_BYTES`` each (at
-        least one page), taken in turn by up to ``io_threads`` workers, the calling thread
-        being one of them. File reads, socket I/O, checksums and numpy copies release the
-        GIL, so one worker's I/O overlaps another's checks and copies."""
+    def _run(self, fn, n: int, page_bytes: int, least: int = 1) -> None:
+        """``fn(range)`` over chunks of the ``n`` pages: at most ``CHUNK_BYTES`` each (but
+        at least ``least`` pages, and never more than a worker's share), taken in turn by
+        up to ``io_threads`` workers, the calling thread being one of them. File reads,
+        socket I/O, checksums and numpy copies release the GIL, so one worker's I/O
+        overlaps another's checks and copies."""
         per_thread = -(-n // self.io_threads)
-        step = max(1, min(per_thread, self.CHUNK_BYTES // max(page_bytes, 1)))
+        step = max(1, min(per_thread, max(least, self.CHUNK_BYTES // max(page_bytes, 1))))
         chunks = [range(a, min(n, a + step)) for a in range(0, n, step)]
         helpers = min(self.io_threads, len(chunks)) - 1
         if helpers <= 0:
