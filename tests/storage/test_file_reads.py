@@ -389,3 +389,13 @@ def test_direct_writes_round_trip_bit_exactly(tmp_path, monkeypatch, layout):
     back, bidx = blank_host(SPEC, 8)
     assert store.batch_get(keys_for(2), back, bidx) == [True] * 2
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(back, bidx), flat_pages(small, sidx)))
+
+
+def test_batches_are_cut_into_steps_of_at_least_least_pages_within_a_workers_share(tmp_path):
+    """``_run``'s steps: ``CHUNK_BYTES`` of pages (one page where pages are larger), at
+    least ``least`` pages, never more than one worker's share of the batch."""
+    store = kvtier.storage.open(f"file://{tmp_path}", io_threads=2)
+    for n, least, want in ((20, 1, [1] * 20), (20, 8, [8, 8, 4]), (6, 8, [3, 3])):
+        steps = []
+        store._run(lambda chunk: steps.append(chunk), n, store.CHUNK_BYTES * 2, least=least)
+        assert sorted(len(c) for c in steps) == sorted(want) and sorted(i for c in steps for i in c) == list(range(n))
