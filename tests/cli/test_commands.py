@@ -90,6 +90,7 @@ def test_bench_cache_json(capsys):
                 assert 0 < r[f"{tree}insert_p50_us_{kind}"] <= r[f"{tree}insert_p99_us_{kind}"] \
                     <= r[f"{tree}insert_max_us_{kind}"]
                 assert len(r[f"{tree}gc_runs_{kind}"]) == 3 and r[f"{tree}faults_per_insert_{kind}"] >= 0
+                assert 0 < r[f"{tree}noise_p50_us_{kind}"] <= r[f"{tree}noise_p99_us_{kind}"]
             assert 0 < r[f"steady_alloc_p50_us_{kind}"] <= r[f"steady_alloc_p99_us_{kind}"]
         assert r["tree_pages"] >= 500
         assert r["match_hit_array_x_floor"] == pytest.approx(r["match_hit_array_us"] / r["list_copy_us"])

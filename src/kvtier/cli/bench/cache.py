@@ -82,6 +82,12 @@ def command(args: argparse.Namespace) -> int:
                 ["page", "input", "p50", "p99", "max", "steady p50", "p99", "max", "page faults", "steady",
                  "gc gen0/1/2", "steady", "alloc p50/p99"], rows)
     print("page faults: minor faults per insert, each the first touch of 4 KiB of new memory")
+    noise = [(r[f"{tree}noise_p50_us_{kind}"], r[f"{tree}noise_p99_us_{kind}"]) for r in result["rows"]
+             for kind in ("list", "array") for tree in ("", "steady_")]
+    extra = [p99 - p50 for p50, p99 in noise]
+    print(f"machine noise: a fixed {cache.NOISE_US} µs computation timed after each insert took p50 "
+          f"{min(p for p, _ in noise):.0f}-{max(p for p, _ in noise):.0f} µs and p99 {min(extra):.0f}-{max(extra):.0f} "
+          "µs more: what the machine itself adds to a p99")
     if hybrid is not None:
         rows = [[r["page_size"], r["tree_prompts"], f"{r['uniform_match_us']:.1f}", f"{r['hybrid_match_us']:.1f}",
                  f"{r['match_x_uniform']:.2f}x", f"{r['uniform_request_us']:.0f}", f"{r['hybrid_request_us']:.0f}",
