@@ -341,3 +341,23 @@ def test_threads_share_a_hybrid_cache(tmp_path, name):
     cache.flush()
     cache.check_integrity(engine_device_slots=0)
     cache.close()
+
+
+@pytest.mark.parametrize("name", ["mimo", "long_window"])
+def test_a_path_of_one_node_per_page_resumes_with_its_window(name):
+    """Every page of a prompt has a diverging sibling, so its path crosses one node per
+    page (the window is found from the path's end by each node's depth): a full hit
+    hands back the window's KV exactly, and so does a hit that ends at a branch point
+    inside the path (the cut from the end)."""
+    spec = HYBRID_SPECS[name]
+    cache = make_cache(spec, 4, sizes(spec, 1024, 1024), sizes(spec, 1024, 1024))
+    eng, rng = HybridEngine(cache), random.Random(13)
+    a = prompt(rng, 64)
+    eng.serve(a)
+    for i in range(1, 16):
+        eng.serve(a[:4 * i] + prompt(rng, 4))  # a branch point after every page
+    assert len(cache.match_prefix(a).path) == 16
+    assert eng.serve(a) == 64  # its check_prefix compares every group's window with what was written
+    assert eng.serve(a[:36] + prompt(rng, 8)) == 36
+    cache.check_integrity()
+    cache.close()

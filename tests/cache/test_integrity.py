@@ -49,8 +49,14 @@ def leak_a_host_slot(cache):
     cache.host_pool.alloc(4)
 
 
+def misplace_a_node(cache):
+    serve(cache, A[:8] + B)                               # splits A's node: a copy of B's pages below its first two
+    next(n for n in cache.tree.nodes() if n.key[0] == B[0] and n.parent.key).depth += 4
+
+
 CORRUPTIONS = [
     (share_a_device_page, "a device page is held by two nodes"),
+    (misplace_a_node, "depth 20, not its parent's 8 plus its key"),
     (share_a_host_slot, "a host slot is held by two nodes"),
     (drop_a_parent_device_copy, "device not prefix-closed"),
     (leak_a_host_slot, "host slots leaked"),

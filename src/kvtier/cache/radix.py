@@ -48,7 +48,7 @@ class Node:
     """
 
     __slots__ = ("key", "children", "parent", "edge", "collisions", "device", "host", "storage", "store_keys",
-                 "lock_ref", "last_access", "hits", "serial", "ends")
+                 "lock_ref", "last_access", "hits", "serial", "ends", "depth")
 
     def __init__(self, key: array, parent: "Node | None") -> None:
         self.key = key
@@ -59,6 +59,9 @@ class Node:
         self.children: dict[int | bytes, Node] = {}
         self.collisions = 0
         self.parent = parent
+        # tokens from the root to this node's end: where it sits in any prompt it matches
+        # (a split keeps the lower part's, so it never changes)
+        self.depth: int = (parent.depth if parent is not None else 0) + len(key)
         self.edge: int | bytes = key[0] if key else 0  # this node's key in ``parent.children``
         # NOTE: page numbers on the device, not token slots: 1/page_size of the memory,
         # and the slots are a cheap expansion when a match hands them out

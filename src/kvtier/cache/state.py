@@ -612,6 +612,8 @@ class CacheState(HybridState):
         pages = len(node.key) // self.page_size
         if len(node.key) % self.page_size or not pages:
             raise IntegrityError(f"{node}: its key is not a positive number of whole pages")
+        if node.depth != node.parent.depth + len(node.key):
+            raise IntegrityError(f"{node}: depth {node.depth}, not its parent's {node.parent.depth} plus its key")
         dev = node.device
         if dev is not None:
             if not (node.parent.is_root or node.parent.device is not None):
