@@ -23,8 +23,9 @@ def test_the_hybrid_rows_hold_both_caches_and_their_ratio(capsys):
     assert [r["page_size"] for r in rows] == [16]
     r = rows[0]
     assert r["spec"].startswith("full:full:0,5,11") and r["tree_prompts"] > 0
-    for name in ("match", "request"):
+    for name in ("match", "fragmented", "request"):
         assert r[f"{name}_x_uniform"] == pytest.approx(r[f"hybrid_{name}_us"] / r[f"uniform_{name}_us"])
+    assert r["fragmented_nodes"] == 256 // 16
 
 
 @pytest.mark.parametrize("spec", ["gpt-oss-20b", "hybrid:layers=3,pattern=S;swa:window=32,heads=1,head_dim=8"])

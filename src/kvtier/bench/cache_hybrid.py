@@ -53,8 +53,9 @@ def _serve(cache: HierarchicalCache, tokens, sliding: tuple[str, ...]) -> None:
 
 def run(spec: HybridSpec, page_size: int = 64, prompt_tokens: int = 8192, tree_pages: int = 20_000,
         seed: int = 0) -> dict:
-    """Match (a cached prompt, as a list) and request (acquire, commit, release of a new
-    prompt sharing the system prefix) times of both caches, and their ratios."""
+    """Match (a cached prompt, as a list; again once its path crosses a node per page)
+    and request (acquire, commit, release of a new prompt sharing the system prefix)
+    times of both caches, and their ratios."""
     prompts = Prompts(prompt_tokens, seed)
     spare = (_COMMITS + 8) * prompt_tokens
     size = tree_pages * page_size + spare
@@ -88,7 +89,21 @@ def run(spec: HybridSpec, page_size: int = 64, prompt_tokens: int = 8192, tree_p
                     _serve(cache, p, groups)
                 best = min(best, (time.perf_counter() - t) / len(fresh))
             out[f"{name}_request_us"] = best * 1e6
+        # the same prompt once every one of its pages has a diverging sibling: its path
+        # crosses a node per page
+        for i in range(1, prompt_tokens // page_size):
+            branch = cached[:i * page_size] + prompts.random(page_size)
+            _serve(uniform, branch, ())
+            _serve(hybrid, branch, names)
+        nodes = {len(cache.match_prefix(as_list).path) for cache in (uniform, hybrid)}
+        if nodes != {prompt_tokens // page_size}:
+            raise AssertionError(f"the fragmented path crosses {nodes} nodes, not one per page")
+        frag = per_call_us_each({"uniform": lambda: uniform.match_prefix(as_list),
+                                 "hybrid": lambda: hybrid.match_prefix(as_list)}, 50)
+        out.update({"fragmented_nodes": prompt_tokens // page_size, "uniform_fragmented_us": frag["uniform"],
+                    "hybrid_fragmented_us": frag["hybrid"]})
         out["match_x_uniform"] = out["hybrid_match_us"] / out["uniform_match_us"]
+        out["fragmented_x_uniform"] = out["hybrid_fragmented_us"] / out["uniform_fragmented_us"]
         out["request_x_uniform"] = out["hybrid_request_us"] / out["uniform_request_us"]
         return out
     finally:

@@ -90,10 +90,13 @@ def command(args: argparse.Namespace) -> int:
           "µs more: what the machine itself adds to a p99")
     if hybrid is not None:
         rows = [[r["page_size"], r["tree_prompts"], f"{r['uniform_match_us']:.1f}", f"{r['hybrid_match_us']:.1f}",
-                 f"{r['match_x_uniform']:.2f}x", f"{r['uniform_request_us']:.0f}", f"{r['hybrid_request_us']:.0f}",
+                 f"{r['match_x_uniform']:.2f}x", f"{r['uniform_fragmented_us']:.1f}",
+                 f"{r['hybrid_fragmented_us']:.1f}", f"{r['fragmented_x_uniform']:.2f}x",
+                 f"{r['uniform_request_us']:.0f}", f"{r['hybrid_request_us']:.0f}",
                  f"{r['request_x_uniform']:.2f}x"] for r in result["hybrid"]]
         print_table(f"hybrid {hybrid.fingerprint()[:60]}... against a uniform cache, same prompts and tree: "
-                    "full-hit match (list) and a request (acquire, commit every page, release), µs",
-                    ["page", "tree prompts", "uniform match", "hybrid match", "x uniform", "uniform request",
-                     "hybrid request", "x uniform"], rows)
+                    "full-hit match (list; fragmented: a node per page), and a request (acquire, commit every "
+                    "page, release), µs",
+                    ["page", "tree prompts", "uniform match", "hybrid match", "x uniform", "uniform fragmented",
+                     "hybrid fragmented", "x uniform", "uniform request", "hybrid request", "x uniform"], rows)
     return 0
