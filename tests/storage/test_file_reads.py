@@ -95,7 +95,9 @@ def test_a_corrupt_object_mid_batch_is_a_miss_that_leaves_its_page_untouched(tmp
 
 def test_a_fault_mid_batch_makes_the_remaining_objects_misses(tmp_path, monkeypatch):
     """An unexpected error while the backend reads (not an OSError of one file) is one
-    counted error: pages already read load, the rest are misses and stay untouched."""
+    counted error: pages already read load, the rest are misses and stay untouched
+    (the per-file path; the compiled reader's is the next test)."""
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
     store = open_store(tmp_path, 1, False)
     host, idx = filled_host(SPEC, 4, seed=5)
     keys = keys_for(4)
@@ -116,6 +118,28 @@ def test_a_fault_mid_batch_makes_the_remaining_objects_misses(tmp_path, monkeypa
     assert torch.equal(pages[0], want[0]) and all(torch.equal(pages[i], before[i]) for i in (1, 2, 3))
     assert len(calls) == 2 and store.stats()["errors"] == 1
     assert store.batch_get(keys, reader, ridx) == [True] * 4  # the store still works
+
+
+@pytest.mark.parametrize("layout", ["page_head", "page_first"])
+def test_a_fault_of_the_compiled_reader_makes_its_step_misses(tmp_path, monkeypatch, layout):
+    """An unexpected error of the compiled reader is one counted error; its step's pages
+    are misses, the pages it had not reached untouched, and the store still works."""
+    if not pageio.compiled():
+        unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
+    store = open_store(tmp_path, 1, False)
+    host, idx = filled_host(SPEC, 4, layout=layout, seed=6)
+    keys = keys_for(4)
+    store.batch_set(keys, host, idx)
+    real = pageio.read_pages
+    monkeypatch.setattr(pageio, "read_pages", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    reader, ridx = blank_host(SPEC, 16, layout=layout)
+    before = [p.clone() for p in flat_pages(reader, ridx)]
+    assert store.batch_get(keys, reader, ridx) == [False] * 4
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), before))
+    assert store.stats()["errors"] == 1
+    monkeypatch.setattr(pageio, "read_pages", real)
+    assert store.batch_get(keys, reader, ridx) == [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
 
 
 def test_concurrent_gets_each_get_their_own_pages(tmp_path):

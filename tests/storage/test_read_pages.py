@@ -175,3 +175,54 @@ def test_cold_files_are_read_with_direct_io_bit_exactly(tmp_path, wanted):
             assert [pageio.cached_pages(fd, layout.offsets[k], SIZES[k]) for k in direct] == [0] * len(direct)
         finally:
             os.close(fd)
+
+
+def _staged(wanted):
+    """Parts ``wanted`` staged: each an array of rows at a 2 KiB stride in the pool (a
+    strided layout, as page_first's heads are), 16 KiB apart per part."""
+    layout = FileLayout("k#f", SIZES)
+    rows = {n: (n // 1024, 1024) if n % 1024 == 0 else (4, n // 4) for n in SIZES}
+    return [(k, layout.offsets[k], [(k * 16384, STEP, SIZES[k], rows[SIZES[k]], (2048, 1))]) for k in wanted]
+
+
+def _staged_expected(pool_pages, contents, wanted):
+    want = _pool()
+    for name, page in pool_pages.items():
+        for k, _, [(start, step, _, (nrows, width), (stride, _))] in _staged(wanted):
+            for r in range(nrows):
+                at = start + page * step + r * stride
+                want[at:at + width] = contents[name][k][r * width:(r + 1) * width]
+    return want
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["cached", "cold"])
+def test_staged_parts_are_copied_out_only_once_their_file_checks_out(tmp_path, direct):
+    """Staged pieces (arrays of strided rows) are read into staging and copied to their
+    rows; a file with a damaged part moves no byte into the pool, staged or not."""
+    if direct and not _direct_allowed(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    pages = {"a": 0, "b": 3}
+    contents = {name: _write(tmp_path / name, f"{name}#f") for name in pages}
+    bad = [p.copy() for p in contents["b"]]
+    bad[3][5] ^= 1
+    _write(tmp_path / "c", "c#f", [*bad[:3], contents["b"][3]])  # part 3 damaged
+    with open(tmp_path / "c", "r+b") as f:
+        f.seek(FileLayout("c#f", SIZES).offsets[3] + 5)
+        f.write(bytes([bad[3][5]]))
+    files, layout = _files(tmp_path, {**pages, "c": 1})
+    raw = np.zeros(32768 + ALIGN, dtype=np.uint8)
+    staging = raw[-raw.ctypes.data % ALIGN:][:32768]
+    want = _staged_expected(pages, contents, range(4))
+    for _ in range(20 if direct else 1):
+        if direct:
+            evict_cached(tmp_path)
+        pool = _pool()
+        got = list(pageio.read_pages(pool, layout.header_len, layout.total, 4, _staged(range(4)), files, direct,
+                                     staging))
+        if not direct or got[:2] == [pageio.DIRECT] * 2:
+            break
+        time.sleep(0.05)
+    assert got == [pageio.DIRECT if direct else pageio.READ] * 2 + [pageio.OTHER]
+    assert np.array_equal(pool, want)  # page 1 (the damaged file's) untouched
+    with pytest.raises(ValueError, match="need 32768 bytes of staging, got 4096"):
+        pageio.read_pages(pool, layout.header_len, layout.total, 4, _staged(range(4)), files, False, staging[:4096])

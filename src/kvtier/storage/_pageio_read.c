@@ -36,6 +36,7 @@ enum { READ_OK = 0, READ_MISSING = 1, READ_COLD = 2, READ_OTHER = 3, READ_DIRECT
 #define MAX_IOV 1024 /* IOV_MAX on Linux */
 #define PROBE_PAGES 16 /* pages counted at each of a large file's three stretches */
 #define MAX_HEADER (1 << 20)
+#define MAX_DIMS 8 /* of a staged piece */
 
 /* What every file of one call shares: its layout, and where its parts go. */
 typedef struct {
@@ -46,6 +47,15 @@ typedef struct {
     part_t *parts;           /* per wanted part: its file offset, its pieces */
     long long *start, *step; /* per piece: its bytes in the pool are flat[start + page * step], len of them */
     size_t *len;
+    /* per piece: 0 (in place: read straight into the pool), or the dims of a staged
+     * piece, which is read into staging and, once the file checks out, copied out to
+     * the pool as an array of these dims and byte strides (the last dim contiguous) */
+    int *ndim;
+    long long (*dims)[MAX_DIMS], (*strides)[MAX_DIMS];
+    long long *extent; /* per piece: bytes from its first to past its last in the pool */
+    long long *stage_at; /* per staged piece: its offset in staging */
+    char *staging;
+    long long staging_len;
     size_t chunk;
     int cold_check;
 } shape_t;
@@ -209,6 +219,31 @@ static int read_cold(reader_t *r) {
     return 0;
 }
 
+/* Every staged piece copied from staging to its place in page `page` of the pool. */
+static void unstage(const shape_t *sh, long long page) {
+    for (Py_ssize_t k = 0; k < sh->npieces; k++) {
+        int nd = sh->ndim[k];
+        if (!nd)
+            continue;
+        const char *from = sh->staging + sh->stage_at[k];
+        char *base = sh->flat + sh->start[k] + page * sh->step[k];
+        size_t row = sh->len[k];
+        long long rows = 1, index[MAX_DIMS] = {0};
+        for (int d = 0; d < nd - 1; d++)
+            rows *= sh->dims[k][d];
+        row /= (size_t)rows;
+        for (long long i = 0; i < rows; i++) {
+            char *to = base;
+            for (int d = 0; d < nd - 1; d++)
+                to += index[d] * sh->strides[k][d];
+            memcpy(to, from, row);
+            from += row;
+            for (int d = nd - 2; d >= 0 && ++index[d] == sh->dims[k][d]; d--) /* the next row's index */
+                index[d] = 0;
+        }
+    }
+}
+
 /* One file read into its page of the pool, and its status. */
 static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize_t prefix_len, long long page) {
     const shape_t *sh = r->sh;
@@ -222,7 +257,8 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
     if (fstat(r->fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != sh->total)
         goto out;
     for (Py_ssize_t k = 0; k < sh->npieces; k++)
-        r->spans[k] = (span_t){sh->flat + sh->start[k] + page * sh->step[k], sh->len[k]};
+        r->spans[k] = (span_t){sh->ndim[k] ? sh->staging + sh->stage_at[k] : sh->flat + sh->start[k] + page * sh->step[k],
+                               sh->len[k]};
     if (sh->cold_check) {
         cold = is_cold(r->fd, sh->total, sh->page_bytes);
         if (cold == -1) { /* ask for the header without waiting: read when cached */
@@ -251,8 +287,10 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
             status = READ_COLD; /* no O_DIRECT here, or replaced meanwhile: the caller's path decides */
             goto out;
         }
-        if (read_cold(r) == 0 && checks_out(r))
+        if (read_cold(r) == 0 && checks_out(r)) {
+            unstage(sh, page);
             status = READ_DIRECT;
+        }
         goto out;
     }
     /* cached: the header first (a file of another object moves no byte into the pool) */
@@ -262,13 +300,58 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
         goto out;
     if (move_parts(r->fd, sh->parts, sh->nparts, r->spans, sh->chunk, 0, r->state, r->sums) < 0)
         goto out;
-    if (checks_out(r))
+    if (checks_out(r)) {
+        unstage(sh, page);
         status = READ_OK;
+    }
 out:
     if (r->dfd >= 0)
         close(r->dfd);
     close(r->fd);
     return status;
+}
+
+/* Piece k's dims and byte strides (None, None: in place) and its extent in the pool;
+ * 0, or -1 with an exception set. */
+static int parse_dims(shape_t *sh, Py_ssize_t k, long long nbytes, PyObject *dims, PyObject *strides) {
+    sh->ndim[k] = 0, sh->extent[k] = nbytes;
+    if (!dims || dims == Py_None)
+        return 0;
+    PyObject *d = PySequence_Fast(dims, "read_pages: a piece's dims must be a sequence"), *s = NULL;
+    int rc = -1;
+    if (!d || !(s = PySequence_Fast(strides, "read_pages: a piece's strides must be a sequence")))
+        goto done;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(d);
+    if (nd < 1 || nd > MAX_DIMS || PySequence_Fast_GET_SIZE(s) != nd) {
+        PyErr_Format(PyExc_ValueError, "read_pages: piece %zd: 1 to %d dims, as many strides", k, MAX_DIMS);
+        goto done;
+    }
+    long long count = 1, extent = 0;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        sh->dims[k][i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(d, i));
+        sh->strides[k][i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(s, i));
+        if (PyErr_Occurred())
+            goto done;
+        if (sh->dims[k][i] < 1 || sh->strides[k][i] < 0) {
+            PyErr_Format(PyExc_ValueError, "read_pages: piece %zd: dims must be positive, strides not negative", k);
+            goto done;
+        }
+        count *= sh->dims[k][i];
+        if (i < nd - 1)
+            extent += (sh->dims[k][i] - 1) * sh->strides[k][i];
+    }
+    long long item = count ? nbytes / count : 0, row = sh->dims[k][nd - 1] * item;
+    if (!item || item * count != nbytes || sh->strides[k][nd - 1] != item) {
+        PyErr_Format(PyExc_ValueError, "read_pages: piece %zd: %lld bytes in dims of %lld items, the last dim "
+                     "contiguous", k, nbytes, count);
+        goto done;
+    }
+    sh->ndim[k] = (int)nd, sh->extent[k] = extent + row;
+    rc = 0;
+done:
+    Py_XDECREF(d);
+    Py_XDECREF(s);
+    return rc;
 }
 
 /* The shape's parts from a sequence of (checksum index, file offset, ((start, step,
@@ -309,30 +392,55 @@ static int parse_parts(PyObject *parts_obj, shape_t *sh) {
     sh->start = PyMem_Calloc(total ? total : 1, sizeof(long long));
     sh->step = PyMem_Calloc(total ? total : 1, sizeof(long long));
     sh->len = PyMem_Calloc(total ? total : 1, sizeof(size_t));
-    if (!sh->start || !sh->step || !sh->len) {
+    sh->ndim = PyMem_Calloc(total ? total : 1, sizeof(int));
+    sh->dims = PyMem_Calloc(total ? total : 1, sizeof *sh->dims);
+    sh->strides = PyMem_Calloc(total ? total : 1, sizeof *sh->strides);
+    sh->extent = PyMem_Calloc(total ? total : 1, sizeof(long long));
+    sh->stage_at = PyMem_Calloc(total ? total : 1, sizeof(long long));
+    if (!sh->start || !sh->step || !sh->len || !sh->ndim || !sh->dims || !sh->strides || !sh->extent ||
+        !sh->stage_at) {
         PyErr_NoMemory();
         goto done;
     }
+    long long staged = 0; /* staging bytes: each staged part at a multiple of ALIGN */
     for (Py_ssize_t p = 0, k = 0; p < n; p++) {
-        long long end = sh->parts[p].offset;
+        long long end = sh->parts[p].offset, part_bytes = 0;
+        int part_staged = -1;
         for (Py_ssize_t j = 0; j < sh->parts[p].count; j++, k++) {
             long long nbytes;
-            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pieces[p], j), "LLL:read_pages piece", &sh->start[k],
-                                  &sh->step[k], &nbytes))
+            PyObject *dims = NULL, *strides = NULL;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pieces[p], j), "LLL|OO:read_pages piece", &sh->start[k],
+                                  &sh->step[k], &nbytes, &dims, &strides))
                 goto done;
-            if (sh->start[k] < 0 || sh->step[k] < 0 || nbytes < 0 || sh->start[k] + nbytes > sh->flat_len) {
+            if (parse_dims(sh, k, nbytes, dims, strides) < 0)
+                goto done;
+            if (part_staged >= 0 && part_staged != (sh->ndim[k] > 0)) {
+                PyErr_Format(PyExc_ValueError, "read_pages: part %zd has staged and in-place pieces", p);
+                goto done;
+            }
+            part_staged = sh->ndim[k] > 0;
+            if (sh->start[k] < 0 || sh->step[k] < 0 || nbytes < 0 || sh->start[k] + sh->extent[k] > sh->flat_len) {
                 PyErr_Format(PyExc_ValueError, "read_pages: piece (%lld, %lld, %lld) outside the pool's %lld bytes",
                              sh->start[k], sh->step[k], nbytes, sh->flat_len);
                 goto done;
             }
             sh->len[k] = (size_t)nbytes;
+            sh->stage_at[k] = staged + part_bytes;
+            part_bytes += nbytes;
             end += nbytes;
         }
+        if (part_staged == 1)
+            staged += (part_bytes + ALIGN - 1) / ALIGN * ALIGN;
         if (end > sh->total || (p + 1 < n && end > sh->parts[p + 1].offset)) {
             PyErr_Format(PyExc_ValueError, "read_pages: part %zd ends at %lld, past the next part or the file's "
                          "%lld bytes", p, end, sh->total);
             goto done;
         }
+    }
+    if (staged > sh->staging_len) {
+        PyErr_Format(PyExc_ValueError, "read_pages: staged parts need %lld bytes of staging, got %lld", staged,
+                     sh->staging_len);
+        goto done;
     }
     rc = 0;
 done:
@@ -344,11 +452,14 @@ done:
 }
 
 const char read_pages_doc[] =
-    "read_pages(pool, header_len, total, nsums, parts, files, chunk, direct) -> bytes\n\n"
+    "read_pages(pool, header_len, total, nsums, parts, files, chunk, direct[, staging]) -> bytes\n\n"
     "Page files of one layout read straight into ``pool`` (a writable contiguous buffer),\n"
     "with the GIL released. ``parts``: the parts to read, in file order, each\n"
     "``(checksum index, file offset, pieces)``, a piece ``(start, step, bytes)`` going to\n"
-    "``pool[start + page * step:][:bytes]``. ``files``: ``(path, header prefix, page)``\n"
+    "``pool[start + page * step:][:bytes]``, or staged: ``(start, step, bytes, dims,\n"
+    "strides)``, read into ``staging`` (each staged part at a multiple of 4096 bytes)\n"
+    "and copied to the pool as an array of those dims and byte strides once the file\n"
+    "checks out. ``files``: ``(path, header prefix, page)``\n"
     "each. A file counts only if it is a regular file of ``total`` bytes whose first\n"
     "``header_len`` bytes are the prefix, ``nsums`` checksums and zeros, and whose parts\n"
     "match their checksums. Cached files are read ``chunk`` bytes at a time; with\n"
@@ -368,10 +479,12 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
     Py_ssize_t *prefix_lens = NULL, nfiles = 0, f;
     long long *pages = NULL;
     unsigned char *zeros = NULL, *sink = NULL;
-    if (!PyArg_ParseTuple(args, "w*LLnOOnp:read_pages", &pool, &sh.header_len, &sh.total, &sh.nsums, &parts_obj,
-                          &files_obj, &chunk, &direct))
+    Py_buffer staging = {0};
+    if (!PyArg_ParseTuple(args, "w*LLnOOnp|w*:read_pages", &pool, &sh.header_len, &sh.total, &sh.nsums, &parts_obj,
+                          &files_obj, &chunk, &direct, &staging))
         return NULL;
     sh.flat = pool.buf, sh.flat_len = pool.len, sh.chunk = (size_t)chunk, sh.cold_check = direct;
+    sh.staging = staging.buf, sh.staging_len = staging.buf ? staging.len : 0;
     sh.page_bytes = sysconf(_SC_PAGESIZE);
     if (!xxh_create) {
         PyErr_SetString(PyExc_RuntimeError, "read_pages: bind() the xxh3 calls first");
@@ -422,8 +535,8 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
             goto done;
         }
         for (Py_ssize_t k = 0; k < sh.npieces; k++)
-            if (pages[f] < 0 || (sh.step[k] && pages[f] > (sh.flat_len - sh.start[k]) / sh.step[k]) ||
-                sh.start[k] + pages[f] * sh.step[k] + (long long)sh.len[k] > sh.flat_len) {
+            if (pages[f] < 0 || (sh.step[k] && pages[f] > (sh.flat_len - sh.start[k] - sh.extent[k]) / sh.step[k]) ||
+                sh.start[k] + pages[f] * sh.step[k] + sh.extent[k] > sh.flat_len) {
                 PyErr_Format(PyExc_ValueError, "read_pages: page %lld puts piece %zd outside the pool's %lld bytes",
                              pages[f], k, sh.flat_len);
                 goto done;
@@ -461,7 +574,14 @@ done:
     PyMem_Free(sh.start);
     PyMem_Free(sh.step);
     PyMem_Free(sh.len);
+    PyMem_Free(sh.ndim);
+    PyMem_Free(sh.dims);
+    PyMem_Free(sh.strides);
+    PyMem_Free(sh.extent);
+    PyMem_Free(sh.stage_at);
     Py_XDECREF(files);
     PyBuffer_Release(&pool);
+    if (staging.buf)
+        PyBuffer_Release(&staging);
     return out;
 }

@@ -11,8 +11,9 @@ tensor-parallel size than the writer finds the files holding its head groups in 
 key's directory and reads only their ranges. Parts move through
 ``kvtier.storage.pageio``, which hashes each chunk while it is in the CPU's cache; a
 file the page cache does not hold is read with O_DIRECT where the filesystem allows.
-Where every part moves in place, a batch's files are read in one compiled call
-(``pageio.read_pages``) and only those it did not read go through the per-file path.
+A batch's files are read in one compiled call per step (``pageio.read_pages``: parts
+in place, or staged and copied out once the file checks out) wherever the pool is one
+allocation; only the files it did not read go through the per-file path.
 Objects of the version-1 format (one file per part, under ``kvtier-v1``) are not
 read: they are misses.
 
@@ -84,21 +85,29 @@ class _Page:
         #: Staging for every part at once, each starting at a multiple of ``ALIGN`` (direct I/O)
         self.staging_bytes = sum(align_up(n) for n in self.staged.values())
         self._flat, self._spans = _flat_spans(pool, self.parts, self.staged)
+        self._pieces: dict[str, list | None] = {}  # see pieces
 
-    def in_place(self, names) -> bool:
-        """Whether every part of ``names`` moves in place, as spans of the pool's one
-        allocation (``flat``, ``spans``)."""
-        return self._flat is not None and all(name in self._spans for name in names)
+    def compiled(self, names) -> bool:
+        """Whether ``pageio.read_pages`` can move every part of ``names``: in place, or
+        staged as arrays inside the pool's one allocation (``pieces``)."""
+        return self._flat is not None and all(self.pieces(name) is not None for name in names)
+
+    def pieces(self, name: str) -> list[tuple] | None:
+        """Part ``name``'s pieces for ``pageio.read_pages``: where it moves in place,
+        ``(byte offset in page 0, bytes from page to page, bytes)``; else ``(start,
+        step, bytes, dims, byte strides)`` of each piece's array in ``flat`` (None
+        where one is not such an array: a stride not positive, the last dim not
+        contiguous)."""
+        if name in self._spans:
+            return self._spans[name]
+        if name not in self._pieces:
+            self._pieces[name] = _staged_pieces(self._flat, self.parts[name][1])
+        return self._pieces[name]
 
     @property
     def flat(self) -> np.ndarray | None:
         """The pool's memory as one flat uint8 array (None: not one allocation)."""
         return self._flat
-
-    def spans(self, name: str) -> list[tuple[int, int, int]]:
-        """Part ``name``'s pieces in ``flat`` (it moves in place): ``(byte offset in page 0,
-        bytes from page to page, bytes)`` each."""
-        return self._spans[name]
 
     def buffers(self, names: list[str], page: int, staging) -> dict[str, tuple[list, list]]:
         """Per part of ``names``, of ``page``: its buffers in file order (each piece in place,
@@ -145,6 +154,22 @@ def _flat_spans(pool: HostKVPool, parts: dict, staged: dict) -> tuple[np.ndarray
             pieces.append((start, step, nbytes))
         spans[name] = pieces
     return flat, spans
+
+
+def _staged_pieces(flat: np.ndarray | None, views) -> list[tuple] | None:
+    """``_Page.pieces`` of a staged part (its ``(view, offset, nbytes)`` views)."""
+    if flat is None:
+        return None
+    out = []
+    for view, _, nbytes in views:
+        start, step = view.ctypes.data - flat.ctypes.data, view.strides[0]
+        dims, strides = view.shape[1:], view.strides[1:]
+        extent = sum((d - 1) * st for d, st in zip(dims[:-1], strides[:-1])) + dims[-1] * view.itemsize if dims else 0
+        if (not dims or start < 0 or step < 0 or min(strides) < 0 or strides[-1] != view.itemsize
+                or start + (view.shape[0] - 1) * step + extent > flat.nbytes):
+            return None
+        out.append((start, step, nbytes, dims, strides))
+    return out
 
 
 def _checksum(bufs: list) -> int:
@@ -344,12 +369,12 @@ class FileStorage(ThreadedStorage):
         copies = _Page(plan, host_pool, plan.read_parts)
         sources = self._sources(plan)
         loaded = [False] * len(keys)
-        compiled = pageio.compiled() and copies.in_place([name for _, wanted in sources for name in wanted])
+        compiled = pageio.compiled() and copies.compiled([name for _, wanted in sources for name in wanted])
         t0 = time.perf_counter()
 
         def get_chunk(chunk: range) -> None:
             scratch = self._scratch(head_room, copies)
-            read = self._read_in_place(keys, pages, plan, sources, copies, chunk) if compiled else ()
+            read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2]) if compiled else ()
             for i in chunk:
                 if i in read:
                     loaded[i] = True
@@ -427,11 +452,13 @@ class FileStorage(ThreadedStorage):
             self._touch(Path(d))
         return True
 
-    def _read_in_place(self, keys, pages, plan: PagePlan, sources, copies: _Page, chunk: range) -> set[int]:
-        """The pages of ``chunk`` whose files the compiled reader read straight into the
-        pool and checked (``pageio.read_pages``: every part in place; cold files with
-        O_DIRECT when ``direct_io``). The others are read again one by one, which judges
-        them: missing, another object, corrupt, a fault, or cold where O_DIRECT fails.
+    def _read_compiled(self, keys, pages, plan: PagePlan, sources, copies: _Page, chunk: range,
+                       staging) -> set[int]:
+        """The pages of ``chunk`` whose files the compiled reader read into the pool and
+        checked (``pageio.read_pages``: parts in place, or through ``staging`` and copied
+        out once the file checks out; cold files with O_DIRECT when ``direct_io``). The
+        others are read again one by one, which judges them: missing, another object,
+        corrupt, a fault, or cold where O_DIRECT fails.
         NOTE: in one call per source and name length: a warm file's Python work (paths,
         opens, checks) took longer here than reading its 1.4 MiB from the page cache."""
         read = set(chunk)
@@ -445,10 +472,10 @@ class FileStorage(ThreadedStorage):
                     by_length.setdefault(len(name.encode()), []).append((i, name))
             for todo in by_length.values():
                 layout, names = self._shape(plan, field, todo[0][1])
-                parts = [(k, layout.offsets[k], copies.spans(name)) for k, name in enumerate(names) if name in wanted]
+                parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names) if name in wanted]
                 files = [(f"{dirs[i]}/{file_name}", layout.prefix(name), pages[i]) for i, name in todo]
                 status = pageio.read_pages(copies.flat, layout.header_len, layout.total, len(names), parts, files,
-                                           self.direct_io)
+                                           self.direct_io, staging)
                 if status is None:  # switched off meanwhile (KVTIER_NATIVE=0)
                     return set()
                 read -= {i for (i, _), s in zip(todo, status) if s != pageio.READ and s != pageio.DIRECT}

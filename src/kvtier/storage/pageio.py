@@ -128,13 +128,16 @@ READ, MISSING, COLD, OTHER, DIRECT = range(5)
 
 
 def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files: list,
-               direct: bool) -> bytes | None:
+               direct: bool, staging=None) -> bytes | None:
     """Page files of one layout (``header_len``, ``total`` bytes, ``nsums`` checksums)
     read straight into ``pool`` (a writable contiguous buffer) in one compiled call, the
     GIL released; None where the compiled loop is not used (see :func:`compiled`).
 
     ``parts``: the parts to read, in file order, ``(checksum index, file offset, pieces)``
-    each, a piece ``(start, step, bytes)`` going to ``pool[start + page * step:][:bytes]``;
+    each, a piece ``(start, step, bytes)`` going to ``pool[start + page * step:][:bytes]``,
+    or ``(start, step, bytes, dims, byte strides)``: read into ``staging`` (a writable
+    buffer; each staged part at a multiple of 4096 bytes) and, once its file checks out,
+    copied to the array of those dims and strides at ``pool[start + page * step:]``;
     ``files``: ``(path, header prefix, page)`` each. A file counts as read if it is a
     regular file of ``total`` bytes, its header is the prefix, the checksums and zeros,
     and every part read matches its checksum. A cached file is read ``CHUNK`` at a time,
@@ -150,7 +153,9 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
     (nothing read) for a piece of any page outside ``pool``."""
     if not compiled():
         return None
-    return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct)
+    if staging is None:
+        return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct)
+    return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct, staging)
 
 
 def _skip(bufs: list, n: int) -> list:
