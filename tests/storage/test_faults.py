@@ -1,6 +1,7 @@
 """Fault plumbing shared by the backends: the circuit breaker and the warning rate limiter."""
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -60,9 +61,7 @@ def test_a_failing_disk_warns_once_and_counts_every_fault(tmp_path, caplog):
     clock = Clock()
     store._warnings.clock = clock
     keys = kvtier.storage.page_keys(list(range(4)), 4, namespace="m")
-    blocker = store._key_dir(keys[0])
-    blocker.parent.mkdir(parents=True, exist_ok=True)
-    blocker.write_text("a file where the key directory should be")
+    Path(store._stem(keys[0])).parent.write_text("a file where the key's shard directory should be")
     with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
         for _ in range(50):
             assert store.batch_set(keys, host, idx) == [False]

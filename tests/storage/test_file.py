@@ -1,9 +1,11 @@
 """File backend: corruption, hostile files, restarts across processes, capacity, path safety, options."""
 
+import hashlib
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -96,8 +98,45 @@ def test_capacity_evicts_least_recently_used_keys(tmp_path):
     present = [store.batch_exists([k]) for k in keys]
     assert present == [1, 0, 1, 1, 0] and store.stats()["evictions"] == 1
     assert store.usage_bytes() == 3 * page_bytes
+    # the sleeps part the files' mtimes, which the kernel stamps from a clock of a few ms
+    time.sleep(0.05)
+    store.batch_set(keys[3:4], host, idx[12:16])  # written again: replaces its file, counted once
+    assert store.usage_bytes() == 3 * page_bytes and store.stats()["evictions"] == 1
+    time.sleep(0.05)
+    assert store.batch_get(keys[2:3], host, idx[8:12]) == [True]  # order now 0, 3, 2
     reopened = kvtier.storage.open(f"file://{tmp_path}/lru", capacity_bytes=2 * page_bytes)
-    assert reopened.usage_bytes() == 2 * page_bytes  # shrinking the capacity evicts at open
+    assert reopened.usage_bytes() == 2 * page_bytes  # shrinking the capacity evicts at open ...
+    assert [reopened.batch_exists([k]) for k in keys] == [0, 0, 1, 1, 0]  # ... the oldest, by the files' mtimes
+
+
+def _sharing_a_shard(n):
+    """``n`` keys whose hashes share their first byte: their files share a shard directory."""
+    by_shard = {}
+    for key in keys_for(64 * n):
+        by_shard.setdefault(hashlib.sha256(key.encode()).hexdigest()[:2], []).append(key)
+    return next(ks for ks in by_shard.values() if len(ks) >= n)[:n]
+
+
+def test_a_keys_files_sit_side_by_side_in_its_shard(tmp_path):
+    host, idx = filled_host(SPEC, 3)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    keys = _sharing_a_shard(3)
+    assert store.batch_set(keys, host, idx) == [True] * 3
+    root = tmp_path / "kvtier-v3"
+    shard = hashlib.sha256(keys[0].encode()).hexdigest()[:2]
+    assert [p.name for p in root.iterdir()] == [shard] and all(p.is_file() for p in (root / shard).iterdir())
+    assert sorted(p.name.partition(".")[0] for p in (root / shard).iterdir()) \
+        == sorted(hashlib.sha256(k.encode()).hexdigest()[2:] for k in keys)
+    assert [len(store._key_files(k)) for k in keys] == [1, 1, 1]
+
+    store.delete(keys[1:2])  # a key's delete leaves its neighbours in the shard whole
+    unbound = kvtier.storage.open(f"file://{tmp_path}")  # no geometry: lists the shard
+    assert [unbound.batch_exists([k]) for k in keys] == [1, 0, 1] and unbound.batch_exists(keys) == 1
+    assert unbound.exists_each(keys) == [True, False, True]
+    reader, ridx = blank_host(SPEC, 12)
+    assert store.batch_get(keys, reader, ridx) == [True, False, True]
+    want, got = flat_pages(host, idx), flat_pages(reader, ridx)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
 
 
 def test_keys_never_leave_the_directory(tmp_path):
@@ -109,7 +148,7 @@ def test_keys_never_leave_the_directory(tmp_path):
         assert store.batch_set([key], host, idx) == [True]
         assert store.batch_exists([key]) == 1
     assert all(root in p.parents for p in object_files(tmp_path))
-    assert {p.parent.parent.parent.name for p in object_files(tmp_path)} == {"kvtier-v2"}
+    assert {p.parent.parent.name for p in object_files(tmp_path)} == {"kvtier-v3"}
 
 
 def test_open_rejects_bad_urls(tmp_path):
@@ -121,7 +160,7 @@ def test_open_rejects_bad_urls(tmp_path):
         kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=0)
     (tmp_path / "a_file").write_text("")
     for unusable in ("/proc/x", f"{tmp_path}/a_file/below"):
-        with pytest.raises(ValueError, match="file storage: cannot use directory .*/kvtier-v2: "):
+        with pytest.raises(ValueError, match="file storage: cannot use directory .*/kvtier-v3: "):
             kvtier.storage.open(f"file://{unusable}")
     with pytest.raises(ValueError, match="head_groups 3 does not divide"):
         kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, page_size=4, head_groups=3)
@@ -130,9 +169,7 @@ def test_open_rejects_bad_urls(tmp_path):
 def test_unwritable_directory_is_a_counted_failure(tmp_path):
     host, idx = filled_host(SPEC, 1)
     store = kvtier.storage.open(f"file://{tmp_path}")
-    blocker = store._key_dir(keys_for(1)[0])
-    blocker.parent.mkdir(parents=True, exist_ok=True)
-    blocker.write_text("a file where the key directory should be")
+    Path(store._stem(keys_for(1)[0])).parent.write_text("a file where the key's shard directory should be")
     assert store.batch_set(keys_for(1), host, idx) == [False]
     assert store.stats()["errors"] >= 1 and store.stats()["write_failures"] == 1
     assert store.batch_get(keys_for(1), host, idx) == [False]
@@ -167,6 +204,9 @@ def test_hostile_file_at_an_object_path_is_a_counted_miss(tmp_path, hostile):
     assert torch.equal(flat_pages(reader, ridx)[1 - bad], flat_pages(host, idx)[1 - bad])
     assert store.stats()["errors"] == 1 and store.stats()["hits"] == 1
     assert rss.growth < 200 << 20, f"peak RSS grew by {rss.growth >> 20} MiB"
+    store.delete(keys)  # whatever sits at a key's names goes with the key, and no fault is counted
+    assert object_files(tmp_path) == [] and not victim.exists() and not victim.is_symlink()
+    assert store.stats()["errors"] == 1
 
 
 def test_only_objects_that_call_themselves_corrupt_are_deleted(tmp_path):
@@ -179,9 +219,9 @@ def test_only_objects_that_call_themselves_corrupt_are_deleted(tmp_path):
     keys = keys_for(2)
     store.batch_set(keys, host, idx)
     intact, extended = object_files(tmp_path)
-    assert intact.parent != extended.parent  # one object of each page
-    key = next(k for k in keys if store._key_dir(k) == intact.parent)
-    other = FileLayout(f"{key}#{intact.name.replace('.', '/')}", [100])
+    assert intact.name.split(".")[0] != extended.name.split(".")[0]  # one object of each page
+    key = next(k for k in keys if str(intact) in store._key_files(k))
+    other = FileLayout(f"{key}#{intact.name.partition('.')[2].replace('.', '/')}", [100])
     blob = np.frombuffer(other.header([0]) + bytes(100), dtype=np.uint8)  # a whole object of one 100-byte part
     intact.write_bytes(blob.tobytes())
     extended.write_bytes(extended.read_bytes() + b"tail")
@@ -243,7 +283,7 @@ def test_objects_are_owner_only_whatever_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     for name, (dirs, files) in {"private": (0o700, 0o600), "shared": (0o770, 0o660)}.items():
-        root = tmp_path / name / "kvtier-v2"
+        root = tmp_path / name / "kvtier-v3"
         found = list(root.rglob("*"))
         assert {stat.S_IMODE(p.stat().st_mode) for p in found if p.is_dir()} | {stat.S_IMODE(root.stat().st_mode)} \
             == {dirs}

@@ -4,6 +4,7 @@ middle of a batch; a fault mid-batch; every copy width of the page plans."""
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ def keys_for(n, start=0, namespace="r"):
 
 
 def object_files(store, key):
-    return sorted(p for p in store._key_dir(key).iterdir())
+    return [Path(p) for p in store._key_files(key)]
 
 
 def open_store(tmp_path, io_threads, one_page_steps):

@@ -1,30 +1,34 @@
-"""``file:///dir``: one file per page (and writer), in sharded directories; the embedded default.
+"""``file:///dir``: one file per page (and writer), in 256 shard directories; the embedded default.
 
-    <dir>/kvtier-v2/<h[0:2]>/<h[2:]>/<field>    h = sha256(key), field = "<fingerprint>.p<page size>.g<a>-<b>of<G>"
+    <dir>/kvtier-v3/<h[0:2]>/<h[2:]>.<field>    h = sha256(key), field = "<fingerprint>.p<page size>.g<a>-<b>of<G>"
     (plus "+rep" for the replicated part; "<fingerprint>.p<page size>.rep" when that is all)
+
+A key's files sit side by side in its shard, named by the key's hash and their field:
+no directory per key, whose ``mkdir`` cost a new page more than writing 1.4 MiB of it.
 
 The file format is ``kvtier.storage.pagefile``: a checked header, then the page's
 parts at aligned offsets, so a ``page_head`` pool reads and writes its parts in
 place (``preadv``/``writev`` straight between the file and the pool, no staging
 copy) and other layouts go through a per-thread staging arena. A reader of another
-tensor-parallel size than the writer finds the files holding its head groups in the
-key's directory and reads only their ranges. Parts move through
+tensor-parallel size than the writer finds the files holding its head groups among
+the names its geometry's writers can write, and reads only their ranges. Parts move through
 ``kvtier.storage.pageio``, which hashes each chunk while it is in the CPU's cache; a
 file the page cache does not hold is read with O_DIRECT where the filesystem allows.
 A batch's files are read in one compiled call per step (``pageio.read_pages``: parts
 in place, or staged and copied out once the file checks out) wherever the pool is one
 allocation; only the files it did not read go through the per-file path.
-Objects of the version-1 format (one file per part, under ``kvtier-v1``) are not
-read: they are misses.
+Objects of earlier layouts are not read: they are misses (version 1, one file per
+part under ``kvtier-v1``; version 2, the same files as now in a directory per key
+under ``kvtier-v2``).
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
 sensitive as the prompts it came from: directories are created 0700 and objects 0600
 (owner only, whatever the umask), or 0770 / 0660 with ``shared`` for a cache that a
 group of users' engines share. Writes go to a temporary file in the same directory
 and are renamed into place (``os.replace``), so readers see a whole object or none.
-With ``capacity_bytes`` the least recently used keys are evicted; the LRU order is
-seeded from directory mtimes at open, and a hit touches its directory, so it
-survives restarts.
+With ``capacity_bytes`` the least recently used keys are evicted (the files of theirs
+this store knows: found at open or written since); the LRU order is seeded from the
+files' mtimes at open, and a hit touches the files it read, so it survives restarts.
 
 Reads trust nothing found in the directory: an object is opened with
 ``O_NOFOLLOW | O_NONBLOCK`` (a symlink or a FIFO neither redirects nor blocks the
@@ -38,6 +42,7 @@ reported loaded.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import itertools
 import os
@@ -60,10 +65,11 @@ from .codec import MAX_NAME_BYTES
 from .objects import PagePlan, Part
 from .options import Opt, check_options
 from . import pageio
-from .pagefile import ALIGN, FileLayout, align_up, field_parts, file_field, header_room, longest_name, part_name
+from .pagefile import (ALIGN, FileLayout, align_up, field_parts, file_field, header_room, longest_name, part_name,
+                       writer_files)
 from .threaded import ThreadedStorage
 
-_ROOT = "kvtier-v2"
+_ROOT = "kvtier-v3"
 _counter = itertools.count()
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -232,20 +238,39 @@ class FileStorage(ThreadedStorage):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._lru: OrderedDict[Path, int] = OrderedDict()  # key dir -> bytes, oldest first
-        self._total = 0  # sum of self._lru's values
+        # a key's stem (see _stem) -> {file name after the stem: bytes}, least recently used first
+        self._lru: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self._total = 0  # bytes of every file in self._lru
         if capacity_bytes is not None:
             self._scan()
 
     # -- paths -------------------------------------------------------------------------------
-    def _key_dir(self, key: str) -> Path:
-        return Path(self._key_dir_name(key))
-
-    def _key_dir_name(self, key: str) -> str:
-        """``_key_dir`` as a str: the I/O paths build their paths as strings (pathlib costs
-        more per object than the open, fstat and close together)."""
+    def _stem(self, key: str) -> str:
+        """``<root>/<h[:2]>/<h[2:]>``: the path of ``key``'s files up to ``.<field>``. A str:
+        the I/O paths build their paths as strings (pathlib costs more per object than the
+        open, fstat and close together)."""
         h = hashlib.sha256(key.encode()).hexdigest()
         return f"{self._root_name}/{h[:2]}/{h[2:]}"
+
+    def _key_files(self, key: str) -> list[str]:
+        """The paths of every file of ``key`` (any geometry, any writer), sorted. Lists its
+        shard: for the calls that know no geometry (``exists`` unbound, ``delete``)."""
+        shard, tail = self._stem(key).rsplit("/", 1)
+        return sorted(f"{shard}/{name}" for name in self._listed(shard).get(tail, ()))
+
+    @staticmethod
+    def _listed(shard: str) -> dict[str, list[str]]:
+        """The object files in directory ``shard``, per key hash (the part of their name
+        before the first dot; temporary files, which start with a dot, left out)."""
+        out: dict[str, list[str]] = {}
+        try:
+            with os.scandir(shard) as entries:
+                for e in entries:
+                    if not e.name.startswith("."):
+                        out.setdefault(e.name.partition(".")[0], []).append(e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return out
 
     @staticmethod
     def _file_name(field: str) -> str:
@@ -264,25 +289,23 @@ class FileStorage(ThreadedStorage):
             out.append((f"{plan.prefix}/g0-{len(groups)}of{plan.groups}+rep", ["rep"]))
         return out
 
-    def _cover(self, key_dir: str, plan: PagePlan) -> list[tuple[str, list[str]]] | None:
-        """Files in ``key_dir`` that together hold every part the reader needs (written by
-        another tensor-parallel size than the reader's), with the parts to read from each."""
-        prefix = self._file_name(plan.prefix) + "."
-        holders: dict[str, str] = {}
-        try:
-            names = sorted(e.name for e in os.scandir(key_dir) if e.name.startswith(prefix))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        for name in names:
-            field = f"{plan.prefix}/{name[len(prefix):]}"
-            for part, _ in field_parts(plan, name[len(prefix):]) or ():
-                holders.setdefault(part, field)
-        wanted = [part_name(p) for p in plan.read_parts]
-        if any(w not in holders for w in wanted):
-            return None
+    def _cover(self, stem: str, plan: PagePlan) -> list[tuple[str, list[str]]] | None:
+        """Files of the key at ``stem`` that together hold every part the reader needs
+        (written by another tensor-parallel size than the reader's), with the parts to
+        read from each. For each part still lacking, the files that can hold it are
+        looked for (whole-page writers first) until one is there; a part no file holds
+        ends the search: a miss asks as many names as the head groups have divisors."""
         out: dict[str, list[str]] = {}
-        for w in wanted:
-            out.setdefault(holders[w], []).append(w)
+        there: dict[str, bool] = {}
+        for wanted, fields in _holders(plan):
+            for field in fields:
+                if field not in there:
+                    there[field] = self._is_object(f"{stem}.{self._file_name(field)}")
+                if there[field]:
+                    out.setdefault(field, []).append(wanted)
+                    break
+            else:
+                return None
         return list(out.items())
 
     def _layout(self, key: str, plan: PagePlan, field: str) -> tuple[FileLayout, list[str]]:
@@ -319,9 +342,9 @@ class FileStorage(ThreadedStorage):
             sources = self._sources(self._bound)
             out = []
             for key in keys:
-                d = self._key_dir_name(key)
-                out.append(all(self._is_object(f"{d}/{self._file_name(f)}") for f, _ in sources)
-                           or self._cover(d, self._bound) is not None)
+                stem = self._stem(key)
+                out.append(all(self._is_object(f"{stem}.{self._file_name(f)}") for f, _ in sources)
+                           or self._cover(stem, self._bound) is not None)
             return out
         except Exception as e:  # a storage fault is a miss, never an exception for the caller
             self._fault("exists", e)
@@ -379,7 +402,7 @@ class FileStorage(ThreadedStorage):
                 if i in read:
                     loaded[i] = True
                     if self.capacity_bytes is not None:
-                        self._touch(self._key_dir(keys[i]))
+                        self._touch(self._stem(keys[i]), sources)
                 else:  # missing, cold, or anything the compiled reader does not judge
                     loaded[i] = self._get_page(keys[i], plan, sources, copies, pages[i], scratch)
 
@@ -418,19 +441,19 @@ class FileStorage(ThreadedStorage):
             for piece, buf in staged:
                 np.copyto(buf.view(piece.dtype).reshape(piece.shape), piece)
             parts.append((layout.offsets[i], part_bufs))
-        self._write(self._key_dir_name(key), self._file_name(field), layout, head[:layout.header_len], parts)
+        self._write(self._stem(key), self._file_name(field), layout, head[:layout.header_len], parts)
 
     def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, scratch) -> bool:
         """Read one page's parts into the pool (checked); False: a miss (faults counted)."""
-        d = self._key_dir_name(key)
+        stem, read = self._stem(key), sources
         try:
             try:
-                self._read_parts(d, key, plan, sources, copies, page, scratch)
+                self._read_parts(stem, key, plan, sources, copies, page, scratch)
             except FileNotFoundError:
-                cover = self._cover(d, plan)
-                if cover is None or cover == sources:
+                read = self._cover(stem, plan)
+                if read is None or read == sources:
                     return False
-                self._read_parts(d, key, plan, cover, copies, page, scratch)
+                self._read_parts(stem, key, plan, read, copies, page, scratch)
         except FileNotFoundError:
             return False
         except UnexpectedObject as e:
@@ -439,17 +462,13 @@ class FileStorage(ThreadedStorage):
         except CorruptObject as e:
             self._stats.add(corrupt=1, errors=1)
             self._warnings.warn(("corrupt",), "kvtier storage %s: %s; deleting it", self.scheme, e)
-            try:
-                os.unlink(e.path)
-            except OSError as err:
-                if not isinstance(err, FileNotFoundError):
-                    self._fault("remove", err)
+            self._unlink(e.path)
             return False
         except OSError as e:
             self._fault("read", e)
             return False
         if self.capacity_bytes is not None:
-            self._touch(Path(d))
+            self._touch(stem, read)
         return True
 
     def _read_compiled(self, keys, pages, plan: PagePlan, sources, copies: _Page, chunk: range,
@@ -462,7 +481,7 @@ class FileStorage(ThreadedStorage):
         NOTE: in one call per source and name length: a warm file's Python work (paths,
         opens, checks) took longer here than reading its 1.4 MiB from the page cache."""
         read = set(chunk)
-        dirs = {i: self._key_dir_name(keys[i]) for i in chunk}
+        stems = {i: self._stem(keys[i]) for i in chunk}
         for field, wanted in sources:
             file_name = self._file_name(field)
             by_length: dict[int, list] = {}  # files whose names have as many bytes share a layout
@@ -473,7 +492,7 @@ class FileStorage(ThreadedStorage):
             for todo in by_length.values():
                 layout, names = self._shape(plan, field, todo[0][1])
                 parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names) if name in wanted]
-                files = [(f"{dirs[i]}/{file_name}", layout.prefix(name), pages[i]) for i, name in todo]
+                files = [(f"{stems[i]}.{file_name}", layout.prefix(name), pages[i]) for i, name in todo]
                 status = pageio.read_pages(copies.flat, layout.header_len, layout.total, len(names), parts, files,
                                            self.direct_io, staging)
                 if status is None:  # switched off meanwhile (KVTIER_NATIVE=0)
@@ -481,7 +500,8 @@ class FileStorage(ThreadedStorage):
                 read -= {i for (i, _), s in zip(todo, status) if s != pageio.READ and s != pageio.DIRECT}
         return read
 
-    def _read_parts(self, d: str, key: str, plan: PagePlan, sources, copies: _Page, page: int, scratch) -> None:
+    def _read_parts(self, stem: str, key: str, plan: PagePlan, sources, copies: _Page, page: int,
+                    scratch) -> None:
         """Every part of ``sources`` read and checked, then staged parts copied into the pool.
         Raises what the caller counts (a ``CorruptObject`` carries the file's ``path``).
         ``scratch``: ``(sink, head, staging)`` (see ``_scratch``)."""
@@ -491,7 +511,7 @@ class FileStorage(ThreadedStorage):
         for field, wanted in sources:
             layout, names = self._layout(key, plan, field)
             mine = {name: dests[name] for name in wanted}
-            path = f"{d}/{self._file_name(field)}"
+            path = f"{stem}.{self._file_name(field)}"
             try:
                 self._read_file(path, layout, names, mine, sink, head[:layout.header_len])
             except CorruptObject as e:
@@ -605,14 +625,15 @@ class FileStorage(ThreadedStorage):
         if stat.S_IMODE(os.lstat(path).st_mode) != self._dir_mode:
             os.chmod(path, self._dir_mode)
 
-    def _write(self, key_dir: str, name: str, layout: FileLayout, head, parts: list) -> None:
+    def _write(self, stem: str, name: str, layout: FileLayout, head, parts: list) -> None:
         """Write ``parts`` (``(offset, buffers)`` each) and then the header (into ``head``)
-        to a new file, renamed to ``name`` once whole. Each chunk of a part is hashed just
+        to a new file, renamed to ``<stem>.<name>`` once whole. Each chunk of a part is hashed just
         before it is written, so the kernel's copy reads it from the CPU's cache; the
         zeros between parts are holes of the file."""
-        tmp = f"{key_dir}/.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
+        shard, tail = stem.rsplit("/", 1)
+        tmp = f"{shard}/.{tail}.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
         direct = self.direct_writes and all(_aligned(bufs, offset) for offset, bufs in parts)
-        fd = self._create(key_dir, tmp, direct)
+        fd = self._create(shard, tmp, direct)
         try:
             try:
                 if stat.S_IMODE(os.fstat(fd).st_mode) != self._file_mode:  # the umask took bits
@@ -626,7 +647,7 @@ class FileStorage(ThreadedStorage):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, f"{key_dir}/{name}")
+            os.replace(tmp, f"{stem}.{name}")
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -634,20 +655,19 @@ class FileStorage(ThreadedStorage):
                 pass
             raise
         if self.capacity_bytes is not None:
-            self._account(Path(key_dir), layout.total)
+            self._account(stem, name, layout.total)
 
-    def _create(self, key_dir: str, tmp: str, direct: bool) -> int:
+    def _create(self, shard: str, tmp: str, direct: bool) -> int:
         """A new file ``tmp`` open for writing (with O_DIRECT when ``direct``; a filesystem
         that refuses it turns direct writes off for this store)."""
         made = False
         while True:
             try:
                 return os.open(tmp, _WRITE_FLAGS | (_O_DIRECT if direct else 0), self._file_mode)
-            except FileNotFoundError:  # the key's first object: make its directory
+            except FileNotFoundError:  # the shard's first object: make its directory
                 if made:
                     raise
-                self._mkdir(os.path.dirname(key_dir))
-                self._mkdir(key_dir)
+                self._mkdir(shard)
                 made = True
             except OSError as e:
                 if not (direct and e.errno == errno.EINVAL):
@@ -662,20 +682,21 @@ class FileStorage(ThreadedStorage):
             return False
 
     def _has_any(self, keys) -> list[bool]:
+        listed: dict[str, dict] = {}  # each shard listed once a batch
         out = []
         for key in keys:
-            try:
-                out.append(any(not e.name.startswith(".") for e in os.scandir(self._key_dir_name(key))))
-            except (FileNotFoundError, NotADirectoryError):
-                out.append(False)
+            shard, tail = self._stem(key).rsplit("/", 1)
+            if shard not in listed:
+                listed[shard] = self._listed(shard)
+            out.append(tail in listed[shard])
         return out
 
     def _remove_keys(self, keys) -> None:
         for key in keys:
-            d = self._key_dir(key)
-            shutil.rmtree(d, ignore_errors=True)
+            for path in self._key_files(key):
+                self._unlink(path)
             with self._lock:
-                self._total -= self._lru.pop(d, 0)
+                self._total -= sum(self._lru.pop(self._stem(key), {}).values())
 
     def _remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -684,44 +705,69 @@ class FileStorage(ThreadedStorage):
             self._lru.clear()
             self._total = 0
 
+    def _unlink(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:  # not one of ours, but at one of our names: gone with the key
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError as e:
+            self._fault("remove", e)
+
     # -- capacity ------------------------------------------------------------------------------
     def _scan(self) -> None:
-        dirs = []
-        for shard in self.root.iterdir():
-            for d in (shard.iterdir() if shard.is_dir() and not shard.is_symlink() else ()):
-                if not d.is_dir() or d.is_symlink():
+        """Seed the LRU order from the files found, each key as recent as its newest file."""
+        keys: dict[str, list] = {}  # stem -> [newest mtime, {name: bytes}]
+        with os.scandir(self.root) as shards:
+            for shard in shards:
+                if not shard.is_dir(follow_symlinks=False):
                     continue
-                size = sum(f.lstat().st_size for f in d.iterdir() if not f.name.startswith("."))
-                dirs.append((d.stat().st_mtime, d, size))
-        for _, d, size in sorted(dirs, key=lambda t: t[0]):
-            self._lru[d] = size
-            self._total += size
+                with os.scandir(shard.path) as entries:
+                    for e in entries:
+                        if e.name.startswith(".") or not e.is_file(follow_symlinks=False):
+                            continue
+                        tail, _, name = e.name.partition(".")
+                        st = e.stat(follow_symlinks=False)
+                        seen = keys.setdefault(f"{shard.path}/{tail}", [st.st_mtime, {}])
+                        seen[0] = max(seen[0], st.st_mtime)
+                        seen[1][name] = st.st_size
+        for stem, (_, files) in sorted(keys.items(), key=lambda kv: kv[1][0]):
+            self._lru[stem] = files
+            self._total += sum(files.values())
         self._evict()
 
-    def _account(self, key_dir: Path, nbytes: int) -> None:
+    def _account(self, stem: str, name: str, nbytes: int) -> None:
         with self._lock:
-            self._lru[key_dir] = self._lru.pop(key_dir, 0) + nbytes
-            self._total += nbytes
-        self._evict(keep=key_dir)
+            files = self._lru.pop(stem, {})
+            self._total += nbytes - files.get(name, 0)  # a file written again replaced the old one
+            files[name] = nbytes
+            self._lru[stem] = files
+        self._evict(keep=stem)
 
-    def _touch(self, key_dir: Path) -> None:
+    def _touch(self, stem: str, read: list) -> None:
+        """Mark the key at ``stem`` used: last in the LRU order, and its files ``read``
+        (``(field, parts)`` each) touched, whose mtimes order it at the next open."""
         with self._lock:
-            if key_dir in self._lru:
-                self._lru.move_to_end(key_dir)
-        try:
-            os.utime(key_dir)
-        except OSError:
-            pass
+            if stem in self._lru:
+                self._lru.move_to_end(stem)
+        for field, _ in read:
+            try:
+                os.utime(f"{stem}.{self._file_name(field)}")
+            except OSError:
+                pass
 
-    def _evict(self, keep: Path | None = None) -> None:
+    def _evict(self, keep: str | None = None) -> None:
         """Drop least recently used keys (never ``keep``) until the total fits the capacity."""
         while True:
             with self._lock:
-                victims = [d for d in self._lru if d != keep][:1]
-                if self._total <= self.capacity_bytes or not victims:
+                victim = next((stem for stem in self._lru if stem != keep), None)
+                if self._total <= self.capacity_bytes or victim is None:
                     return
-                self._total -= self._lru.pop(victims[0])
-            shutil.rmtree(victims[0], ignore_errors=True)
+                files = self._lru.pop(victim)
+                self._total -= sum(files.values())
+            for name in files:
+                self._unlink(f"{victim}.{name}")
             self._stats.add(evictions=1)
 
     def usage_bytes(self) -> int:
@@ -729,3 +775,11 @@ class FileStorage(ThreadedStorage):
         with self._lock:
             return self._total
 
+
+@functools.lru_cache(maxsize=64)
+def _holders(plan: PagePlan) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per part ``plan`` reads: the fields of the files a writer of its geometry can write
+    that hold it, whole-page writers first (see ``FileStorage._cover``)."""
+    fields = [field for field, _ in writer_files(plan)]
+    held = {field: {part for part, _ in field_parts(plan, field.rsplit("/", 1)[1]) or ()} for field in fields}
+    return tuple((part_name(p), tuple(f for f in fields if part_name(p) in held[f])) for p in plan.read_parts)

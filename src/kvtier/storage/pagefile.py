@@ -126,7 +126,7 @@ def file_field(plan: PagePlan, parts: list[Part]) -> str:
     return f"{plan.prefix}/g{groups[0]}-{groups[-1] + 1}of{plan.groups}{rep}"
 
 
-def _writer_files(plan: PagePlan) -> list[tuple[str, int]]:
+def writer_files(plan: PagePlan) -> list[tuple[str, int]]:
     """``(field, part count)`` of every file a writer of ``plan``'s geometry can write:
     each tensor-parallel size that divides the head groups, each of its ranks (rank 0's
     with the replicated part)."""
@@ -142,13 +142,13 @@ def _writer_files(plan: PagePlan) -> list[tuple[str, int]]:
 def longest_name(key_bytes: int, plan: PagePlan) -> int:
     """Bytes of the longest object name ``<key>#<field>`` of a key of ``key_bytes`` bytes
     in ``plan``'s geometry, over every file its writers can write."""
-    return key_bytes + 1 + max(len(field.encode()) for field, _ in _writer_files(plan))
+    return key_bytes + 1 + max(len(field.encode()) for field, _ in writer_files(plan))
 
 
 def header_room(key_bytes: int, plan: PagePlan) -> int:
     """The largest ``header_len`` of a file of a key of ``key_bytes`` bytes in ``plan``'s
     geometry (its name and a checksum per part), over every file its writers can write."""
-    return max(align_up(_FIXED.size + key_bytes + 1 + len(field.encode()) + 8 * n) for field, n in _writer_files(plan))
+    return max(align_up(_FIXED.size + key_bytes + 1 + len(field.encode()) + 8 * n) for field, n in writer_files(plan))
 
 
 def field_parts(plan: PagePlan, tail: str) -> list[tuple[str, int]] | None:
