@@ -239,6 +239,11 @@ def stored_keys(store: Path) -> dict[str, list[Path]]:
     return keys
 
 
+def field_name(path: Path) -> str:
+    """The field part of a ``file://`` object's name (``<h[2:]>.<field>``, its slashes as dots)."""
+    return path.name.partition(".")[2]
+
+
 def assert_clean(log: str) -> None:
     bad = [line for line in log.splitlines() if any(b in line for b in BAD_LINES)]
     assert not bad, "\n".join(bad[:20])

@@ -36,7 +36,7 @@ pytest.importorskip("sglang.srt")
 
 from kvtier.testing.checkpoints import prompt  # noqa: E402
 from tests.support.sglang_server import (FIXED, MAX_NEW, PAGE, Server, assert_clean, require_server_modules,  # noqa: E402
-                                         stored_keys, write_standin)
+                                         field_name, stored_keys, write_standin)
 
 WINDOW = 64
 LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -140,8 +140,8 @@ def test_storage_holds_sliding_pages_beside_full_ones(first, store):
     kv = set(keys) - swa
     assert swa and kv and len(swa) < len(kv), (len(swa), len(kv))
     assert {k[:-len("~swa")] for k in swa} <= kv  # a sliding page is a page of the full pool too
-    assert all(p.name.startswith("L3-") for k in swa for p in keys[k])
-    assert all(p.name.startswith("L1-") for k in kv for p in keys[k])
+    assert all(field_name(p).startswith("L3-") for k in swa for p in keys[k])
+    assert all(field_name(p).startswith("L1-") for k in kv for p in keys[k])
     # C alone: a KV object for each whole page of its prompt and answer; ~swa objects
     # for the window before each stored node's end only (the prompt's node and the
     # answer's: 4 or 5 pages of 16 tokens)

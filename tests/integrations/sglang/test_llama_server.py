@@ -23,7 +23,8 @@ import pytest
 pytest.importorskip("sglang.srt")
 
 from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
-from tests.support.sglang_server import FIXED, MAX_NEW, PAGE, Server, assert_clean, require_server_modules, stored_keys  # noqa: E402
+from tests.support.sglang_server import (FIXED, MAX_NEW, PAGE, Server, assert_clean, field_name, require_server_modules,  # noqa: E402
+                                         stored_keys)
 from tests.support.sglang_server import write_standin  # noqa: E402
 
 #: ~360 tokens each, first pages all different (sglang's default prefetch_threshold is 256 tokens)
@@ -126,7 +127,7 @@ def test_a_flushed_prompt_comes_back_from_storage(model, store, standin, work):
         # an object per whole page of each prompt and its answer (less the last token): one file, both KV heads
         pages = sum((p.prompt_tokens + MAX_NEW - 1) // PAGE for p in (cold, b))
         assert len(keys) == pages, (len(keys), pages)
-        assert all("~" not in k and [f.name for f in files] == [f"{SPEC}.p{PAGE}.g0-2of2"]
+        assert all("~" not in k and [field_name(f) for f in files] == [f"{SPEC}.p{PAGE}.g0-2of2"]
                    for k, files in keys.items()), sorted(keys.items())[:2]
         assert_clean(server.log_text())
     finally:
