@@ -139,6 +139,17 @@ def test_a_keys_files_sit_side_by_side_in_its_shard(tmp_path):
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
 
 
+def test_a_bound_miss_asks_each_name_once(tmp_path):
+    """A missing key's own file, then the files of its other writers (the other-TP cover):
+    no name is asked twice."""
+    store = kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, page_size=4)
+    asked = []
+    is_object = store._is_object
+    store._is_object = lambda path: asked.append(path) or is_object(path)
+    assert store.exists_each(keys_for(2)) == [False, False]
+    assert len(asked) == len(set(asked)) > 2
+
+
 def test_keys_never_leave_the_directory(tmp_path):
     host, idx = filled_host(SPEC, 1)
     root = tmp_path / "store"

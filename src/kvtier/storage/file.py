@@ -289,14 +289,16 @@ class FileStorage(ThreadedStorage):
             out.append((f"{plan.prefix}/g0-{len(groups)}of{plan.groups}+rep", ["rep"]))
         return out
 
-    def _cover(self, stem: str, plan: PagePlan) -> list[tuple[str, list[str]]] | None:
+    def _cover(self, stem: str, plan: PagePlan,
+               there: dict[str, bool] | None = None) -> list[tuple[str, list[str]]] | None:
         """Files of the key at ``stem`` that together hold every part the reader needs
         (written by another tensor-parallel size than the reader's), with the parts to
         read from each. For each part still lacking, the files that can hold it are
         looked for (whole-page writers first) until one is there; a part no file holds
-        ends the search: a miss asks as many names as the head groups have divisors."""
+        ends the search: a miss asks as many names as the head groups have divisors.
+        ``there``: fields already asked for (whether each is there), not asked again."""
         out: dict[str, list[str]] = {}
-        there: dict[str, bool] = {}
+        there = dict(there or {})
         for wanted, fields in _holders(plan):
             for field in fields:
                 if field not in there:
@@ -343,8 +345,8 @@ class FileStorage(ThreadedStorage):
             out = []
             for key in keys:
                 stem = self._stem(key)
-                out.append(all(self._is_object(f"{stem}.{self._file_name(f)}") for f, _ in sources)
-                           or self._cover(stem, self._bound) is not None)
+                there = {f: self._is_object(f"{stem}.{self._file_name(f)}") for f, _ in sources}
+                out.append(all(there.values()) or self._cover(stem, self._bound, there) is not None)
             return out
         except Exception as e:  # a storage fault is a miss, never an exception for the caller
             self._fault("exists", e)
