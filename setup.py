@@ -12,6 +12,7 @@ import sys
 from setuptools import Extension, setup
 
 _ARGS = [] if sys.platform == "win32" else ["-O3", "-std=c99"]
+_THREADS = [] if sys.platform == "win32" else ["-pthread"]  # _pageio's hasher beside each reader
 
 setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_native.c"],
                              optional=True, extra_compile_args=_ARGS),
@@ -22,4 +23,4 @@ setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_n
                    Extension("kvtier.storage._pageio",
                              ["src/kvtier/storage/_pageio.c", "src/kvtier/storage/_pageio_read.c"],
                              depends=["src/kvtier/storage/_pageio.h"],
-                             optional=True, extra_compile_args=_ARGS)])
+                             optional=True, extra_compile_args=_ARGS + _THREADS, extra_link_args=_THREADS)])

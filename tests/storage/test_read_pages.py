@@ -195,10 +195,13 @@ def _staged_expected(pool_pages, contents, wanted):
     return want
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["cached", "cold"])
-def test_staged_parts_are_copied_out_only_once_their_file_checks_out(tmp_path, direct):
+@pytest.mark.parametrize("direct,slots", [(False, 1), (True, 1), (True, 2)],
+                         ids=["cached", "cold", "cold-two-files-of-staging"])
+def test_staged_parts_are_copied_out_only_once_their_file_checks_out(tmp_path, direct, slots):
     """Staged pieces (arrays of strided rows) are read into staging and copied to their
-    rows; a file with a damaged part moves no byte into the pool, staged or not."""
+    rows; a file with a damaged part moves no byte into the pool, staged or not. With
+    staging for two files, a cold file is judged while the next one is read into the
+    other half."""
     if direct and not _direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     pages = {"a": 0, "b": 3}
@@ -210,8 +213,8 @@ def test_staged_parts_are_copied_out_only_once_their_file_checks_out(tmp_path, d
         f.seek(FileLayout("c#f", SIZES).offsets[3] + 5)
         f.write(bytes([bad[3][5]]))
     files, layout = _files(tmp_path, {**pages, "c": 1})
-    raw = np.zeros(32768 + ALIGN, dtype=np.uint8)
-    staging = raw[-raw.ctypes.data % ALIGN:][:32768]
+    raw = np.zeros(slots * 32768 + ALIGN, dtype=np.uint8)
+    staging = raw[-raw.ctypes.data % ALIGN:][:slots * 32768]
     want = _staged_expected(pages, contents, range(4))
     for _ in range(20 if direct else 1):
         if direct:
@@ -226,3 +229,30 @@ def test_staged_parts_are_copied_out_only_once_their_file_checks_out(tmp_path, d
     assert np.array_equal(pool, want)  # page 1 (the damaged file's) untouched
     with pytest.raises(ValueError, match="need 32768 bytes of staging, got 4096"):
         pageio.read_pages(pool, layout.header_len, layout.total, 4, _staged(range(4)), files, False, staging[:4096])
+
+
+def test_cold_files_are_judged_in_order_while_the_next_is_read(tmp_path):
+    """A batch of cold files among missing and damaged ones: each cold file is hashed
+    while the next is read, and every status is its own file's (a damaged file between
+    good ones is not read, the good ones after it are)."""
+    if not _direct_allowed(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    (tmp_path / "direct-probe").unlink()
+    pages = {"a": 0, "b": 2, "c": 3}
+    contents = {name: _write(tmp_path / name, f"{name}#f") for name in pages}
+    bad = _write(tmp_path / "d", "d#f")
+    with open(tmp_path / "d", "r+b") as f:
+        f.seek(FileLayout("d#f", SIZES).offsets[1] + 3)
+        f.write(bytes([bad[1][3] ^ 1]))
+    files, layout = _files(tmp_path, {"a": 0, "m": 1, "d": 1, "b": 2, "c": 3})
+    for _ in range(20):
+        evict_cached(tmp_path)
+        pool = _pool()
+        got = _read(pool, files, layout, direct=True)
+        if got[0] == got[3] == got[4] == pageio.DIRECT:
+            break
+        time.sleep(0.05)
+    assert got == [pageio.DIRECT, pageio.MISSING, pageio.OTHER, pageio.DIRECT, pageio.DIRECT]
+    want = _expected(pages, contents, range(4))
+    for page in pages.values():  # the damaged file's page may hold what was read of it
+        assert np.array_equal(pool[page * STEP:(page + 1) * STEP], want[page * STEP:(page + 1) * STEP])

@@ -398,7 +398,7 @@ class FileStorage(ThreadedStorage):
         t0 = time.perf_counter()
 
         def get_chunk(chunk: range) -> None:
-            scratch = self._scratch(head_room, copies)
+            scratch = self._scratch(head_room, copies, files=2 if compiled and self.direct_io else 1)
             read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2]) if compiled else ()
             for i in chunk:
                 if i in read:
@@ -420,16 +420,18 @@ class FileStorage(ThreadedStorage):
         return loaded
 
     # -- one page ----------------------------------------------------------------------------------
-    def _scratch(self, head_room: int, copies: _Page) -> tuple:
+    def _scratch(self, head_room: int, copies: _Page, files: int = 1) -> tuple:
         """This thread's ``(sink, head, staging)`` from its aligned arena: ``ALIGN`` bytes that
-        take the zeros between parts a read skips, ``head_room`` for a header, then staging.
+        take the zeros between parts a read skips, ``head_room`` for a header, then staging
+        for ``files`` pages at once (the compiled reader hashes a cold file while it reads
+        the next one).
         NOTE: kept with the arena it was cut from: a batch asks once per page, and the
         slicing costs tens of us once a page's copy has pushed it out of the CPU's caches."""
-        shape = (head_room, copies.staging_bytes)
+        shape = (head_room, files * copies.staging_bytes)
         last = getattr(self._local, "scratch", None)
         if last is not None and last[0] == shape and last[1] is getattr(self._local, "arena", None):
             return last[2]
-        arena = self._arena(ALIGN + head_room + copies.staging_bytes, align=ALIGN)
+        arena = self._arena(ALIGN + head_room + shape[1], align=ALIGN)
         out = arena[:ALIGN], arena[ALIGN:ALIGN + head_room], arena[ALIGN + head_room:]
         self._local.scratch = shape, self._local.arena, out
         return out
