@@ -149,8 +149,9 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
     caller's hashes each cold file while the next one is read.
 
     Per file one status: ``READ``, ``DIRECT`` (read with O_DIRECT), ``MISSING``, ``COLD``
-    (cold, but the file system refuses O_DIRECT: nothing read) or ``OTHER``: for the caller's own path to read again and judge. A
-    page whose file is not read may hold bytes read meanwhile. Raises ``ValueError``
+    (cold, but the file system refuses O_DIRECT: nothing read) or ``OTHER``: for the
+    caller's own path to read again and judge. A page whose file is not read may hold
+    bytes read meanwhile. Raises ``ValueError``
     (nothing read) for a piece of any page outside ``pool``."""
     if not compiled():
         return None
