@@ -195,13 +195,13 @@ def _staged_expected(pool_pages, contents, wanted):
     return want
 
 
-@pytest.mark.parametrize("direct,slots", [(False, 1), (True, 1), (True, 2)],
-                         ids=["cached", "cold", "cold-two-files-of-staging"])
+@pytest.mark.parametrize("direct,slots", [(False, 1), (True, 1), (True, 2), (True, 4)],
+                         ids=["cached", "cold", "cold-two-files-of-staging", "cold-four-files-of-staging"])
 def test_staged_parts_are_copied_out_only_once_their_file_checks_out(tmp_path, direct, slots):
     """Staged pieces (arrays of strided rows) are read into staging and copied to their
     rows; a file with a damaged part moves no byte into the pool, staged or not. With
-    staging for two files, a cold file is judged while the next one is read into the
-    other half."""
+    staging for two files or more, a cold file is judged while the next one is read
+    into the next stretch."""
     if direct and not _direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     pages = {"a": 0, "b": 3}

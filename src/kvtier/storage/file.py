@@ -210,6 +210,7 @@ class FileStorage(ThreadedStorage):
     OPTIONS = {**ThreadedStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool),
                "shared": Opt(bool), "direct_io": Opt(bool), "direct_writes": Opt(bool)}
     CHUNK_BYTES = 4 << 20  # about a core's share of the CPU cache: staged parts are checked while cached
+    READ_STAGING_BYTES = 16 << 20  # a reader thread's staging for cold files, at most (see _staged_files)
 
     def __init__(self, path: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = False,
                  shared: bool = False, direct_io: bool = True, direct_writes: bool = False, **options) -> None:
@@ -398,7 +399,7 @@ class FileStorage(ThreadedStorage):
         t0 = time.perf_counter()
 
         def get_chunk(chunk: range) -> None:
-            scratch = self._scratch(head_room, copies, files=2 if compiled and self.direct_io else 1)
+            scratch = self._scratch(head_room, copies, files=self._staged_files(copies) if compiled else 1)
             read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2]) if compiled else ()
             for i in chunk:
                 if i in read:
@@ -420,6 +421,18 @@ class FileStorage(ThreadedStorage):
         return loaded
 
     # -- one page ----------------------------------------------------------------------------------
+    def _staged_files(self, copies: _Page) -> int:
+        """How many files' staging the compiled reader gets: one without direct reads; else
+        two at least (a cold file is hashed while the next is read), up to 8 within
+        ``READ_STAGING_BYTES``, taken file after file.
+        NOTE: O_DIRECT reads into the same staging file after file took about twice as
+        long as reads into the pool on this VM's disk, and one stretch per file of a call
+        recovered most of it (in one process, alternating page_first and page_head pools
+        over the same cold files)."""
+        if not self.direct_io:
+            return 1
+        return max(2, min(8, self.READ_STAGING_BYTES // max(copies.staging_bytes, 1)))
+
     def _scratch(self, head_room: int, copies: _Page, files: int = 1) -> tuple:
         """This thread's ``(sink, head, staging)`` from its aligned arena: ``ALIGN`` bytes that
         take the zeros between parts a read skips, ``head_room`` for a header, then staging
