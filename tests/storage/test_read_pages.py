@@ -256,3 +256,34 @@ def test_cold_files_are_judged_in_order_while_the_next_is_read(tmp_path):
     want = _expected(pages, contents, range(4))
     for page in pages.values():  # the damaged file's page may hold what was read of it
         assert np.array_equal(pool[page * STEP:(page + 1) * STEP], want[page * STEP:(page + 1) * STEP])
+
+
+def test_staged_cold_and_warm_files_of_one_batch_keep_apart(tmp_path):
+    """Staging for four files: warm files are read into its first stretch, cold ones in
+    turn into the others; a batch of cold, warm, cold, missing and cold files lands
+    bit-exactly, each at its page."""
+    if not _direct_allowed(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    (tmp_path / "direct-probe").unlink()
+    cold_dir, warm_dir = tmp_path / "cold", tmp_path / "warm"
+    cold_dir.mkdir(), warm_dir.mkdir()
+    where = {"a": cold_dir, "b": warm_dir, "c": cold_dir, "d": cold_dir}
+    pages = {"a": 0, "b": 1, "c": 2, "d": 3}
+    contents = {name: _write(where[name] / name, f"{name}#f") for name in pages}
+    layout = FileLayout("k#f", SIZES)
+    files = [(str(where[name] / name), FileLayout(f"{name}#f", SIZES).prefix(), page) for name, page in pages.items()]
+    files.insert(3, (str(cold_dir / "m"), FileLayout("m#f", SIZES).prefix(), 0))
+    raw = np.zeros(4 * 32768 + ALIGN, dtype=np.uint8)
+    staging = raw[-raw.ctypes.data % ALIGN:][:4 * 32768]
+    want = [pageio.DIRECT, pageio.READ, pageio.DIRECT, pageio.MISSING, pageio.DIRECT]
+    for _ in range(20):
+        evict_cached(cold_dir)
+        (warm_dir / "b").read_bytes()
+        pool = _pool()
+        got = list(pageio.read_pages(pool, layout.header_len, layout.total, 4, _staged(range(4)), files, True,
+                                     staging))
+        if got == want:
+            break
+        time.sleep(0.05)
+    assert got == want
+    assert np.array_equal(pool, _staged_expected(pages, contents, range(4)))

@@ -21,9 +21,9 @@
  * NOTE: O_DIRECT reads into the same staging file after file took about twice as long
  * as reads into the pool on this VM (1.36 against 0.86 ms a 1.4 MiB file), which neither
  * huge pages nor flushing the staging from the CPU's cache changed; so where the caller's
- * staging holds more than two files, each file of a call takes the next stretch of it:
- * in one process alternating cold reads of the same files into page_first and page_head
- * pools, page_first went from 0.55-0.7x of page_head to about 1x.
+ * staging holds three files or more, warm files use its first stretch and cold ones the
+ * others in turn: in one process alternating cold reads of the same files into
+ * page_first and page_head pools, page_first went from about 0.55x of page_head to 0.85x.
  */
 #include "_pageio.h"
 
@@ -83,7 +83,8 @@ typedef struct {
     Py_ssize_t prefix_len;
     long long page;
     unsigned char *head;
-    char *staging;     /* its staged pieces (sh->staged bytes) */
+    char *staging;     /* its staged pieces (sh->staged bytes): warm_staging or cold_staging */
+    char *warm_staging, *cold_staging;
     span_t *spans;     /* its pieces in the pool */
     struct iovec *iov; /* its runs' buffers, one run after another */
     unsigned long long *sums;
@@ -298,9 +299,6 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
     struct stat st;
     if (fstat(r->fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != sh->total)
         goto out;
-    for (Py_ssize_t k = 0; k < sh->npieces; k++)
-        r->spans[k] = (span_t){sh->ndim[k] ? r->staging + sh->stage_at[k] : sh->flat + sh->start[k] + page * sh->step[k],
-                               sh->len[k]};
     if (sh->cold_check) {
         cold = is_cold(r->fd, sh->total, sh->page_bytes);
         if (cold == -1) { /* ask for the header without waiting: read when cached */
@@ -318,6 +316,10 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
             goto out;
         }
     }
+    r->staging = cold ? r->cold_staging : r->warm_staging;
+    for (Py_ssize_t k = 0; k < sh->npieces; k++)
+        r->spans[k] = (span_t){sh->ndim[k] ? r->staging + sh->stage_at[k] : sh->flat + sh->start[k] + page * sh->step[k],
+                               sh->len[k]};
     if (cold) {
         /* read with O_DIRECT: about twice a buffered read's speed from disk here, and it
          * leaves the page cache to the host tier's own copy */
@@ -398,13 +400,17 @@ static void read_files(reader_t *slot, int nslots, Py_ssize_t nfiles, PyObject *
                        const Py_ssize_t *prefix_lens, const long long *pages, unsigned char *status) {
     hasher_t h = {.slot = slot};
     int started = 0, tried = nslots < 2;
+    /* stretches of one file's staging in the caller's; with two, each slot keeps its own */
+    long long stretches = nslots == 2 && slot->sh->staged ? slot->sh->staging_len / slot->sh->staged : 0, pending = 0;
     for (Py_ssize_t f = 0, s = 0; f < nfiles; f++) {
         reader_t *r = &slot[s];
         if (started)
             hasher_wait(&h, (int)s);
         r->status = &status[f];
-        if (nslots == 2 && r->sh->staged) /* file after file through the stretches of staging (NOTE above) */
-            r->staging = r->sh->staging + f % (r->sh->staging_len / r->sh->staged) * r->sh->staged;
+        if (stretches >= 3) { /* warm files in the first stretch, cold ones in turn through the others (NOTE above) */
+            r->warm_staging = r->sh->staging;
+            r->cold_staging = r->sh->staging + (1 + pending % (stretches - 1)) * r->sh->staged;
+        }
         int got = read_file(r, PyBytes_AS_STRING(paths[f]), prefixes[f], prefix_lens[f], pages[f]);
         if (got == READ_PENDING && !tried && f + 1 < nfiles) { /* the first cold file, more to come */
             tried = 1;
@@ -421,7 +427,10 @@ static void read_files(reader_t *slot, int nslots, Py_ssize_t nfiles, PyObject *
         }
         if (got != READ_PENDING) {
             status[f] = (unsigned char)got;
-        } else if (started) {
+            continue;
+        }
+        pending++; /* its stretch stays the hasher's until the file is judged */
+        if (started) {
             hasher_post(&h, (int)s);
             s = (s + 1) % nslots;
         } else {
@@ -659,7 +668,8 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
             PyErr_NoMemory();
             goto done;
         }
-        r->sh = &sh, r->zeros = zeros, r->sink = sink, r->staging = sh.staging ? sh.staging + s * sh.staged : NULL;
+        r->sh = &sh, r->zeros = zeros, r->sink = sink;
+        r->staging = r->warm_staging = r->cold_staging = sh.staging ? sh.staging + s * sh.staged : NULL;
     }
     for (f = 0; f < nfiles; f++) { /* every file checked before any byte moves */
         PyObject *path, *prefix;

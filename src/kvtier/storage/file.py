@@ -424,7 +424,7 @@ class FileStorage(ThreadedStorage):
     def _staged_files(self, copies: _Page) -> int:
         """How many files' staging the compiled reader gets: one without direct reads; else
         two at least (a cold file is hashed while the next is read), up to 8 within
-        ``READ_STAGING_BYTES``, taken file after file.
+        ``READ_STAGING_BYTES`` (warm files use the first, cold ones the others in turn).
         NOTE: O_DIRECT reads into the same staging file after file took about twice as
         long as reads into the pool on this VM's disk, and one stretch per file of a call
         recovered most of it (in one process, alternating page_first and page_head pools
