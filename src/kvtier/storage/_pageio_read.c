@@ -191,8 +191,10 @@ static int set_direct(reader_t *r, int on) {
     r->direct = on;
     return 0;
 #else
+    if (!on)
+        return 0;
     errno = EINVAL;
-    return on ? -1 : 0;
+    return -1;
 #endif
 }
 
@@ -387,6 +389,30 @@ static void hasher_wait(hasher_t *h, int s) {
     pthread_mutex_unlock(&h->lock);
 }
 
+/* The hasher's lock, condition and thread; 1, or 0 with nothing left to undo. */
+static int hasher_start(hasher_t *h) {
+    if (pthread_mutex_init(&h->lock, NULL) != 0)
+        return 0;
+    if (pthread_cond_init(&h->cond, NULL) == 0) {
+        if (pthread_create(&h->thread, NULL, hasher_main, h) == 0)
+            return 1;
+        pthread_cond_destroy(&h->cond);
+    }
+    pthread_mutex_destroy(&h->lock);
+    return 0;
+}
+
+/* The hasher ended once every file posted is judged, and its lock and condition gone. */
+static void hasher_stop(hasher_t *h) {
+    pthread_mutex_lock(&h->lock);
+    h->stop = 1;
+    pthread_cond_broadcast(&h->cond);
+    pthread_mutex_unlock(&h->lock);
+    pthread_join(h->thread, NULL);
+    pthread_cond_destroy(&h->cond);
+    pthread_mutex_destroy(&h->lock);
+}
+
 static void hasher_post(hasher_t *h, int s) {
     pthread_mutex_lock(&h->lock);
     h->busy[s] = 1, h->queue[h->queued++] = s;
@@ -414,16 +440,7 @@ static void read_files(reader_t *slot, int nslots, Py_ssize_t nfiles, PyObject *
         int got = read_file(r, PyBytes_AS_STRING(paths[f]), prefixes[f], prefix_lens[f], pages[f]);
         if (got == READ_PENDING && !tried && f + 1 < nfiles) { /* the first cold file, more to come */
             tried = 1;
-            if (pthread_mutex_init(&h.lock, NULL) == 0) {
-                if (pthread_cond_init(&h.cond, NULL) == 0) {
-                    if (pthread_create(&h.thread, NULL, hasher_main, &h) == 0)
-                        started = 1;
-                    else
-                        pthread_cond_destroy(&h.cond);
-                }
-                if (!started)
-                    pthread_mutex_destroy(&h.lock);
-            }
+            started = hasher_start(&h);
         }
         if (got != READ_PENDING) {
             status[f] = (unsigned char)got;
@@ -438,15 +455,8 @@ static void read_files(reader_t *slot, int nslots, Py_ssize_t nfiles, PyObject *
             close(r->fd);
         }
     }
-    if (started) {
-        pthread_mutex_lock(&h.lock);
-        h.stop = 1;
-        pthread_cond_broadcast(&h.cond);
-        pthread_mutex_unlock(&h.lock);
-        pthread_join(h.thread, NULL);
-        pthread_cond_destroy(&h.cond);
-        pthread_mutex_destroy(&h.lock);
-    }
+    if (started)
+        hasher_stop(&h);
 }
 
 /* Piece k's dims and byte strides (None, None: in place) and its extent in the pool;

@@ -146,13 +146,14 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
     O_DIRECT, one request per run of parts that follow each other in the file, then
     hashed; a run whose buffers are not aligned for it is read buffered. Where
     ``staging`` holds two files' staged parts (or none are staged), a thread beside the
-    caller's hashes each cold file while the next one is read.
+    caller's hashes each cold file while the next one is read; where it holds three or
+    more, warm files use its first stretch and cold ones the others in turn.
 
     Per file one status: ``READ``, ``DIRECT`` (read with O_DIRECT), ``MISSING``, ``COLD``
     (cold, but the file system refuses O_DIRECT: nothing read) or ``OTHER``: for the
     caller's own path to read again and judge. A page whose file is not read may hold
-    bytes read meanwhile. Raises ``ValueError``
-    (nothing read) for a piece of any page outside ``pool``."""
+    bytes read meanwhile. Raises ``ValueError`` (nothing read) for a piece of any page
+    outside ``pool``."""
     if not compiled():
         return None
     if staging is None:
