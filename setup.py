@@ -15,12 +15,12 @@ _ARGS = [] if sys.platform == "win32" else ["-O3", "-std=c99"]
 _THREADS = [] if sys.platform == "win32" else ["-pthread"]  # _pageio's hasher beside each reader
 
 setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_native.c"],
-                             optional=True, extra_compile_args=_ARGS),
+                             depends=["src/kvtier/_lines.h"], optional=True, extra_compile_args=_ARGS),
                    Extension("kvtier.cache._tokens", ["src/kvtier/cache/_tokens.c"],
                              optional=True, extra_compile_args=_ARGS),
                    Extension("kvtier.pools._indices", ["src/kvtier/pools/_indices.c"],
                              optional=True, extra_compile_args=_ARGS),
                    Extension("kvtier.storage._pageio",
                              ["src/kvtier/storage/_pageio.c", "src/kvtier/storage/_pageio_read.c"],
-                             depends=["src/kvtier/storage/_pageio.h"],
+                             depends=["src/kvtier/storage/_pageio.h", "src/kvtier/_lines.h"],
                              optional=True, extra_compile_args=_ARGS + _THREADS, extra_link_args=_THREADS)])

@@ -24,9 +24,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
+
+#include "../_lines.h"
 
 #define MAX_DIMS 6
 /* Bytes of source prefetched ahead of the block being copied (measured on the reference
@@ -152,40 +151,22 @@ static int check_side(const Plan *p, const int64_t *page, const int64_t *stride,
  * lines into cache first (a plain store reads each line before writing it: a third
  * of the memory traffic of a copy). */
 static int whole_lines(const Plan *p, const char *dst, size_t block) {
-#if defined(__SSE2__)
-    if (block % 64 != 0 || ((uintptr_t)dst) % 64 != 0)
+    if (!lines_ok(dst, block))
         return 0;
     for (Py_ssize_t j = 0; j < p->ndim; j++)
-        if (p->dst_stride[j] % 64 != 0)
+        if (p->dst_stride[j] % LINE != 0)
             return 0;
     for (Py_ssize_t i = 0; i < p->pages; i++)
-        if (p->dst_page[i] % 64 != 0)
+        if (p->dst_page[i] % LINE != 0)
             return 0;
     return 1;
-#else
-    (void)p, (void)dst, (void)block;
-    return 0;
-#endif
 }
 
 static inline void copy_block(char *dst, const char *src, size_t block, int stream) {
-#if defined(__SSE2__)
-    if (stream) {
-        for (size_t k = 0; k < block; k += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(src + k));
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + k + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + k + 32));
-            __m128i d = _mm_loadu_si128((const __m128i *)(src + k + 48));
-            _mm_stream_si128((__m128i *)(dst + k), a);
-            _mm_stream_si128((__m128i *)(dst + k + 16), b);
-            _mm_stream_si128((__m128i *)(dst + k + 32), c);
-            _mm_stream_si128((__m128i *)(dst + k + 48), d);
-        }
-        return;
-    }
-#endif
-    (void)stream;
-    memcpy(dst, src, block);
+    if (stream)
+        copy_lines(dst, src, block);
+    else
+        memcpy(dst, src, block);
 }
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -220,10 +201,8 @@ static ALWAYS_INLINE void copy_all_sized(const Plan *p, char *dst, const char *s
         copy_block(dst + cur.dst, src + cur.src, block, stream);
         cursor_next(p, &cur);
     }
-#if defined(__SSE2__)
     if (stream)
-        _mm_sfence(); /* streaming stores are weakly ordered: make them visible before returning */
-#endif
+        lines_fence(); /* make the streaming stores visible before returning */
 }
 
 /* NOTE: copy_all_sized compiled once per common block size (a head's dims at 2 bytes:
