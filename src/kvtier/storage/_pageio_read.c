@@ -25,9 +25,9 @@
  * others in turn: in one process alternating cold reads of the same files into
  * page_first and page_head pools, page_first went from about 0.55x of page_head to 0.85x.
  * NOTE: the copy out of staging writes whole lines with streaming stores (the pool's page
- * is not read back soon): plain stores first read each line of the pool they write, and
+ * is not read back soon), since a plain store first reads the line of the pool it writes:
  * 1.4 MiB page_first pages read from the page cache at 0.68-0.73x of raw files' reads
- * with them, 0.97-1.04x without them (alternated A/B, kvtier bench storage).
+ * with plain stores, 0.97-1.04x with streaming ones (alternated A/B, kvtier bench storage).
  */
 #include "_pageio.h"
 #include "../_lines.h"
