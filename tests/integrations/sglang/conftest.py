@@ -9,7 +9,18 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.support.shm import removes_leftovers
+
 if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("torchvision") is None:
     import transformers  # noqa: F401 - see the NOTE above
 
     sys.path.insert(0, str(Path(__file__).parent / "standin"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shm_leftovers():
+    """The slot files sglang's killed servers leave in /dev/shm removed after the session."""
+    with removes_leftovers("sglang_loads_"):
+        yield
