@@ -4,7 +4,6 @@ host tier, new engines take them from storage, and greedy tokens never change â€
 not with corrupt objects, nor with storage down."""
 
 import os
-import socket
 
 import pytest
 
@@ -19,7 +18,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
-from tests.support.services import RedisServer  # noqa: E402
+from tests.support.services import RedisServer, free_port  # noqa: E402
 from tests.support.vllm_rig import close_llm, generate  # noqa: E402
 
 PROMPT_WORDS = 300  # about 620 tokens: 19 full blocks of 32
@@ -105,9 +104,7 @@ def test_host_tier_then_storage_reuse_with_identical_tokens(gqa_model, tmp_path)
 
 
 def test_down_storage_gives_misses_and_the_same_tokens(gqa_model):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     reference = _engine(gqa_model, kvtier=False)
     want, _, lengths = _run(reference, _prompts())
     _close(reference)

@@ -119,11 +119,9 @@ def test_slow_storage_never_blocks_lookups_and_times_out_into_misses(tmp_path):
 
 
 def test_down_storage_is_a_miss(tmp_path):
-    import socket
+    from tests.support.services import free_port
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     try:
         store = kvtier.storage.open(f"redis://127.0.0.1:{port}/0?socket_connect_timeout=0.2")
     except ValueError as e:  # no redis client in this environment
