@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvtier-installed
 
 .PHONY: demo test test-vllm test-sglang bench gpu-check install clean
 
-$(STAMP): pyproject.toml Makefile setup.py src/kvtier/transfer/_native.c src/kvtier/cache/_tokens.c src/kvtier/pools/_indices.c src/kvtier/storage/_pageio.c src/kvtier/storage/_pageio_read.c src/kvtier/storage/_pageio.h src/kvtier/_lines.h
+$(STAMP): pyproject.toml Makefile setup.py src/kvtier/transfer/_native.c src/kvtier/cache/_tokens.c src/kvtier/pools/_indices.c src/kvtier/storage/_pageio.c src/kvtier/storage/_pageio_read.c src/kvtier/storage/_pageio_shape.c src/kvtier/storage/_pageio_write.c src/kvtier/storage/_pageio.h src/kvtier/_lines.h
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test,demo]"

@@ -21,6 +21,7 @@ setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_n
                    Extension("kvtier.pools._indices", ["src/kvtier/pools/_indices.c"],
                              optional=True, extra_compile_args=_ARGS),
                    Extension("kvtier.storage._pageio",
-                             ["src/kvtier/storage/_pageio.c", "src/kvtier/storage/_pageio_read.c"],
+                             ["src/kvtier/storage/_pageio.c", "src/kvtier/storage/_pageio_read.c",
+                              "src/kvtier/storage/_pageio_shape.c", "src/kvtier/storage/_pageio_write.c"],
                              depends=["src/kvtier/storage/_pageio.h", "src/kvtier/_lines.h"],
                              optional=True, extra_compile_args=_ARGS + _THREADS, extra_link_args=_THREADS)])

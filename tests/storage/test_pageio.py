@@ -176,14 +176,16 @@ def test_preallocate_reserves_the_file_or_says_it_did_not(tmp_path, monkeypatch)
         os.close(fd)
 
 
-def test_the_file_store_reserves_each_file_whole_before_writing_it(tmp_path, monkeypatch):
-    """Every page file is preallocated at its full length, once, before its parts are
+def test_the_file_stores_own_writes_reserve_each_file_whole_before_writing_it(tmp_path, monkeypatch):
+    """On the per-file path (the compiled writer's, ``write_pages``, calls fallocate in
+    C), every page file is preallocated at its full length, once, before its parts are
     written (a file the disk holds in one extent reads back cold in one request)."""
     import torch
 
     import kvtier.storage
     from kvtier import HostKVPool, KVSpec
 
+    monkeypatch.setattr(pageio, "write_pages", lambda *a: None)
     asked = []
     real = pageio.preallocate
     monkeypatch.setattr(pageio, "preallocate", lambda fd, n: asked.append((os.fstat(fd).st_size, n)) or real(fd, n))

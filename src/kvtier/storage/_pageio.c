@@ -285,6 +285,7 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, bind_doc},
     {"move", move, METH_VARARGS, move_doc},
     {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
+    {"write_pages", write_pages, METH_VARARGS, write_pages_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,6 @@
-/* What the two halves of kvtier.storage._pageio share: the xxh3 calls bound at import
- * (see bind in _pageio.c), and the loop that moves and hashes a file's parts. */
+/* What the parts of kvtier.storage._pageio share: the xxh3 calls bound at import (see
+ * bind in _pageio.c), the loop that moves and hashes a file's parts, and the shape of a
+ * batch of page files (_pageio_shape.c) that read_pages and write_pages move. */
 #ifndef KVTIER_PAGEIO_H
 #define KVTIER_PAGEIO_H
 
@@ -31,6 +32,57 @@ typedef struct {
     Py_ssize_t first, count;
 } part_t;
 
+#define ALIGN 4096 /* of each staged part in staging, and of direct I/O */
+#define MAX_HEADER (1 << 20)
+#define MAX_DIMS 8 /* of a staged piece */
+
+/* What every file of one read_pages or write_pages call shares: its layout, and where
+ * its parts are in the pool. */
+typedef struct {
+    const char *what; /* the call, for its errors */
+    char *flat;
+    long long flat_len, header_len, total, page_bytes;
+    Py_ssize_t nsums, nparts, npieces;
+    Py_ssize_t *sum_index;   /* per wanted part: its checksum's index in the header */
+    part_t *parts;           /* per wanted part: its file offset, its pieces */
+    long long *start, *step; /* per piece: its bytes in the pool are flat[start + page * step], len of them */
+    size_t *len;
+    /* per piece: 0 (in place: moved straight between the file and the pool), or the
+     * dims of a staged piece, which moves through staging (read: copied out to the pool
+     * once the file checks out; written: gathered into it first) as an array of these
+     * dims and byte strides in the pool (the last dim contiguous) */
+    int *ndim;
+    long long (*dims)[MAX_DIMS], (*strides)[MAX_DIMS];
+    long long *extent; /* per piece: bytes from its first to past its last in the pool */
+    long long *stage_at; /* per staged piece: its offset in staging */
+    char *staging;
+    long long staging_len, staged; /* staged: the staging one file needs */
+    size_t chunk;
+    int cold_check;
+} shape_t;
+
+/* (in _pageio_shape.c) The shape's parts from a sequence of (checksum index, file
+ * offset, pieces), each piece (start, step, bytes) or staged (start, step, bytes, dims,
+ * strides), checked against the pool (sh->flat_len), the header and the file
+ * (sh->header_len, sh->total) and the staging (sh->staging_len); 0, or -1 with an
+ * exception set. */
+int parse_parts(PyObject *parts_obj, shape_t *sh);
+
+/* Whether every piece of page `page` lies inside the pool; else 0 with a ValueError set. */
+int page_fits(const shape_t *sh, long long page);
+
+/* Every staged piece of page `page` copied out of staging to its place in the pool, whole
+ * lines with streaming stores where it can (the pool's page is not read back soon: a
+ * plain store first reads each line it writes). */
+void unstage(const shape_t *sh, const char *staging, long long page);
+
+/* Every staged piece of page `page` gathered from the pool into staging (plain stores:
+ * the staging is read back at once). */
+void stage(const shape_t *sh, char *staging, long long page);
+
+/* What parse_parts allocated. */
+void free_shape(shape_t *sh);
+
 /* Every byte of buf at offset, read (write == 0) or written; 0, or -1 with errno set
  * (EIO: a read met the end of the file). */
 int move_all(int fd, char *buf, size_t len, long long offset, int write);
@@ -41,8 +93,9 @@ int move_all(int fd, char *buf, size_t len, long long offset, int write);
 int move_parts(int fd, const part_t *parts, Py_ssize_t nparts, const span_t *spans, size_t chunk, int write,
                void *state, unsigned long long *sums);
 
-/* read_pages (in _pageio_read.c) */
-extern const char read_pages_doc[];
+/* read_pages (in _pageio_read.c), write_pages (in _pageio_write.c) */
+extern const char read_pages_doc[], write_pages_doc[];
 PyObject *read_pages(PyObject *self, PyObject *args);
+PyObject *write_pages(PyObject *self, PyObject *args);
 
 #endif

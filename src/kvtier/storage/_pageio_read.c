@@ -30,7 +30,6 @@
  * with plain stores, 0.97-1.04x with streaming ones (alternated A/B, kvtier bench storage).
  */
 #include "_pageio.h"
-#include "../_lines.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -49,33 +48,9 @@
 #endif
 
 enum { READ_OK = 0, READ_MISSING = 1, READ_COLD = 2, READ_OTHER = 3, READ_DIRECT = 4, READ_PENDING = 5 };
-#define ALIGN 4096
 #define MAX_IOV 1024 /* IOV_MAX on Linux */
 #define PROBE_PAGES 16 /* pages counted at each of a large file's three stretches */
-#define MAX_HEADER (1 << 20)
-#define MAX_DIMS 8 /* of a staged piece */
 
-/* What every file of one call shares: its layout, and where its parts go. */
-typedef struct {
-    char *flat;
-    long long flat_len, header_len, total, page_bytes;
-    Py_ssize_t nsums, nparts, npieces;
-    Py_ssize_t *sum_index;   /* per wanted part: its checksum's index in the header */
-    part_t *parts;           /* per wanted part: its file offset, its pieces */
-    long long *start, *step; /* per piece: its bytes in the pool are flat[start + page * step], len of them */
-    size_t *len;
-    /* per piece: 0 (in place: read straight into the pool), or the dims of a staged
-     * piece, which is read into staging and, once the file checks out, copied out to
-     * the pool as an array of these dims and byte strides (the last dim contiguous) */
-    int *ndim;
-    long long (*dims)[MAX_DIMS], (*strides)[MAX_DIMS];
-    long long *extent; /* per piece: bytes from its first to past its last in the pool */
-    long long *stage_at; /* per staged piece: its offset in staging */
-    char *staging;
-    long long staging_len, staged; /* staged: the staging one file needs */
-    size_t chunk;
-    int cold_check;
-} shape_t;
 
 /* The file being read, and the buffers of the call. */
 typedef struct {
@@ -250,36 +225,6 @@ static int read_cold(reader_t *r) {
         p = q;
     }
     return 0;
-}
-
-/* Every staged piece copied from staging to its place in page `page` of the pool, whole
- * lines with streaming stores (NOTE at the top). */
-static void unstage(const shape_t *sh, const char *staging, long long page) {
-    for (Py_ssize_t k = 0; k < sh->npieces; k++) {
-        int nd = sh->ndim[k];
-        if (!nd)
-            continue;
-        const char *from = staging + sh->stage_at[k];
-        char *base = sh->flat + sh->start[k] + page * sh->step[k];
-        size_t row = sh->len[k];
-        long long rows = 1, index[MAX_DIMS] = {0};
-        for (int d = 0; d < nd - 1; d++)
-            rows *= sh->dims[k][d];
-        row /= (size_t)rows;
-        for (long long i = 0; i < rows; i++) {
-            char *to = base;
-            for (int d = 0; d < nd - 1; d++)
-                to += index[d] * sh->strides[k][d];
-            if (lines_ok(to, row))
-                copy_lines(to, from, row);
-            else
-                memcpy(to, from, row);
-            from += row;
-            for (int d = nd - 2; d >= 0 && ++index[d] == sh->dims[k][d]; d--) /* the next row's index */
-                index[d] = 0;
-        }
-    }
-    lines_fence();
 }
 
 /* A cold file read by read_cold judged: its parts hashed, checked, staged pieces
@@ -469,146 +414,6 @@ static void read_files(reader_t *slot, int nslots, Py_ssize_t nfiles, PyObject *
         hasher_stop(&h);
 }
 
-/* Piece k's dims and byte strides (None, None: in place) and its extent in the pool;
- * 0, or -1 with an exception set. */
-static int parse_dims(shape_t *sh, Py_ssize_t k, long long nbytes, PyObject *dims, PyObject *strides) {
-    sh->ndim[k] = 0, sh->extent[k] = nbytes;
-    if (!dims || dims == Py_None)
-        return 0;
-    PyObject *d = PySequence_Fast(dims, "read_pages: a piece's dims must be a sequence"), *s = NULL;
-    int rc = -1;
-    if (!d || !(s = PySequence_Fast(strides, "read_pages: a piece's strides must be a sequence")))
-        goto done;
-    Py_ssize_t nd = PySequence_Fast_GET_SIZE(d);
-    if (nd < 1 || nd > MAX_DIMS || PySequence_Fast_GET_SIZE(s) != nd) {
-        PyErr_Format(PyExc_ValueError, "read_pages: piece %zd: 1 to %d dims, as many strides", k, MAX_DIMS);
-        goto done;
-    }
-    long long count = 1, extent = 0;
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        sh->dims[k][i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(d, i));
-        sh->strides[k][i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(s, i));
-        if (PyErr_Occurred())
-            goto done;
-        if (sh->dims[k][i] < 1 || sh->strides[k][i] < 0) {
-            PyErr_Format(PyExc_ValueError, "read_pages: piece %zd: dims must be positive, strides not negative", k);
-            goto done;
-        }
-        count *= sh->dims[k][i];
-        if (i < nd - 1)
-            extent += (sh->dims[k][i] - 1) * sh->strides[k][i];
-    }
-    long long item = count ? nbytes / count : 0, row = sh->dims[k][nd - 1] * item;
-    if (!item || item * count != nbytes || sh->strides[k][nd - 1] != item) {
-        PyErr_Format(PyExc_ValueError, "read_pages: piece %zd: %lld bytes in dims of %lld items, the last dim "
-                     "contiguous", k, nbytes, count);
-        goto done;
-    }
-    sh->ndim[k] = (int)nd, sh->extent[k] = extent + row;
-    rc = 0;
-done:
-    Py_XDECREF(d);
-    Py_XDECREF(s);
-    return rc;
-}
-
-/* The shape's parts from a sequence of (checksum index, file offset, ((start, step,
- * bytes), ...)); 0, or -1 with an exception set. */
-static int parse_parts(PyObject *parts_obj, shape_t *sh) {
-    PyObject *seq = PySequence_Fast(parts_obj, "read_pages: parts must be a sequence");
-    if (!seq)
-        return -1;
-    int rc = -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
-    PyObject **pieces = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
-    sh->nparts = n;
-    sh->sum_index = PyMem_Calloc(n ? n : 1, sizeof(Py_ssize_t));
-    sh->parts = PyMem_Calloc(n ? n : 1, sizeof(part_t));
-    if (!pieces || !sh->sum_index || !sh->parts) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t p = 0; p < n; p++) {
-        PyObject *list;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, p), "nLO:read_pages part", &sh->sum_index[p],
-                              &sh->parts[p].offset, &list))
-            goto done;
-        if (sh->sum_index[p] < 0 || sh->sum_index[p] >= sh->nsums || sh->parts[p].offset < sh->header_len ||
-            (p && sh->parts[p].offset <= sh->parts[p - 1].offset)) {
-            PyErr_Format(PyExc_ValueError, "read_pages: part %zd: checksum %zd of %zd, offset %lld (parts in file "
-                         "order, after the header's %lld bytes)", p, sh->sum_index[p], sh->nsums,
-                         sh->parts[p].offset, sh->header_len);
-            goto done;
-        }
-        if (!(pieces[p] = PySequence_Fast(list, "read_pages: a part's pieces must be a sequence")))
-            goto done;
-        sh->parts[p].first = total;
-        sh->parts[p].count = PySequence_Fast_GET_SIZE(pieces[p]);
-        total += sh->parts[p].count;
-    }
-    sh->npieces = total;
-    sh->start = PyMem_Calloc(total ? total : 1, sizeof(long long));
-    sh->step = PyMem_Calloc(total ? total : 1, sizeof(long long));
-    sh->len = PyMem_Calloc(total ? total : 1, sizeof(size_t));
-    sh->ndim = PyMem_Calloc(total ? total : 1, sizeof(int));
-    sh->dims = PyMem_Calloc(total ? total : 1, sizeof *sh->dims);
-    sh->strides = PyMem_Calloc(total ? total : 1, sizeof *sh->strides);
-    sh->extent = PyMem_Calloc(total ? total : 1, sizeof(long long));
-    sh->stage_at = PyMem_Calloc(total ? total : 1, sizeof(long long));
-    if (!sh->start || !sh->step || !sh->len || !sh->ndim || !sh->dims || !sh->strides || !sh->extent ||
-        !sh->stage_at) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    long long staged = 0; /* staging bytes: each staged part at a multiple of ALIGN */
-    for (Py_ssize_t p = 0, k = 0; p < n; p++) {
-        long long end = sh->parts[p].offset, part_bytes = 0;
-        int part_staged = -1;
-        for (Py_ssize_t j = 0; j < sh->parts[p].count; j++, k++) {
-            long long nbytes;
-            PyObject *dims = NULL, *strides = NULL;
-            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pieces[p], j), "LLL|OO:read_pages piece", &sh->start[k],
-                                  &sh->step[k], &nbytes, &dims, &strides))
-                goto done;
-            if (parse_dims(sh, k, nbytes, dims, strides) < 0)
-                goto done;
-            if (part_staged >= 0 && part_staged != (sh->ndim[k] > 0)) {
-                PyErr_Format(PyExc_ValueError, "read_pages: part %zd has staged and in-place pieces", p);
-                goto done;
-            }
-            part_staged = sh->ndim[k] > 0;
-            if (sh->start[k] < 0 || sh->step[k] < 0 || nbytes < 0 || sh->start[k] + sh->extent[k] > sh->flat_len) {
-                PyErr_Format(PyExc_ValueError, "read_pages: piece (%lld, %lld, %lld) outside the pool's %lld bytes",
-                             sh->start[k], sh->step[k], nbytes, sh->flat_len);
-                goto done;
-            }
-            sh->len[k] = (size_t)nbytes;
-            sh->stage_at[k] = staged + part_bytes;
-            part_bytes += nbytes;
-            end += nbytes;
-        }
-        if (part_staged == 1)
-            staged += (part_bytes + ALIGN - 1) / ALIGN * ALIGN;
-        if (end > sh->total || (p + 1 < n && end > sh->parts[p + 1].offset)) {
-            PyErr_Format(PyExc_ValueError, "read_pages: part %zd ends at %lld, past the next part or the file's "
-                         "%lld bytes", p, end, sh->total);
-            goto done;
-        }
-    }
-    sh->staged = staged;
-    if (staged > sh->staging_len) {
-        PyErr_Format(PyExc_ValueError, "read_pages: staged parts need %lld bytes of staging, got %lld", staged,
-                     sh->staging_len);
-        goto done;
-    }
-    rc = 0;
-done:
-    for (Py_ssize_t p = 0; pieces && p < n; p++)
-        Py_XDECREF(pieces[p]);
-    PyMem_Free(pieces);
-    Py_DECREF(seq);
-    return rc;
-}
 
 const char read_pages_doc[] =
     "read_pages(pool, header_len, total, nsums, parts, files, chunk, direct[, staging]) -> bytes\n\n"
@@ -631,7 +436,7 @@ const char read_pages_doc[] =
 PyObject *read_pages(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer pool;
-    shape_t sh = {0};
+    shape_t sh = {.what = "read_pages"};
     reader_t slot[2] = {{0}};
     int nslots = 1;
     Py_ssize_t chunk;
@@ -704,13 +509,8 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
                          "header's %lld bytes", f, prefix_lens[f], sh.nsums, sh.header_len);
             goto done;
         }
-        for (Py_ssize_t k = 0; k < sh.npieces; k++)
-            if (pages[f] < 0 || (sh.step[k] && pages[f] > (sh.flat_len - sh.start[k] - sh.extent[k]) / sh.step[k]) ||
-                sh.start[k] + pages[f] * sh.step[k] + sh.extent[k] > sh.flat_len) {
-                PyErr_Format(PyExc_ValueError, "read_pages: page %lld puts piece %zd outside the pool's %lld bytes",
-                             pages[f], k, sh.flat_len);
-                goto done;
-            }
+        if (!page_fits(&sh, pages[f]))
+            goto done;
     }
     if (!(out = PyBytes_FromStringAndSize(NULL, nfiles)))
         goto done;
@@ -740,16 +540,7 @@ done:
     PyMem_Free(pages);
     PyMem_Free(zeros);
     free(sink);
-    PyMem_Free(sh.sum_index);
-    PyMem_Free(sh.parts);
-    PyMem_Free(sh.start);
-    PyMem_Free(sh.step);
-    PyMem_Free(sh.len);
-    PyMem_Free(sh.ndim);
-    PyMem_Free(sh.dims);
-    PyMem_Free(sh.strides);
-    PyMem_Free(sh.extent);
-    PyMem_Free(sh.stage_at);
+    free_shape(&sh);
     Py_XDECREF(files);
     PyBuffer_Release(&pool);
     if (staging.buf)

@@ -9,8 +9,9 @@ the symbols its extension exports; it is used only after a digest it computes ma
 ``xxhash.xxh3_64_intdigest``. Where it is missing, or ``KVTIER_NATIVE=0``, the Python
 loop below gives the same bytes and digests.
 
-``read_pages`` reads a batch of page files straight into a pool and checks them, in
-one compiled call (no Python per file; compiled only). ``cached_pages`` says
+``read_pages`` reads a batch of page files straight into a pool and checks them, and
+``write_pages`` writes a batch from one, each in one compiled call (no Python per file;
+compiled only). ``cached_pages`` says
 how much of a file the page cache holds without reading it, so that a cold file can
 be read with O_DIRECT; ``preallocate`` reserves a new file whole on disk, so that it
 gets one extent.
@@ -159,6 +160,29 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
     if staging is None:
         return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct)
     return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct, staging)
+
+
+def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsync: bool, mode: int,
+                dir_mode: int, staging=None) -> bytes | None:
+    """Page files of one layout (``header_len``, ``total`` bytes) written from ``pool`` (a
+    contiguous buffer) in one compiled call, the GIL released; None where the compiled
+    loop is not used (see :func:`compiled`).
+
+    ``parts``: every part of the file in file order, ``(index, file offset, pieces)``
+    each (the index is its checksum's place in the header: 0, 1, ...), pieces as
+    :func:`read_pages` takes them (a staged one is gathered into ``staging`` and
+    written from it); ``files``: ``(temporary path, path, header prefix, page)`` each.
+    Each file is made new at its temporary path with ``mode`` (its directory with
+    ``dir_mode`` where that is missing), reserved whole (:func:`preallocate`), written
+    ``WRITE_CHUNK`` at a time, each chunk hashed just before, then its header (the
+    prefix, the checksums, zeros), fsync'd with ``fsync``, and renamed to its path.
+    Per file one status: 0 written, else the errno of what failed (at most 255); a
+    file that fails leaves nothing behind. Raises ``ValueError`` (nothing written) for
+    a piece of any page outside ``pool`` or parts that do not end the file."""
+    if not compiled():
+        return None
+    extra = () if staging is None else (staging,)
+    return _pageio[0].write_pages(pool, header_len, total, parts, files, WRITE_CHUNK, fsync, mode, dir_mode, *extra)
 
 
 def _skip(bufs: list, n: int) -> list:

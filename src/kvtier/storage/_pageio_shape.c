@@ -1,0 +1,212 @@
+/* kvtier.storage._pageio: the shape of a batch of page files, parsed from Python and
+ * checked against the pool, for read_pages and write_pages. */
+#include "_pageio.h"
+#include "../_lines.h"
+
+#include <string.h>
+
+/* Piece k's dims and byte strides (None, None: in place) and its extent in the pool;
+ * 0, or -1 with an exception set. */
+static int parse_dims(shape_t *sh, Py_ssize_t k, long long nbytes, PyObject *dims, PyObject *strides) {
+    sh->ndim[k] = 0, sh->extent[k] = nbytes;
+    if (!dims || dims == Py_None)
+        return 0;
+    PyObject *d = PySequence_Fast(dims, "a piece's dims must be a sequence"), *s = NULL;
+    int rc = -1;
+    if (!d || !(s = PySequence_Fast(strides, "a piece's strides must be a sequence")))
+        goto done;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(d);
+    if (nd < 1 || nd > MAX_DIMS || PySequence_Fast_GET_SIZE(s) != nd) {
+        PyErr_Format(PyExc_ValueError, "%s: piece %zd: 1 to %d dims, as many strides", sh->what, k, MAX_DIMS);
+        goto done;
+    }
+    long long count = 1, extent = 0;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        sh->dims[k][i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(d, i));
+        sh->strides[k][i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(s, i));
+        if (PyErr_Occurred())
+            goto done;
+        if (sh->dims[k][i] < 1 || sh->strides[k][i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: piece %zd: dims must be positive, strides not negative", sh->what, k);
+            goto done;
+        }
+        count *= sh->dims[k][i];
+        if (i < nd - 1)
+            extent += (sh->dims[k][i] - 1) * sh->strides[k][i];
+    }
+    long long item = count ? nbytes / count : 0, row = sh->dims[k][nd - 1] * item;
+    if (!item || item * count != nbytes || sh->strides[k][nd - 1] != item) {
+        PyErr_Format(PyExc_ValueError, "%s: piece %zd: %lld bytes in dims of %lld items, the last dim "
+                     "contiguous", sh->what, k, nbytes, count);
+        goto done;
+    }
+    sh->ndim[k] = (int)nd, sh->extent[k] = extent + row;
+    rc = 0;
+done:
+    Py_XDECREF(d);
+    Py_XDECREF(s);
+    return rc;
+}
+
+/* The shape's parts from a sequence of (checksum index, file offset, ((start, step,
+ * bytes), ...)); 0, or -1 with an exception set. */
+int parse_parts(PyObject *parts_obj, shape_t *sh) {
+    PyObject *seq = PySequence_Fast(parts_obj, "parts must be a sequence");
+    if (!seq)
+        return -1;
+    int rc = -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
+    PyObject **pieces = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+    sh->nparts = n;
+    sh->sum_index = PyMem_Calloc(n ? n : 1, sizeof(Py_ssize_t));
+    sh->parts = PyMem_Calloc(n ? n : 1, sizeof(part_t));
+    if (!pieces || !sh->sum_index || !sh->parts) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < n; p++) {
+        PyObject *list;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, p), "nLO:part", &sh->sum_index[p],
+                              &sh->parts[p].offset, &list))
+            goto done;
+        if (sh->sum_index[p] < 0 || sh->sum_index[p] >= sh->nsums || sh->parts[p].offset < sh->header_len ||
+            (p && sh->parts[p].offset <= sh->parts[p - 1].offset)) {
+            PyErr_Format(PyExc_ValueError, "%s: part %zd: checksum %zd of %zd, offset %lld (parts in file "
+                         "order, after the header's %lld bytes)", sh->what, p, sh->sum_index[p], sh->nsums,
+                         sh->parts[p].offset, sh->header_len);
+            goto done;
+        }
+        if (!(pieces[p] = PySequence_Fast(list, "a part's pieces must be a sequence")))
+            goto done;
+        sh->parts[p].first = total;
+        sh->parts[p].count = PySequence_Fast_GET_SIZE(pieces[p]);
+        total += sh->parts[p].count;
+    }
+    sh->npieces = total;
+    sh->start = PyMem_Calloc(total ? total : 1, sizeof(long long));
+    sh->step = PyMem_Calloc(total ? total : 1, sizeof(long long));
+    sh->len = PyMem_Calloc(total ? total : 1, sizeof(size_t));
+    sh->ndim = PyMem_Calloc(total ? total : 1, sizeof(int));
+    sh->dims = PyMem_Calloc(total ? total : 1, sizeof *sh->dims);
+    sh->strides = PyMem_Calloc(total ? total : 1, sizeof *sh->strides);
+    sh->extent = PyMem_Calloc(total ? total : 1, sizeof(long long));
+    sh->stage_at = PyMem_Calloc(total ? total : 1, sizeof(long long));
+    if (!sh->start || !sh->step || !sh->len || !sh->ndim || !sh->dims || !sh->strides || !sh->extent ||
+        !sh->stage_at) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long long staged = 0; /* staging bytes: each staged part at a multiple of ALIGN */
+    for (Py_ssize_t p = 0, k = 0; p < n; p++) {
+        long long end = sh->parts[p].offset, part_bytes = 0;
+        int part_staged = -1;
+        for (Py_ssize_t j = 0; j < sh->parts[p].count; j++, k++) {
+            long long nbytes;
+            PyObject *dims = NULL, *strides = NULL;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pieces[p], j), "LLL|OO:piece", &sh->start[k],
+                                  &sh->step[k], &nbytes, &dims, &strides))
+                goto done;
+            if (parse_dims(sh, k, nbytes, dims, strides) < 0)
+                goto done;
+            if (part_staged >= 0 && part_staged != (sh->ndim[k] > 0)) {
+                PyErr_Format(PyExc_ValueError, "%s: part %zd has staged and in-place pieces", sh->what, p);
+                goto done;
+            }
+            part_staged = sh->ndim[k] > 0;
+            if (sh->start[k] < 0 || sh->step[k] < 0 || nbytes < 0 || sh->start[k] + sh->extent[k] > sh->flat_len) {
+                PyErr_Format(PyExc_ValueError, "%s: piece (%lld, %lld, %lld) outside the pool's %lld bytes", sh->what,
+                             sh->start[k], sh->step[k], nbytes, sh->flat_len);
+                goto done;
+            }
+            sh->len[k] = (size_t)nbytes;
+            sh->stage_at[k] = staged + part_bytes;
+            part_bytes += nbytes;
+            end += nbytes;
+        }
+        if (part_staged == 1)
+            staged += (part_bytes + ALIGN - 1) / ALIGN * ALIGN;
+        if (end > sh->total || (p + 1 < n && end > sh->parts[p + 1].offset)) {
+            PyErr_Format(PyExc_ValueError, "%s: part %zd ends at %lld, past the next part or the file's "
+                         "%lld bytes", sh->what, p, end, sh->total);
+            goto done;
+        }
+    }
+    sh->staged = staged;
+    if (staged > sh->staging_len) {
+        PyErr_Format(PyExc_ValueError, "%s: staged parts need %lld bytes of staging, got %lld", sh->what, staged,
+                     sh->staging_len);
+        goto done;
+    }
+    rc = 0;
+done:
+    for (Py_ssize_t p = 0; pieces && p < n; p++)
+        Py_XDECREF(pieces[p]);
+    PyMem_Free(pieces);
+    Py_DECREF(seq);
+    return rc;
+}
+
+int page_fits(const shape_t *sh, long long page) {
+    for (Py_ssize_t k = 0; k < sh->npieces; k++)
+        if (page < 0 || (sh->step[k] && page > (sh->flat_len - sh->start[k] - sh->extent[k]) / sh->step[k]) ||
+            sh->start[k] + page * sh->step[k] + sh->extent[k] > sh->flat_len) {
+            PyErr_Format(PyExc_ValueError, "%s: page %lld puts piece %zd outside the pool's %lld bytes", sh->what, page,
+                         k, sh->flat_len);
+            return 0;
+        }
+    return 1;
+}
+
+void free_shape(shape_t *sh) {
+    PyMem_Free(sh->sum_index);
+    PyMem_Free(sh->parts);
+    PyMem_Free(sh->start);
+    PyMem_Free(sh->step);
+    PyMem_Free(sh->len);
+    PyMem_Free(sh->ndim);
+    PyMem_Free(sh->dims);
+    PyMem_Free(sh->strides);
+    PyMem_Free(sh->extent);
+    PyMem_Free(sh->stage_at);
+}
+
+/* Every staged piece of page `page` moved between staging and its place in the pool, a
+ * row (its last, contiguous dim) at a time: out of staging (unstage) as whole lines with
+ * streaming stores where the row allows, or into it (stage). */
+static void each_row(const shape_t *sh, char *staging, long long page, int out) {
+    for (Py_ssize_t k = 0; k < sh->npieces; k++) {
+        int nd = sh->ndim[k];
+        if (!nd)
+            continue;
+        char *at = staging + sh->stage_at[k], *base = sh->flat + sh->start[k] + page * sh->step[k];
+        size_t row = sh->len[k];
+        long long rows = 1, index[MAX_DIMS] = {0};
+        for (int d = 0; d < nd - 1; d++)
+            rows *= sh->dims[k][d];
+        row /= (size_t)rows;
+        for (long long i = 0; i < rows; i++) {
+            char *in_pool = base;
+            for (int d = 0; d < nd - 1; d++)
+                in_pool += index[d] * sh->strides[k][d];
+            if (!out)
+                memcpy(at, in_pool, row);
+            else if (lines_ok(in_pool, row))
+                copy_lines(in_pool, at, row);
+            else
+                memcpy(in_pool, at, row);
+            at += row;
+            for (int d = nd - 2; d >= 0 && ++index[d] == sh->dims[k][d]; d--) /* the next row's index */
+                index[d] = 0;
+        }
+    }
+    if (out)
+        lines_fence();
+}
+
+void unstage(const shape_t *sh, const char *staging, long long page) {
+    each_row(sh, (char *)staging, page, 1);
+}
+
+void stage(const shape_t *sh, char *staging, long long page) {
+    each_row(sh, staging, page, 0);
+}

@@ -1,0 +1,172 @@
+"""``pageio.write_pages``, the compiled batch writer of page files: each file holds its
+page's parts at their offsets, bit-exact, behind the header the reader expects (the
+same bytes as the store's per-file path writes), at the store's exact modes; a file
+that fails leaves nothing behind and gets its errno; bad input is refused before any
+file is made."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.storage import pageio
+from kvtier.storage.pagefile import FileLayout
+from tests.storage.test_read_pages import SIZES, STEP, _pieces, _pool, _staged
+from tests.support.services import unavailable
+from tests.support.storage import file_size_limit
+
+RNG = np.random.default_rng(23)
+LAYOUT = FileLayout("a#f", SIZES)
+MODES = (0o660, 0o770)  # as a shared store: a strict umask would take bits
+
+
+@pytest.fixture(autouse=True)
+def _compiled():
+    if not pageio.compiled():
+        unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
+
+
+def _filled() -> np.ndarray:
+    pool = _pool()
+    pool[:] = RNG.integers(0, 256, pool.size, dtype=np.uint8)
+    return pool
+
+
+def _gathered(pool: np.ndarray, parts, page: int) -> list[bytes]:
+    """Each part's bytes in page ``page`` of ``pool``, as ``parts`` (in place or staged) lay them out."""
+    out = []
+    for _, _, pieces in parts:
+        data = b""
+        for start, step, nbytes, *shape in pieces:
+            at = start + page * step
+            if not shape:
+                data += pool[at:at + nbytes].tobytes()
+                continue
+            (rows, width), (stride, _) = shape
+            data += b"".join(pool[at + r * stride:at + r * stride + width].tobytes() for r in range(rows))
+        out.append(data)
+    return out
+
+
+def _expected_file(name: str, parts: list[bytes]) -> bytes:
+    """A page file as ``FileLayout`` lays it out: header, parts at their offsets, zeros between."""
+    layout = FileLayout(name, SIZES)
+    data = bytearray(layout.header([xxhash.xxh3_64_intdigest(p) for p in parts]))
+    for offset, part in zip(layout.offsets, parts):
+        data += bytes(offset - len(data)) + part
+    return bytes(data)
+
+
+def _files(tmp_path, pages: dict) -> list:
+    return [(str(tmp_path / f".{name}.tmp"), str(tmp_path / name), FileLayout(f"{name}#f", SIZES).prefix(), page)
+            for name, page in pages.items()]
+
+
+def _write(pool, parts, files, staging=None, fsync=False):
+    return list(pageio.write_pages(pool, LAYOUT.header_len, LAYOUT.total, parts, files, fsync, *MODES, staging))
+
+
+@pytest.mark.parametrize("how", ["in-place", "staged", "staged-fsync"])
+def test_files_hold_their_pages_parts_behind_the_readers_header(tmp_path, how):
+    """Every file is byte for byte the layout's: its header with each part's checksum,
+    each part (in place, or gathered from strided rows) at its offset, zeros between;
+    no temporary file stays, and the reader reads the pages back as they were."""
+    parts = _pieces(range(4)) if how == "in-place" else _staged(range(4))
+    staging = None if how == "in-place" else np.zeros(32768, dtype=np.uint8)
+    pool, pages = _filled(), {"a": 0, "b": 3}
+    assert _write(pool, parts, _files(tmp_path, pages), staging, fsync=how.endswith("fsync")) == [0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+    for name, page in pages.items():
+        assert (tmp_path / name).read_bytes() == _expected_file(f"{name}#f", _gathered(pool, parts, page))
+    back = _pool()
+    read = pageio.read_pages(back, LAYOUT.header_len, LAYOUT.total, 4, parts,
+                             [(path, prefix, page) for _, path, prefix, page in _files(tmp_path, pages)], False,
+                             np.zeros(32768, dtype=np.uint8))
+    assert list(read) == [pageio.READ] * 2
+    for page in pages.values():
+        assert _gathered(back, parts, page) == _gathered(pool, parts, page)
+
+
+def test_an_object_written_again_is_replaced_whole(tmp_path):
+    pool = _filled()
+    assert _write(pool, _pieces(range(4)), _files(tmp_path, {"a": 0})) == [0]
+    assert _write(pool, _pieces(range(4)), _files(tmp_path, {"a": 2})) == [0]
+    assert (tmp_path / "a").read_bytes() == _expected_file("a#f", _gathered(pool, _pieces(range(4)), 2))
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077], ids=["loosest", "strictest"])
+def test_files_and_the_directories_made_for_them_get_exactly_their_modes(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        files = [(str(tmp_path / "shard" / ".a.tmp"), str(tmp_path / "shard" / "a"), LAYOUT.prefix(), 0)]
+        assert _write(_filled(), _pieces(range(4)), files) == [0]
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "shard").stat().st_mode) == MODES[1]
+    assert stat.S_IMODE((tmp_path / "shard" / "a").stat().st_mode) == MODES[0]
+
+
+def test_a_file_that_fails_leaves_nothing_and_gets_its_errno(tmp_path):
+    """Each failure is its file's alone (the others of the batch are written): a file
+    where its directory should be, a directory whose parent is missing, a temporary
+    name taken (left as it was), and a write past the file size limit."""
+    (tmp_path / "blocked").write_text("a file where a directory should be")
+    (tmp_path / ".taken.tmp").write_text("someone else's")
+    files = [(str(tmp_path / "blocked" / ".x.tmp"), str(tmp_path / "blocked" / "x"), LAYOUT.prefix(), 0),
+             (str(tmp_path / "gone" / "deeper" / ".y.tmp"), str(tmp_path / "gone" / "deeper" / "y"),
+              LAYOUT.prefix(), 1),
+             (str(tmp_path / ".taken.tmp"), str(tmp_path / "taken"), LAYOUT.prefix(), 2),
+             *_files(tmp_path, {"a": 3})]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert _write(_filled(), _pieces(range(4)), files) == [errno.ENOTDIR, errno.ENOENT, errno.EEXIST, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "a"])
+    assert (tmp_path / ".taken.tmp").read_text() == "someone else's"
+    with file_size_limit(LAYOUT.offsets[1] + 100):
+        assert _write(_filled(), _pieces(range(4)), _files(tmp_path, {"big": 0})) == [errno.EFBIG]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "a"])
+
+
+def test_bad_input_is_refused_before_any_file_is_made(tmp_path):
+    pool, parts, files = _filled(), _pieces(range(4)), _files(tmp_path, {"a": 0, "b": 1})
+    outside = [(k, offset, [(start, STEP, n + (k == 3) * STEP * 4) for start, step, n in pieces])
+               for k, offset, pieces in parts]
+    cases = [
+        (pool, parts[:3], files, None, "the parts end at"),
+        (pool, [parts[1], parts[0], *parts[2:]], files, None, "file order"),
+        (pool, [(k + 1, o, p) for k, o, p in parts], files, None, "checksum"),
+        (pool, outside, files, None, "outside the pool"),
+        (pool, parts, [*files[:1], (*files[1][:3], 4)], None, "page 4 puts piece 0 outside"),
+        (pool, parts, [(*files[0][:2], bytes(LAYOUT.header_len), 0)], None, "exceed the header"),
+        (pool, _staged(range(4)), files, np.zeros(4096, dtype=np.uint8), "need 32768 bytes of staging, got 4096"),
+    ]
+    for pool_, parts_, files_, staging, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _write(pool_, parts_, files_, staging)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_store_writes_the_same_files_either_way(tmp_path, monkeypatch):
+    """``FileStorage``'s compiled writer and its per-file path make the same files, byte
+    for byte, for staged (page_first) and in-place (page_head) pools."""
+    import kvtier.storage
+    from tests.support.pools import SPECS
+    from tests.support.storage import filled_host
+
+    keys = kvtier.storage.page_keys(list(range(12)), 4, namespace="same")
+    for layout in ("page_first", "page_head"):
+        host, idx = filled_host(SPECS["asym"], 3, layout=layout, seed=5)
+        contents = []
+        for name, stub in (("compiled", False), ("per-file", True)):
+            if stub:
+                monkeypatch.setattr(pageio, "write_pages", lambda *a: None)
+            store = kvtier.storage.open(f"file://{tmp_path / layout / name}")
+            assert store.batch_set(keys, host, idx) == [True] * 3
+            root = tmp_path / layout / name
+            contents.append({p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()})
+            monkeypatch.undo()
+        assert len(contents[0]) == 3 and contents[0] == contents[1]
