@@ -68,8 +68,25 @@ typedef struct {
  * exception set. */
 int parse_parts(PyObject *parts_obj, shape_t *sh);
 
-/* Whether every piece of page `page` lies inside the pool; else 0 with a ValueError set. */
-int page_fits(const shape_t *sh, long long page);
+/* The files of one call: per file its path (and, for write_pages, its temporary path),
+ * its header prefix (bytes of the sequence held) and its page. */
+typedef struct {
+    Py_ssize_t n;
+    PyObject *seq;
+    PyObject **tmps, **paths; /* bytes (file system encoding); tmps NULL without */
+    const char **prefixes;
+    Py_ssize_t *prefix_lens;
+    long long *pages;
+} files_t;
+
+/* The files from a sequence of (path, prefix, page), or with with_tmp of (temporary
+ * path, path, prefix, page), each checked: the prefix and the checksums inside the
+ * header, every piece of the page inside the pool; 0, or -1 with an exception set
+ * (free_files either way). */
+int parse_files(const shape_t *sh, PyObject *files_obj, int with_tmp, files_t *fs);
+
+/* What parse_files took. */
+void free_files(files_t *fs);
 
 /* Every staged piece of page `page` copied out of staging to its place in the pool, whole
  * lines with streaming stores where it can (the pool's page is not read back soon: a

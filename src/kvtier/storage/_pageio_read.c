@@ -377,13 +377,12 @@ static void hasher_post(hasher_t *h, int s) {
 
 /* Every file of the call read: the cold ones judged by a hasher beside this thread
  * where there are two slots and it starts, else here. */
-static void read_files(reader_t *slot, int nslots, Py_ssize_t nfiles, PyObject **paths, const char **prefixes,
-                       const Py_ssize_t *prefix_lens, const long long *pages, unsigned char *status) {
+static void read_files(reader_t *slot, int nslots, const files_t *fs, unsigned char *status) {
     hasher_t h = {.slot = slot};
     int started = 0, tried = nslots < 2;
     /* stretches of one file's staging in the caller's; with two, each slot keeps its own */
     long long stretches = nslots == 2 && slot->sh->staged ? slot->sh->staging_len / slot->sh->staged : 0, pending = 0;
-    for (Py_ssize_t f = 0, s = 0; f < nfiles; f++) {
+    for (Py_ssize_t f = 0, s = 0; f < fs->n; f++) {
         reader_t *r = &slot[s];
         if (started)
             hasher_wait(&h, (int)s);
@@ -392,8 +391,8 @@ static void read_files(reader_t *slot, int nslots, Py_ssize_t nfiles, PyObject *
             r->warm_staging = r->sh->staging;
             r->cold_staging = r->sh->staging + (1 + pending % (stretches - 1)) * r->sh->staged;
         }
-        int got = read_file(r, PyBytes_AS_STRING(paths[f]), prefixes[f], prefix_lens[f], pages[f]);
-        if (got == READ_PENDING && !tried && f + 1 < nfiles) { /* the first cold file, more to come */
+        int got = read_file(r, PyBytes_AS_STRING(fs->paths[f]), fs->prefixes[f], fs->prefix_lens[f], fs->pages[f]);
+        if (got == READ_PENDING && !tried && f + 1 < fs->n) { /* the first cold file, more to come */
             tried = 1;
             started = hasher_start(&h);
         }
@@ -441,10 +440,8 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
     int nslots = 1;
     Py_ssize_t chunk;
     int direct;
-    PyObject *parts_obj, *files_obj, *out = NULL, *files = NULL, **paths = NULL;
-    const char **prefixes = NULL;
-    Py_ssize_t *prefix_lens = NULL, nfiles = 0, f;
-    long long *pages = NULL;
+    PyObject *parts_obj, *files_obj, *out = NULL;
+    files_t fs = {0};
     unsigned char *zeros = NULL, *sink = NULL;
     Py_buffer staging = {0};
     if (!PyArg_ParseTuple(args, "w*LLnOOnp|w*:read_pages", &pool, &sh.header_len, &sh.total, &sh.nsums, &parts_obj,
@@ -464,23 +461,18 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
     }
     if (parse_parts(parts_obj, &sh) < 0)
         goto done;
-    if (!(files = PySequence_Fast(files_obj, "read_pages: files must be a sequence")))
+    if (parse_files(&sh, files_obj, 0, &fs) < 0)
         goto done;
-    nfiles = PySequence_Fast_GET_SIZE(files);
-    paths = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(PyObject *));
-    prefixes = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(char *));
-    prefix_lens = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(Py_ssize_t));
-    pages = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(long long));
     zeros = PyMem_Calloc((size_t)sh.header_len, 1);
     if (posix_memalign((void **)&sink, ALIGN, ALIGN))
         sink = NULL;
-    if (!paths || !prefixes || !prefix_lens || !pages || !zeros || !sink) {
+    if (!zeros || !sink) {
         PyErr_NoMemory();
         goto done;
     }
     /* two slots where a hasher can judge one cold file while the next is read: staging
      * for two files */
-    if (direct && nfiles > 1 && 2 * sh.staged <= sh.staging_len)
+    if (direct && fs.n > 1 && 2 * sh.staged <= sh.staging_len)
         nslots = 2;
     for (int s = 0; s < nslots; s++) { /* a run's buffers: the header, its pieces, the zeros between its parts */
         reader_t *r = &slot[s];
@@ -496,23 +488,7 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
         r->sh = &sh, r->zeros = zeros, r->sink = sink;
         r->staging = r->warm_staging = r->cold_staging = sh.staging ? sh.staging + s * sh.staged : NULL;
     }
-    for (f = 0; f < nfiles; f++) { /* every file checked before any byte moves */
-        PyObject *path, *prefix;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(files, f), "OSL:read_pages file", &path, &prefix, &pages[f]))
-            goto done;
-        if (!PyUnicode_FSConverter(path, &paths[f]))
-            goto done;
-        prefixes[f] = PyBytes_AS_STRING(prefix);
-        prefix_lens[f] = PyBytes_GET_SIZE(prefix);
-        if (prefix_lens[f] + 8 * sh.nsums > sh.header_len) {
-            PyErr_Format(PyExc_ValueError, "read_pages: file %zd: a prefix of %zd bytes and %zd checksums exceed the "
-                         "header's %lld bytes", f, prefix_lens[f], sh.nsums, sh.header_len);
-            goto done;
-        }
-        if (!page_fits(&sh, pages[f]))
-            goto done;
-    }
-    if (!(out = PyBytes_FromStringAndSize(NULL, nfiles)))
+    if (!(out = PyBytes_FromStringAndSize(NULL, fs.n)))
         goto done;
     for (int s = 0; s < nslots; s++)
         if (!(slot[s].state = xxh_create())) {
@@ -521,7 +497,7 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
             goto done;
         }
     Py_BEGIN_ALLOW_THREADS
-    read_files(slot, nslots, nfiles, paths, prefixes, prefix_lens, pages, (unsigned char *)PyBytes_AS_STRING(out));
+    read_files(slot, nslots, &fs, (unsigned char *)PyBytes_AS_STRING(out));
     Py_END_ALLOW_THREADS
 done:
     for (int s = 0; s < 2; s++) {
@@ -532,16 +508,10 @@ done:
         PyMem_Free(slot[s].sums);
         free(slot[s].head);
     }
-    for (f = 0; paths && f < nfiles; f++)
-        Py_XDECREF(paths[f]);
-    PyMem_Free(paths);
-    PyMem_Free(prefixes);
-    PyMem_Free(prefix_lens);
-    PyMem_Free(pages);
+    free_files(&fs);
     PyMem_Free(zeros);
     free(sink);
     free_shape(&sh);
-    Py_XDECREF(files);
     PyBuffer_Release(&pool);
     if (staging.buf)
         PyBuffer_Release(&staging);

@@ -146,15 +146,64 @@ done:
     return rc;
 }
 
-int page_fits(const shape_t *sh, long long page) {
-    for (Py_ssize_t k = 0; k < sh->npieces; k++)
-        if (page < 0 || (sh->step[k] && page > (sh->flat_len - sh->start[k] - sh->extent[k]) / sh->step[k]) ||
-            sh->start[k] + page * sh->step[k] + sh->extent[k] > sh->flat_len) {
-            PyErr_Format(PyExc_ValueError, "%s: page %lld puts piece %zd outside the pool's %lld bytes", sh->what, page,
-                         k, sh->flat_len);
-            return 0;
+int parse_files(const shape_t *sh, PyObject *files_obj, int with_tmp, files_t *fs) {
+    PyObject *seq = PySequence_Fast(files_obj, "files must be a sequence");
+    if (!seq)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), m = n ? n : 1;
+    int rc = -1;
+    fs->n = n;
+    fs->tmps = with_tmp ? PyMem_Calloc(m, sizeof(PyObject *)) : NULL;
+    fs->paths = PyMem_Calloc(m, sizeof(PyObject *));
+    fs->prefixes = PyMem_Calloc(m, sizeof(char *));
+    fs->prefix_lens = PyMem_Calloc(m, sizeof(Py_ssize_t));
+    fs->pages = PyMem_Calloc(m, sizeof(long long));
+    if ((with_tmp && !fs->tmps) || !fs->paths || !fs->prefixes || !fs->prefix_lens || !fs->pages) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t f = 0; f < n; f++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, f), *tmp = NULL, *path, *prefix;
+        long long page;
+        if (!(with_tmp ? PyArg_ParseTuple(item, "OOSL:file", &tmp, &path, &prefix, &page)
+                       : PyArg_ParseTuple(item, "OSL:file", &path, &prefix, &page)))
+            goto done;
+        if ((tmp && !PyUnicode_FSConverter(tmp, &fs->tmps[f])) || !PyUnicode_FSConverter(path, &fs->paths[f]))
+            goto done;
+        fs->prefixes[f] = PyBytes_AS_STRING(prefix), fs->prefix_lens[f] = PyBytes_GET_SIZE(prefix);
+        fs->pages[f] = page;
+        if (fs->prefix_lens[f] + 8 * sh->nsums > sh->header_len) {
+            PyErr_Format(PyExc_ValueError, "%s: file %zd: a prefix of %zd bytes and %zd checksums exceed the "
+                         "header's %lld bytes", sh->what, f, fs->prefix_lens[f], sh->nsums, sh->header_len);
+            goto done;
         }
-    return 1;
+        for (Py_ssize_t k = 0; k < sh->npieces; k++)
+            if (page < 0 || (sh->step[k] && page > (sh->flat_len - sh->start[k] - sh->extent[k]) / sh->step[k]) ||
+                sh->start[k] + page * sh->step[k] + sh->extent[k] > sh->flat_len) {
+                PyErr_Format(PyExc_ValueError, "%s: page %lld puts piece %zd outside the pool's %lld bytes",
+                             sh->what, page, k, sh->flat_len);
+                goto done;
+            }
+    }
+    rc = 0;
+done:
+    fs->seq = seq; /* holds the prefixes */
+    return rc;
+}
+
+void free_files(files_t *fs) {
+    for (Py_ssize_t f = 0; f < fs->n; f++) {
+        if (fs->tmps)
+            Py_XDECREF(fs->tmps[f]);
+        if (fs->paths)
+            Py_XDECREF(fs->paths[f]);
+    }
+    PyMem_Free(fs->tmps);
+    PyMem_Free(fs->paths);
+    PyMem_Free(fs->prefixes);
+    PyMem_Free(fs->prefix_lens);
+    PyMem_Free(fs->pages);
+    Py_XDECREF(fs->seq);
 }
 
 void free_shape(shape_t *sh) {

@@ -142,12 +142,10 @@ PyObject *write_pages(PyObject *self, PyObject *args) {
     Py_buffer pool, staging = {0};
     shape_t sh = {.what = "write_pages"};
     writer_t w = {.sh = &sh};
-    Py_ssize_t chunk, nfiles = 0, f;
+    Py_ssize_t chunk;
     int fsync_each, mode, dir_mode;
-    PyObject *parts_obj, *files_obj, *out = NULL, *files = NULL, **tmps = NULL, **paths = NULL;
-    const char **prefixes = NULL;
-    Py_ssize_t *prefix_lens = NULL;
-    long long *pages = NULL;
+    PyObject *parts_obj, *files_obj, *out = NULL;
+    files_t fs = {0};
     if (!PyArg_ParseTuple(args, "y*LLOOnpii|w*:write_pages", &pool, &sh.header_len, &sh.total, &parts_obj, &files_obj,
                           &chunk, &fsync_each, &mode, &dir_mode, &staging))
         return NULL;
@@ -186,39 +184,16 @@ PyObject *write_pages(PyObject *self, PyObject *args) {
                      sh.total);
         goto done;
     }
-    if (!(files = PySequence_Fast(files_obj, "write_pages: files must be a sequence")))
+    if (parse_files(&sh, files_obj, 1, &fs) < 0)
         goto done;
-    nfiles = PySequence_Fast_GET_SIZE(files);
-    tmps = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(PyObject *));
-    paths = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(PyObject *));
-    prefixes = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(char *));
-    prefix_lens = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(Py_ssize_t));
-    pages = PyMem_Calloc(nfiles ? nfiles : 1, sizeof(long long));
     w.spans = PyMem_Calloc((size_t)sh.npieces + 1, sizeof(span_t));
     w.sums = PyMem_Calloc((size_t)sh.nparts + 1, sizeof(unsigned long long));
     w.head = PyMem_Calloc((size_t)sh.header_len, 1);
-    if (!tmps || !paths || !prefixes || !prefix_lens || !pages || !w.spans || !w.sums || !w.head) {
+    if (!w.spans || !w.sums || !w.head) {
         PyErr_NoMemory();
         goto done;
     }
-    for (f = 0; f < nfiles; f++) { /* every file checked before any byte moves */
-        PyObject *tmp, *path, *prefix;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(files, f), "OOSL:write_pages file", &tmp, &path, &prefix,
-                              &pages[f]))
-            goto done;
-        if (!PyUnicode_FSConverter(tmp, &tmps[f]) || !PyUnicode_FSConverter(path, &paths[f]))
-            goto done;
-        prefixes[f] = PyBytes_AS_STRING(prefix);
-        prefix_lens[f] = PyBytes_GET_SIZE(prefix);
-        if (prefix_lens[f] + 8 * sh.nsums > sh.header_len) {
-            PyErr_Format(PyExc_ValueError, "write_pages: file %zd: a prefix of %zd bytes and %zd checksums exceed "
-                         "the header's %lld bytes", f, prefix_lens[f], sh.nsums, sh.header_len);
-            goto done;
-        }
-        if (!page_fits(&sh, pages[f]))
-            goto done;
-    }
-    if (!(out = PyBytes_FromStringAndSize(NULL, nfiles)))
+    if (!(out = PyBytes_FromStringAndSize(NULL, fs.n)))
         goto done;
     if (!(w.state = xxh_create())) {
         Py_CLEAR(out);
@@ -227,31 +202,20 @@ PyObject *write_pages(PyObject *self, PyObject *args) {
     }
     unsigned char *status = (unsigned char *)PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
-    for (f = 0; f < nfiles; f++) {
-        int err = write_file(&w, PyBytes_AS_STRING(tmps[f]), PyBytes_AS_STRING(paths[f]), prefixes[f],
-                             prefix_lens[f], pages[f]);
+    for (Py_ssize_t f = 0; f < fs.n; f++) {
+        int err = write_file(&w, PyBytes_AS_STRING(fs.tmps[f]), PyBytes_AS_STRING(fs.paths[f]), fs.prefixes[f],
+                             fs.prefix_lens[f], fs.pages[f]);
         status[f] = (unsigned char)(err > 254 ? 255 : err);
     }
     Py_END_ALLOW_THREADS
 done:
     if (w.state)
         xxh_free(w.state);
-    for (f = 0; f < nfiles; f++) {
-        if (tmps)
-            Py_XDECREF(tmps[f]);
-        if (paths)
-            Py_XDECREF(paths[f]);
-    }
-    PyMem_Free(tmps);
-    PyMem_Free(paths);
-    PyMem_Free(prefixes);
-    PyMem_Free(prefix_lens);
-    PyMem_Free(pages);
+    free_files(&fs);
     PyMem_Free(w.spans);
     PyMem_Free(w.sums);
     PyMem_Free(w.head);
     free_shape(&sh);
-    Py_XDECREF(files);
     PyBuffer_Release(&pool);
     if (staging.buf)
         PyBuffer_Release(&staging);
