@@ -8,6 +8,7 @@ from tests.support.shm import removes_leftovers
 @pytest.fixture(scope="session", autouse=True)
 def _no_shm_leftovers():
     """The shared-memory segments vLLM's CPU workers leave in /dev/shm removed after the
-    session."""
-    with removes_leftovers("vllm_dist_"):
+    session, and the named semaphores (``sem.mp-*``) its killed servers' multiprocessing
+    locks leave there (five a suite's run)."""
+    with removes_leftovers("vllm_dist_", "sem.mp-"):
         yield
