@@ -55,6 +55,11 @@ typedef struct {
     long long (*dims)[MAX_DIMS], (*strides)[MAX_DIMS];
     long long *extent; /* per piece: bytes from its first to past its last in the pool */
     long long *stage_at; /* per staged piece: its offset in staging */
+    /* per piece: whether it is the first staged piece of its group of alike ones (the same
+     * dims, strides and bytes: moved row by row together), and the next of its group (-1:
+     * none) */
+    unsigned char *lead;
+    Py_ssize_t *next_alike;
     char *staging;
     long long staging_len, staged; /* staged: the staging one file needs */
     size_t chunk;
