@@ -29,3 +29,21 @@ def test_json_reports_both_figures_and_their_ratio(capsys):
 def test_bad_io_threads_raise(io_threads):
     with pytest.raises(ValueError, match="io_threads must be a positive int"):
         bench.run(**SMALL, backends=("file",), io_threads=io_threads)
+
+
+def test_every_file_put_starts_with_the_last_ones_writeback_done(monkeypatch):
+    """Before each put round of kvtier, the raw client and each peer (untimed), the
+    files' dirty pages are written back: a ``sync`` right after the round's clear, and
+    none inside a put."""
+    from kvtier.storage.file import FileStorage
+
+    events = []
+    real_set = FileStorage.batch_set
+    monkeypatch.setattr(bench.os, "sync", lambda: events.append("sync"))
+    monkeypatch.setattr(FileStorage, "batch_set",
+                        lambda self, *a: events.append("put") or real_set(self, *a))
+    out = bench.run(**SMALL, backends=("file",), repeat=2)  # and a first round that warms up
+    clients = 2 + sum(1 for r in out["rows"] if r["op"] == "put" and r["backend"] != "file")  # kvtier, raw, peers
+    assert events.count("sync") == 3 * clients
+    assert [e for e in events if e == "put"] == ["put"] * 3 and all(
+        events[i - 1] == "sync" for i, e in enumerate(events) if e == "put")
