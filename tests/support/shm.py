@@ -2,10 +2,10 @@
 servers are gone.
 
 sglang's servers leave ``sglang_loads_*`` slot files (their teardown kills processes,
-which skips the unlink), vLLM's CPU workers ``vllm_dist_*`` segments and its killed
-servers the ``sem.mp-*`` files of Python's multiprocessing semaphores. A file is
-removed only if it appeared during the session and no live process holds it open or
-mapped, so a concurrent session's running engine keeps its files.
+which skips the unlink), vLLM's CPU workers ``vllm_dist_*`` segments, and both
+engines' killed servers the ``sem.mp-*`` files of Python's multiprocessing semaphores.
+A file is removed only if it appeared during the session and no live process holds it
+open or mapped, so a concurrent session's running engine keeps its files.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_shm_leftovers():
-    """The slot files sglang's killed servers leave in /dev/shm removed after the session."""
-    with removes_leftovers("sglang_loads_"):
+    """The slot files sglang's killed servers leave in /dev/shm removed after the session,
+    and the named semaphores (``sem.mp-*``) of their multiprocessing locks (one a server)."""
+    with removes_leftovers("sglang_loads_", "sem.mp-"):
         yield

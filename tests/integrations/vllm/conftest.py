@@ -9,6 +9,6 @@ from tests.support.shm import removes_leftovers
 def _no_shm_leftovers():
     """The shared-memory segments vLLM's CPU workers leave in /dev/shm removed after the
     session, and the named semaphores (``sem.mp-*``) its killed servers' multiprocessing
-    locks leave there (five a suite's run)."""
+    locks leave there."""
     with removes_leftovers("vllm_dist_", "sem.mp-"):
         yield
