@@ -325,3 +325,27 @@ def test_a_write_that_fails_midway_leaves_no_file_behind(tmp_path, pageio_path):
     assert store.batch_get(keys_for(1), reader, ridx) == [True]
     assert torch.equal(flat_pages(reader, ridx)[0], flat_pages(host, idx)[0])
     assert store.usage_bytes() == len(object_files(tmp_path)[0].read_bytes())
+
+
+def test_a_fault_of_the_compiled_writer_makes_its_steps_pages_unstored(tmp_path, monkeypatch):
+    """An unexpected error of the compiled writer is one counted error per step; its
+    step's pages are not stored (and not half-written: no file appears), and the store
+    writes them once the writer works again."""
+    from kvtier.storage import pageio
+    from tests.support.services import unavailable
+
+    if not pageio.compiled():
+        unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
+    host, idx = filled_host(SPEC, 4, seed=8)
+    store = kvtier.storage.open(f"file://{tmp_path}", io_threads=1)
+    real = pageio.write_pages
+    monkeypatch.setattr(pageio, "write_pages", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert store.batch_set(keys_for(4), host, idx) == [False] * 4
+    stats = store.stats()
+    assert (stats["errors"], stats["write_failures"], stats["pages_written"]) == (1, 4, 0)
+    assert object_files(tmp_path) == []
+    monkeypatch.setattr(pageio, "write_pages", real)
+    assert store.batch_set(keys_for(4), host, idx) == [True] * 4
+    reader, ridx = blank_host(SPEC, 16)
+    assert store.batch_get(keys_for(4), reader, ridx) == [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))

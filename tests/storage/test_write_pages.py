@@ -12,6 +12,7 @@ import stat
 
 import numpy as np
 import pytest
+import torch
 import xxhash
 
 from kvtier.storage import pageio
@@ -170,3 +171,29 @@ def test_the_store_writes_the_same_files_either_way(tmp_path, monkeypatch):
             contents.append({p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()})
             monkeypatch.undo()
         assert len(contents[0]) == 3 and contents[0] == contents[1]
+
+
+def test_an_extension_built_before_the_writer_leaves_puts_to_the_per_file_path(tmp_path, monkeypatch):
+    """A ``_pageio`` without ``write_pages`` (built by an older kvtier): ``write_pages``
+    says None and the store's puts go file by file, stored all the same."""
+    import kvtier.storage
+    from tests.support.pools import SPECS
+    from tests.support.storage import blank_host, filled_host, flat_pages
+
+    class Older:
+        def __getattr__(self, name):
+            if name == "write_pages":
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    real = pageio._pageio[0]
+    monkeypatch.setattr(pageio, "_pageio", [Older()])
+    assert pageio.write_pages(_filled(), LAYOUT.header_len, LAYOUT.total, _pieces(range(4)),
+                              _files(tmp_path, {"a": 0}), False, *MODES) is None
+    host, idx = filled_host(SPECS["asym"], 2, seed=3)
+    keys = kvtier.storage.page_keys(list(range(8)), 4, namespace="older")
+    store = kvtier.storage.open(f"file://{tmp_path / 'store'}")
+    assert store.batch_set(keys, host, idx) == [True, True]
+    reader, ridx = blank_host(SPECS["asym"], 8)
+    assert store.batch_get(keys, reader, ridx) == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))

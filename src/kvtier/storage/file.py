@@ -379,7 +379,11 @@ class FileStorage(ThreadedStorage):
 
         def set_chunk(chunk: range) -> None:
             _, head, staging = self._scratch(head_room, copies)
-            written = self._write_compiled(keys, pages, plan, field, copies, chunk, staging) if compiled else ()
+            try:
+                written = self._write_compiled(keys, pages, plan, field, copies, chunk, staging) if compiled else ()
+            except Exception as e:  # an unexpected fault of the compiled writer: its step's pages are not stored
+                self._fault("write", e)
+                return
             for i in chunk:
                 if i in written:
                     stored[i] = True

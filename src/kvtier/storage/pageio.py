@@ -179,7 +179,7 @@ def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsy
     Per file one status: 0 written, else the errno of what failed (at most 255); a
     file that fails leaves nothing behind. Raises ``ValueError`` (nothing written) for
     a piece of any page outside ``pool`` or parts that do not end the file."""
-    if not compiled():
+    if not compiled() or not hasattr(_pageio[0], "write_pages"):  # an extension built before it
         return None
     extra = () if staging is None else (staging,)
     return _pageio[0].write_pages(pool, header_len, total, parts, files, WRITE_CHUNK, fsync, mode, dir_mode, *extra)
