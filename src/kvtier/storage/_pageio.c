@@ -245,6 +245,18 @@ static PyObject *cached_pages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+int reserve(int fd, long long length) {
+#ifdef __linux__
+    if (fallocate(fd, 0, 0, (off_t)length) == 0)
+        return 1;
+    if (errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL)
+        return -1;
+#else
+    (void)fd, (void)length;
+#endif
+    return 0;
+}
+
 PyDoc_STRVAR(preallocate_doc,
 "preallocate(fd, length) -> bool\n\n"
 "Reserve ``fd``'s first ``length`` bytes on disk in one request (Linux's fallocate,\n"
@@ -262,21 +274,17 @@ static PyObject *preallocate(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "preallocate: length must be positive, got %lld", length);
         return NULL;
     }
-#ifdef __linux__
     int rc, err = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = fallocate(fd, 0, 0, (off_t)length);
+    rc = reserve(fd, length);
     if (rc < 0)
         err = errno;
     Py_END_ALLOW_THREADS
-    if (rc == 0)
-        Py_RETURN_TRUE;
-    if (err != EOPNOTSUPP && err != ENOSYS && err != EINVAL) {
+    if (rc < 0) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-#endif
-    Py_RETURN_FALSE;
+    return PyBool_FromLong(rc);
 }
 
 static PyMethodDef methods[] = {

@@ -93,6 +93,10 @@ int parse_files(const shape_t *sh, PyObject *files_obj, int with_tmp, files_t *f
 /* What parse_files took. */
 void free_files(files_t *fs);
 
+/* Where each piece of page `page` moves from or to: its place in the pool, or (staged)
+ * its place in `staging`. */
+void page_spans(const shape_t *sh, char *staging, long long page, span_t *spans);
+
 /* Every staged piece of page `page` copied out of staging to its place in the pool, whole
  * lines with streaming stores where it can (the pool's page is not read back soon: a
  * plain store first reads each line it writes). */
@@ -104,6 +108,11 @@ void stage(const shape_t *sh, char *staging, long long page);
 
 /* What parse_parts allocated. */
 void free_shape(shape_t *sh);
+
+/* The first length bytes of the new file fd reserved on disk in one request (Linux's
+ * fallocate); 1 reserved, 0 where the file system or platform cannot (nothing done), or
+ * -1 with errno set. */
+int reserve(int fd, long long length);
 
 /* Every byte of buf at offset, read (write == 0) or written; 0, or -1 with errno set
  * (EIO: a read met the end of the file). */

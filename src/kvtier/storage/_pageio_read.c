@@ -274,9 +274,7 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
         }
     }
     r->staging = cold ? r->cold_staging : r->warm_staging;
-    for (Py_ssize_t k = 0; k < sh->npieces; k++)
-        r->spans[k] = (span_t){sh->ndim[k] ? r->staging + sh->stage_at[k] : sh->flat + sh->start[k] + page * sh->step[k],
-                               sh->len[k]};
+    page_spans(sh, r->staging, page, r->spans);
     if (cold) {
         /* read with O_DIRECT: about twice a buffered read's speed from disk here, and it
          * leaves the page cache to the host tier's own copy */

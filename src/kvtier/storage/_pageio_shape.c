@@ -288,6 +288,12 @@ static void each_row(const shape_t *sh, char *staging, long long page, int out) 
         lines_fence();
 }
 
+void page_spans(const shape_t *sh, char *staging, long long page, span_t *spans) {
+    for (Py_ssize_t k = 0; k < sh->npieces; k++)
+        spans[k] = (span_t){sh->ndim[k] ? staging + sh->stage_at[k] : sh->flat + sh->start[k] + page * sh->step[k],
+                            sh->len[k]};
+}
+
 void unstage(const shape_t *sh, const char *staging, long long page) {
     each_row(sh, (char *)staging, page, 1);
 }

@@ -92,14 +92,10 @@ static int write_file(writer_t *w, const char *tmp, const char *path, const char
     struct stat st;
     if (fstat(fd, &st) != 0 || ((st.st_mode & 07777) != w->mode && fchmod(fd, w->mode) != 0))
         goto fail;
-#ifdef __linux__
-    if (fallocate(fd, 0, 0, (off_t)sh->total) != 0 && errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL)
+    if (reserve(fd, sh->total) < 0)
         goto fail;
-#endif
     stage(sh, sh->staging, page);
-    for (Py_ssize_t k = 0; k < sh->npieces; k++)
-        w->spans[k] = (span_t){sh->ndim[k] ? sh->staging + sh->stage_at[k] : sh->flat + sh->start[k] + page * sh->step[k],
-                               sh->len[k]};
+    page_spans(sh, sh->staging, page, w->spans);
     if (move_parts(fd, sh->parts, sh->nparts, w->spans, sh->chunk, 1, w->state, w->sums) < 0)
         goto fail;
     build_header(w, prefix, prefix_len);

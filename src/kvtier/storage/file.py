@@ -178,6 +178,23 @@ def _staged_pieces(flat: np.ndarray | None, views) -> list[tuple] | None:
     return out
 
 
+def _by_name_length(keys, field: str, indices) -> list[list[tuple[int, str]]]:
+    """``(index, object name)`` of each of ``indices``, in groups whose names have as many
+    UTF-8 bytes: their files share a layout (one compiled call per group)."""
+    groups: dict[int, list] = {}
+    for i in indices:
+        name = f"{keys[i]}#{field}"
+        groups.setdefault(len(name.encode()), []).append((i, name))
+    return list(groups.values())
+
+
+def _tmp_path(stem: str, name: str) -> str:
+    """A new temporary path for the file ``<stem>.<name>``, in its shard: hidden (a dot
+    first), and unique to this process, thread and call."""
+    shard, tail = stem.rsplit("/", 1)
+    return f"{shard}/.{tail}.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
+
+
 def _checksum(bufs: list) -> int:
     if len(bufs) == 1:
         return xxhash.xxh3_64_intdigest(bufs[0])
@@ -479,20 +496,13 @@ class FileStorage(ThreadedStorage):
         their faults.
         NOTE: a page_first page's gather (numpy) and its file calls in Python took about
         as long as the kernel's write of it, holding the GIL between the I/O threads."""
-        file_name, by_length = self._file_name(field), {}
-        for i in chunk:
-            name = f"{keys[i]}#{field}"
-            by_length.setdefault(len(name.encode()), []).append((i, name))
-        written, pid, tid = set(), os.getpid(), threading.get_ident()
-        for todo in by_length.values():
+        file_name, written = self._file_name(field), set()
+        for todo in _by_name_length(keys, field, chunk):
             layout, names = self._shape(plan, field, todo[0][1])
             parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names)]
             stems = [self._stem(keys[i]) for i, _ in todo]
-            files = []
-            for (i, name), stem in zip(todo, stems):
-                shard, tail = stem.rsplit("/", 1)
-                tmp = f"{shard}/.{tail}.{file_name}.{pid}.{tid}.{next(_counter)}.tmp"
-                files.append((tmp, f"{stem}.{file_name}", layout.prefix(name), pages[i]))
+            files = [(_tmp_path(stem, file_name), f"{stem}.{file_name}", layout.prefix(name), pages[i])
+                     for (i, name), stem in zip(todo, stems)]
             status = pageio.write_pages(copies.flat, layout.header_len, layout.total, parts, files, self.fsync,
                                         self._file_mode, self._dir_mode, staging)
             if status is None:  # switched off meanwhile (KVTIER_NATIVE=0)
@@ -545,12 +555,7 @@ class FileStorage(ThreadedStorage):
         stems = {i: self._stem(keys[i]) for i in chunk}
         for field, wanted in sources:
             file_name = self._file_name(field)
-            by_length: dict[int, list] = {}  # files whose names have as many bytes share a layout
-            for i in chunk:
-                if i in read:
-                    name = f"{keys[i]}#{field}"
-                    by_length.setdefault(len(name.encode()), []).append((i, name))
-            for todo in by_length.values():
+            for todo in _by_name_length(keys, field, [i for i in chunk if i in read]):
                 layout, names = self._shape(plan, field, todo[0][1])
                 parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names) if name in wanted]
                 files = [(f"{stems[i]}.{file_name}", layout.prefix(name), pages[i]) for i, name in todo]
@@ -691,8 +696,7 @@ class FileStorage(ThreadedStorage):
         to a new file, renamed to ``<stem>.<name>`` once whole. Each chunk of a part is hashed just
         before it is written, so the kernel's copy reads it from the CPU's cache; the
         zeros between parts are holes of the file."""
-        shard, tail = stem.rsplit("/", 1)
-        tmp = f"{shard}/.{tail}.{name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp"
+        shard, tmp = stem.rsplit("/", 1)[0], _tmp_path(stem, name)
         direct = self.direct_writes and all(_aligned(bufs, offset) for offset, bufs in parts)
         fd = self._create(shard, tmp, direct)
         try:
