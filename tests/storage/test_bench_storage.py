@@ -23,6 +23,23 @@ def test_json_reports_both_figures_and_their_ratio(capsys):
         [("file", "put", 4), ("file", "get", 4), ("file", "cold get", 4)]
     for r in out["rows"]:
         assert math.isclose(r["ratio"], r["kvtier_gbps"] / r["raw_gbps"], rel_tol=1e-9)
+        assert math.isclose(r["median_ratio"], r["kvtier_median_gbps"] / r["raw_median_gbps"], rel_tol=1e-9)
+
+
+def test_best_and_median_rounds_come_from_the_timed_rounds_alone(monkeypatch):
+    """The first round warms up and is not counted; the best and the median of the
+    others are each client's own."""
+    rounds = {"a": iter([9.0, 1.0, 5.0, 3.0]), "b": iter([9.0, 2.0, 2.0, 8.0])}
+    clock = {"now": 0.0}
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock["now"])
+
+    def client(name):
+        def fn():
+            clock["now"] += next(rounds[name])
+        return fn, lambda: None
+
+    times = bench._alternated({"a": client("a"), "b": client("b")}, repeat=3)
+    assert times == {"a": [1.0, 5.0, 3.0], "b": [2.0, 2.0, 8.0]}
 
 
 @pytest.mark.parametrize("io_threads", [0, True, 1.5])

@@ -7,7 +7,10 @@ plain files (one per page, ``os.writev``/``os.readv`` on as many threads as kvti
 ``io_threads``), redis-py pipelined ``SET``/``GET``, Mooncake
 ``batch_put_from``/``batch_get_into``. Each kvtier figure is reported as
 a ratio to the raw figure measured in the same run, their rounds alternated (a
-machine whose speed drifts slows both alike). Objects are removed between
+machine whose speed drifts slows both alike): the best rounds' ratio, and the
+median rounds' (on a VM, buffered writes of one client can swing severalfold
+from round to round while another's hold steady: the best round then shows the
+first at its luckiest). Objects are removed between
 repetitions (untimed), so every put writes, and for files every dirty page is then
 written back (``sync``, untimed), so that no put waits on the last one's writeback.
 Files are also read cold: each file's pages are dropped from the page cache before
@@ -25,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 import torch
@@ -46,24 +50,28 @@ class StorageRow:
     op: str            # "put" or "get"
     objects: int
     gbytes: float
-    kvtier_gbps: float
+    kvtier_gbps: float  # the best round's
     raw_gbps: float
     ratio: float
+    kvtier_median_gbps: float  # the median round's
+    raw_median_gbps: float
+    median_ratio: float
 
 
-def _alternated(clients: dict, repeat: int) -> dict[str, float]:
-    """Each client's best seconds for ``fn`` (after ``prepare``, untimed): ``clients``
-    maps a name to ``(fn, prepare)``. The rounds alternate between the clients, so a
-    machine whose speed drifts during the run (a shared disk, a busy neighbour) slows
-    each of them alike, rather than whichever ran last."""
-    best = dict.fromkeys(clients, float("inf"))
-    for _ in range(repeat + 1):  # the first round warms up
+def _alternated(clients: dict, repeat: int) -> dict[str, list[float]]:
+    """Each client's seconds for ``fn`` in each timed round (after ``prepare``, untimed):
+    ``clients`` maps a name to ``(fn, prepare)``. The rounds alternate between the
+    clients, so a machine whose speed drifts during the run (a shared disk, a busy
+    neighbour) slows each of them alike, rather than whichever ran last."""
+    times = {name: [] for name in clients}
+    for round_ in range(repeat + 1):  # the first round warms up
         for name, (fn, prepare) in clients.items():
             prepare()
             t = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
+            if round_:
+                times[name].append(time.perf_counter() - t)
+    return times
 
 
 class _RawFile:
@@ -200,7 +208,9 @@ def _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers=
         times = _alternated({"kvtier": (ours, prepare), **{n: theirs(c) for n, c in others.items()}}, repeat)
         mine = times.pop("kvtier")
         rows += [StorageRow(name if other == "raw" else f"{name} vs {other}", op, objects, payload / 1e9,
-                            payload / mine / 1e9, payload / t / 1e9, t / mine) for other, t in times.items()]
+                            payload / min(mine) / 1e9, payload / min(t) / 1e9, min(t) / min(mine),
+                            payload / median(mine) / 1e9, payload / median(t) / 1e9, median(t) / median(mine))
+                 for other, t in times.items()]
     order = [name, *(f"{name} vs {other}" for other in others if other != "raw")]
     rows.sort(key=lambda r: order.index(r.backend))  # against the raw client first, then each peer (stable)
     stats = store.stats()

@@ -24,6 +24,7 @@ def test_rows_for_vllm_fs_tier_share_kvtiers_figures(tmp_path):
             row = rows[(peer, op)]
             assert row["kvtier_gbps"] == rows[("file", op)]["kvtier_gbps"]  # the same kvtier timing
             assert math.isclose(row["ratio"], row["kvtier_gbps"] / row["raw_gbps"], rel_tol=1e-9)
+            assert row["kvtier_median_gbps"] == rows[("file", op)]["kvtier_median_gbps"]
 
 
 @pytest.mark.parametrize("o_direct", [False, True])
