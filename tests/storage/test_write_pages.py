@@ -93,6 +93,42 @@ def test_files_hold_their_pages_parts_behind_the_readers_header(tmp_path, how):
         assert _gathered(back, parts, page) == _gathered(pool, parts, page)
 
 
+@pytest.mark.parametrize("chunk", [4096, 3000, 0], ids=["aligned-chunks", "odd-chunks", "one-call"])
+@pytest.mark.parametrize("how", ["in-place", "staged"])
+def test_files_longer_than_a_chunk_are_the_same_bytes(tmp_path, monkeypatch, chunk, how):
+    """A file is written in calls that end at multiples of the chunk (or, 0, in one),
+    however the chunks cut its parts, pieces and zeros: the same bytes either way."""
+    monkeypatch.setattr(pageio, "WRITE_CHUNK", chunk)
+    parts = _pieces(range(4)) if how == "in-place" else _staged(range(4))
+    staging = None if how == "in-place" else np.zeros(32768, dtype=np.uint8)
+    pool = _filled()
+    assert _write(pool, parts, _files(tmp_path, {"a": 1}), staging) == [0]
+    assert (tmp_path / "a").read_bytes() == _expected_file("a#f", _gathered(pool, parts, 1))
+
+
+@pytest.mark.parametrize("chunk", [2 << 20, 4096], ids=["one-call", "chunks"])
+def test_wide_gaps_between_parts_are_zeros(tmp_path, monkeypatch, chunk):
+    """Parts further apart than the format puts them (more than a block of zeros between)."""
+    monkeypatch.setattr(pageio, "WRITE_CHUNK", chunk)
+    shift = 3 * 4096 + 512
+    parts = [(k, offset + (k > 0) * shift, pieces) for k, offset, pieces in _pieces(range(4))]
+    pool = _filled()
+    files = _files(tmp_path, {"a": 2})
+    assert list(pageio.write_pages(pool, LAYOUT.header_len, LAYOUT.total + shift, parts, files, False,
+                                   *MODES)) == [0]
+    data = (tmp_path / "a").read_bytes()
+    gathered = _gathered(pool, parts, 2)
+    assert len(data) == LAYOUT.total + shift
+    assert data[LAYOUT.offsets[0]:LAYOUT.offsets[0] + SIZES[0]] == gathered[0]
+    assert data[LAYOUT.offsets[0] + SIZES[0]:LAYOUT.offsets[1] + shift] == bytes(LAYOUT.offsets[1] + shift -
+                                                                                 LAYOUT.offsets[0] - SIZES[0])
+    for k in range(1, 4):
+        assert data[LAYOUT.offsets[k] + shift:LAYOUT.offsets[k] + shift + SIZES[k]] == gathered[k]
+    sums = [int.from_bytes(data[at:at + 8], "little") for at in range(len(LAYOUT.prefix()),
+                                                                      len(LAYOUT.prefix()) + 32, 8)]
+    assert sums == [xxhash.xxh3_64_intdigest(g) for g in gathered]
+
+
 def test_an_object_written_again_is_replaced_whole(tmp_path):
     pool = _filled()
     assert _write(pool, _pieces(range(4)), _files(tmp_path, {"a": 0})) == [0]
@@ -140,6 +176,8 @@ def test_bad_input_is_refused_before_any_file_is_made(tmp_path):
         (pool, parts[:3], files, None, "the parts end at"),
         (pool, [parts[1], parts[0], *parts[2:]], files, None, "file order"),
         (pool, [(k + 1, o, p) for k, o, p in parts], files, None, "checksum"),
+        (pool, [parts[0], (1, parts[0][1] + 100, parts[1][2]), *parts[2:]], files, None,
+         "part 0 ends at 12288, past the next part"),
         (pool, outside, files, None, "outside the pool"),
         (pool, parts, [*files[:1], (*files[1][:3], 4)], None, "page 4 puts piece 0 outside"),
         (pool, parts, [(*files[0][:2], bytes(LAYOUT.header_len), 0)], None, "exceed the header"),

@@ -31,8 +31,9 @@ from ..compiled import built, switched_on
 
 #: Bytes moved and hashed at a time: well inside a core's L2 cache
 CHUNK = 256 << 10
-#: Bytes written at a time: hashed just before, from the CPU's caches (L2 and L3), and
-#: large enough for the page cache to hold the file in folios of up to 2 MiB
+#: Bytes written in one call at most (the calls end at its multiples in the file): hashed
+#: just before, from the CPU's caches (L2 and L3), and large enough for the page cache to
+#: hold the file in folios of up to 2 MiB
 WRITE_CHUNK = 2 << 20
 _SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update", "XXH3_64bits_digest")
 
@@ -174,8 +175,11 @@ def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsy
     written from it); ``files``: ``(temporary path, path, header prefix, page)`` each.
     Each file is made new at its temporary path with ``mode`` (its directory with
     ``dir_mode`` where that is missing), reserved whole (:func:`preallocate`), written
-    ``WRITE_CHUNK`` at a time, each chunk hashed just before, then its header (the
-    prefix, the checksums, zeros), fsync'd with ``fsync``, and renamed to its path.
+    in one ``pwritev`` per ``WRITE_CHUNK`` of the file, each call's bytes hashed just
+    before, then its header (the prefix, the checksums, zeros); a file no longer than
+    ``WRITE_CHUNK`` in one call, header first (every write call also updates the inode,
+    a journal handle on ext4: one per piece of every part cost puts a fifth or more);
+    fsync'd with ``fsync``, and renamed to its path.
     Per file one status: 0 written, else the errno of what failed (at most 255); a
     file that fails leaves nothing behind. Raises ``ValueError`` (nothing written) for
     a piece of any page outside ``pool`` or parts that do not end the file."""
