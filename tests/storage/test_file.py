@@ -349,3 +349,32 @@ def test_a_fault_of_the_compiled_writer_makes_its_steps_pages_unstored(tmp_path,
     reader, ridx = blank_host(SPEC, 16)
     assert store.batch_get(keys_for(4), reader, ridx) == [True] * 4
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
+
+
+def test_clear_removes_every_object_and_stray_but_keeps_the_shard_directories(tmp_path):
+    """A clear leaves the store as a running one has it, shard directories made (the next
+    puts then make none), and nothing else: no object, no stray file or directory,
+    inside a shard or beside them."""
+    host, idx = filled_host(SPEC, 6)
+    keys = keys_for(6)
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    assert store.batch_set(keys, host, idx) == [True] * 6
+    root = tmp_path / "kvtier-v3"
+    shards = sorted(p for p in root.iterdir() if p.is_dir())
+    assert shards and len(object_files(tmp_path)) == 6
+    (shards[0] / "stray").write_bytes(b"x")
+    (shards[0] / "nested").mkdir()
+    (root / "zz").mkdir()  # not a shard's name
+    (root / "notes.txt").write_bytes(b"x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"x")
+    (root / "ff").symlink_to(outside)  # a shard's name, but a link: removed, not followed
+    store.clear()
+    assert sorted(root.iterdir()) == shards and all(not any(s.iterdir()) for s in shards)
+    assert (outside / "keep").exists()
+    assert store.batch_exists(keys) == 0 and store.stats()["errors"] == 0
+    assert store.batch_set(keys, host, idx) == [True] * 6
+    reader, ridx = blank_host(SPEC, 24)
+    assert store.batch_get(keys, reader, ridx) == [True] * 6
+    assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))

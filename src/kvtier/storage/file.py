@@ -46,6 +46,7 @@ import functools
 import hashlib
 import itertools
 import os
+import re
 import shutil
 import stat
 import threading
@@ -70,6 +71,7 @@ from .pagefile import (ALIGN, FileLayout, align_up, field_parts, file_field, hea
 from .threaded import ThreadedStorage
 
 _ROOT = "kvtier-v3"
+_SHARD_NAME = re.compile(r"[0-9a-f]{2}")  # <h[:2]>
 _counter = itertools.count()
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -764,7 +766,20 @@ class FileStorage(ThreadedStorage):
                 self._total -= sum(self._lru.pop(self._stem(key), {}).values())
 
     def _remove_all(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Every file and directory under the root goes but the shard directories, which
+        are emptied: made again by the next puts, 256 of them (each a journaled metadata
+        write) cost the first 512 puts after a clear a fifth of their time."""
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            entries = []
+        for entry in entries:
+            if _SHARD_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                with os.scandir(entry.path) as inside:
+                    for item in inside:
+                        self._unlink(item.path)
+            else:
+                self._unlink(entry.path)
         self._mkdir(self.root)
         with self._lock:
             self._lru.clear()
