@@ -13,9 +13,10 @@
  * copyto of its strided pieces, 0.23 ms a 1.4 MiB page) and its file calls as the
  * kernel did writing it, holding the GIL for all of it between two I/O threads.
  *
- * NOTE: one pwritev per chunk of the file, not one pwrite per piece of a part: every
- * write call also updates the inode's times, a journal handle on ext4, and a page's 8
- * parts, a header and its zeros made 9 or more calls. Alternated in one process (512
+ * NOTE: one pwritev per chunk of the file, not one pwrite per piece of a part: each
+ * write call is a round of the file system's own (the inode's lock and times, page
+ * cache folios sized by that call's offset and length), and a page's 8 parts, a header
+ * and its zeros made 9 or more calls. Alternated in one process (512
  * new 1.4 MiB files a round, two I/O threads, ext4, medians of 9 rounds): 5.8 -> 7.2
  * GB/s for page_first pages, 5.8 -> 7.7 for page_head; 8 MiB pages 7.0 -> 8.0 and
  * 9.3 -> 12.4. One call for a whole 8 MiB file was as fast at best but fell to about

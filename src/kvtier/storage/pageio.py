@@ -177,9 +177,9 @@ def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsy
     ``dir_mode`` where that is missing), reserved whole (:func:`preallocate`), written
     in one ``pwritev`` per ``WRITE_CHUNK`` of the file, each call's bytes hashed just
     before, then its header (the prefix, the checksums, zeros); a file no longer than
-    ``WRITE_CHUNK`` in one call, header first (every write call also updates the inode,
-    a journal handle on ext4: one per piece of every part cost puts a fifth or more);
-    fsync'd with ``fsync``, and renamed to its path.
+    ``WRITE_CHUNK`` in one call, header first (each write call is a round of the file
+    system's own: a call per piece of every part cost puts a fifth or more); fsync'd
+    with ``fsync``, and renamed to its path.
     Per file one status: 0 written, else the errno of what failed (at most 255); a
     file that fails leaves nothing behind. Raises ``ValueError`` (nothing written) for
     a piece of any page outside ``pool`` or parts that do not end the file."""
