@@ -5,6 +5,7 @@ content it must leave alone), never only shapes.
 """
 
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from kvtier import DeviceKVPool, HostKVPool, KVSpec
 from kvtier.transfer import copy as copy_mod
 from kvtier.transfer import coalesce, cpu
+from kvtier.transfer import runs as runs_module
 from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, record_copy_threads, slots
 
 FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
@@ -241,7 +243,7 @@ def test_copy_workers_restart_in_a_forked_child(monkeypatch):
     assert sorted(x for part in seen for x in part) == [1, 2, 3, 4]
 
 
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=12))
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=40))
 def test_coalesce_matches_a_loop(pairs):
     dst = torch.tensor([d for d, _ in pairs], dtype=torch.int64)
     src = torch.tensor([s for _, s in pairs], dtype=torch.int64)
@@ -252,4 +254,6 @@ def test_coalesce_matches_a_loop(pairs):
         else:
             want.append([d, s, 1])
     runs = cpu.Runs(*(list(x) for x in zip(*want))) if want else cpu.Runs([], [], [])
-    assert coalesce(dst, src) == runs
+    for small in (0, 10**6):  # numpy's calls, and the loop over Python lists of few pages
+        with mock.patch.object(runs_module, "_SMALL_PAGES", small):
+            assert coalesce(dst, src) == runs

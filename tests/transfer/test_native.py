@@ -86,6 +86,22 @@ def test_native_matches_pure_path(monkeypatch, compiled, spec_name, layout, thre
             assert torch.equal(dst_n[n][layer], dst_p[n][layer]), (n, layer)
 
 
+@pytest.mark.parametrize("small_runs", [0, 10**6], ids=["numpy-offsets", "listed-offsets"])
+def test_copy_runs_moves_each_runs_pages(monkeypatch, compiled, small_runs):
+    """``copy_runs`` lists a few runs' pages in Python and many with numpy: the same
+    pages land either way, and nothing else in the destination changes."""
+    monkeypatch.setattr(native, "_SMALL_RUNS", small_runs)
+    gen = np.random.default_rng(5)
+    src = gen.integers(0, 1 << 15, (40, 6, 3, 8), dtype=np.int16)[:, :, 1]  # strided pages
+    for runs in ([(3, 7, 1)], [(0, 30, 4), (9, 2, 3), (20, 11, 1)], [(i, 39 - i, 1) for i in range(20)]):
+        dst = np.full((40, 6, 8), -1, dtype=np.int16)
+        want = dst.copy()
+        for a, b, n in runs:
+            want[a:a + n] = src[b:b + n]
+        native.copy_runs(dst, src, runs)
+        assert np.array_equal(dst, want), runs
+
+
 def test_pure_path_without_module(monkeypatch):
     """With the module missing (as on a machine without a compiler: its import found
     nothing) the numpy path copies."""

@@ -16,6 +16,7 @@ through ``kvtier.compiled.load``, so tests and benchmarks can switch it).
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -71,6 +72,18 @@ class Blocks:
         self.src_strides = tuple(src_page.strides[a] for a in axes)
 
 
+#: Runs up to which :func:`copy_runs` lists their pages in Python
+_SMALL_RUNS = 16
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocks(shape: tuple, dst_strides: tuple, src_strides: tuple, itemsize: int) -> Blocks:
+    """:class:`Blocks` of a page of this shape, strides and item size (the same for every
+    call between two pools: built once)."""
+    return Blocks(np.lib.stride_tricks.as_strided(np.empty(0, dtype=f"V{itemsize}"), shape, dst_strides),
+                  np.lib.stride_tricks.as_strided(np.empty(0, dtype=f"V{itemsize}"), shape, src_strides))
+
+
 def copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
     """``dst[a:a + n] <- src[b:b + n]`` for each ``(a, b, n)`` of ``runs``, between page-major
     numpy views ``(page, *inner)``, with the compiled ``copy_pages``: one call, GIL released.
@@ -78,16 +91,21 @@ def copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]]
     that :func:`enabled` let (a plan made under the switch runs as planned)."""
     if not runs:
         return
-    blocks = Blocks(dst[0], src[0])
+    blocks = _blocks(dst.shape[1:], dst.strides[1:], src.strides[1:], dst.itemsize)
     d_low, d_len = _span(dst)
     s_low, s_len = _span(src)
-    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-    # pages of every run, as byte offsets into each span
-    n = r[:, 2]
-    within = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
     d_first = dst.__array_interface__["data"][0] - d_low
     s_first = src.__array_interface__["data"][0] - s_low
-    dst_pages = d_first + (np.repeat(r[:, 0], n) + within) * dst.strides[0]
-    src_pages = s_first + (np.repeat(r[:, 1], n) + within) * src.strides[0]
+    ds, ss = dst.strides[0], src.strides[0]
+    # pages of every run, as byte offsets into each span
+    if len(runs) <= _SMALL_RUNS:  # NOTE: a few pages (a sliding window's): numpy's calls cost more than a loop
+        dst_pages = np.array([d_first + (a + i) * ds for a, _, n in runs for i in range(n)], dtype=np.int64)
+        src_pages = np.array([s_first + (b + i) * ss for _, b, n in runs for i in range(n)], dtype=np.int64)
+    else:
+        r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+        n = r[:, 2]
+        within = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        dst_pages = d_first + (np.repeat(r[:, 0], n) + within) * ds
+        src_pages = s_first + (np.repeat(r[:, 1], n) + within) * ss
     built(COMPILED).copy_pages((ctypes.c_char * d_len).from_address(d_low), (ctypes.c_char * s_len).from_address(s_low),
                        dst_pages, src_pages, blocks.shape, blocks.dst_strides, blocks.src_strides, blocks.block)
