@@ -15,6 +15,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdint.h>
 #include <unistd.h>
 #ifdef __linux__
@@ -56,20 +57,36 @@ static PyObject *bind(PyObject *self, PyObject *args) {
 /* Every byte of buf at offset, read (write == 0) or written; 0, or -1 with errno set
  * (EIO: a read met the end of the file). */
 int move_all(int fd, char *buf, size_t len, long long offset, int write) {
-    while (len) {
-        ssize_t n = write ? pwrite(fd, buf, len, (off_t)offset) : pread(fd, buf, len, (off_t)offset);
-        if (n < 0) {
+    struct iovec one = {buf, len};
+    return len ? iov_all(fd, &one, 1, offset, write) : 0;
+}
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024 /* Linux's */
+#endif
+
+int iov_all(int fd, struct iovec *iov, int n, long long offset, int write) {
+    while (n > 0) {
+        int count = n < IOV_MAX ? n : IOV_MAX;
+        ssize_t done = write ? pwritev(fd, iov, count, (off_t)offset) : preadv(fd, iov, count, (off_t)offset);
+        if (done < 0) {
             if (errno == EINTR)
                 continue;
             return -1;
         }
-        if (n == 0) {
+        if (done == 0) {
             errno = EIO;
             return -1;
         }
-        buf += n;
-        len -= (size_t)n;
-        offset += n;
+        offset += done;
+        while (n > 0 && (size_t)done >= iov->iov_len) {
+            done -= (ssize_t)iov->iov_len;
+            iov++, n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (char *)iov->iov_base + done;
+            iov->iov_len -= (size_t)done;
+        }
     }
     return 0;
 }

@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <sys/uio.h>
 
 typedef void *(*create_fn)(void);
 typedef int (*free_fn)(void *);
@@ -117,6 +118,11 @@ int reserve(int fd, long long length);
 /* Every byte of buf at offset, read (write == 0) or written; 0, or -1 with errno set
  * (EIO: a read met the end of the file). */
 int move_all(int fd, char *buf, size_t len, long long offset, int write);
+
+/* Every byte of iov[0..n) read (write == 0) or written at offset, IOV_MAX stretches a
+ * call at most; 0, or -1 with errno set (EIO: a read met the end of the file). Consumes
+ * iov. */
+int iov_all(int fd, struct iovec *iov, int n, long long offset, int write);
 
 /* The parts moved in pieces that end at multiples of chunk in the file (0: a stretch
  * at once), each piece hashed while in the CPU's cache, each part's digest into sums;

@@ -48,7 +48,6 @@
 #endif
 
 enum { READ_OK = 0, READ_MISSING = 1, READ_COLD = 2, READ_OTHER = 3, READ_DIRECT = 4, READ_PENDING = 5 };
-#define MAX_IOV 1024 /* IOV_MAX on Linux */
 #define PROBE_PAGES 16 /* pages counted at each of a large file's three stretches */
 
 
@@ -105,33 +104,6 @@ static uint64_t le64(const unsigned char *p) {
     for (int i = 7; i >= 0; i--)
         v = v << 8 | p[i];
     return v;
-}
-
-/* Every byte of iov[0..n) read from fd at offset; 0, or -1 with errno set (EIO: the
- * file ended early). Consumes iov. */
-static int readv_all(int fd, struct iovec *iov, int n, long long offset) {
-    while (n > 0) {
-        ssize_t got = preadv(fd, iov, n < MAX_IOV ? n : MAX_IOV, (off_t)offset);
-        if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        if (got == 0) {
-            errno = EIO;
-            return -1;
-        }
-        offset += got;
-        while (n > 0 && (size_t)got >= iov->iov_len) {
-            got -= (ssize_t)iov->iov_len;
-            iov++, n--;
-        }
-        if (n > 0) {
-            iov->iov_base = (char *)iov->iov_base + got;
-            iov->iov_len -= (size_t)got;
-        }
-    }
-    return 0;
 }
 
 static int aligned(const void *at, size_t len) {
@@ -220,7 +192,7 @@ static int read_cold(reader_t *r) {
                     iov[n++] = (struct iovec){r->spans[k].at, r->spans[k].len};
             }
         }
-        if (set_direct(r, direct) < 0 || readv_all(r->fd, iov, n, offset) < 0)
+        if (set_direct(r, direct) < 0 || iov_all(r->fd, iov, n, offset, 0) < 0)
             return -1;
         p = q;
     }

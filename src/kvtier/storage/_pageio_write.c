@@ -87,30 +87,6 @@ static void build_header(const writer_t *w, const char *prefix, Py_ssize_t prefi
 
 static char zeros[ALIGN];
 
-/* iov[0..n) written at offset, whole; 0, or -1 with errno set. */
-static int write_iov(int fd, struct iovec *iov, int n, long long offset) {
-    for (int i = 0; i < n;) {
-        ssize_t done = pwritev(fd, iov + i, n - i > IOV_MAX ? IOV_MAX : n - i, (off_t)offset);
-        if (done < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        if (done == 0) {
-            errno = EIO;
-            return -1;
-        }
-        offset += done;
-        while (i < n && (size_t)done >= iov[i].iov_len)
-            done -= (ssize_t)iov[i++].iov_len;
-        if (i < n) {
-            iov[i].iov_base = (char *)iov[i].iov_base + done;
-            iov[i].iov_len -= (size_t)done;
-        }
-    }
-    return 0;
-}
-
 /* The file's header, parts and the zeros between them written in pwritev calls that
  * end at multiples of the chunk in the file (the page cache then holds it in large
  * folios, which read back far faster), each call's bytes hashed just before it, so
@@ -160,7 +136,7 @@ static int write_body(writer_t *w, int fd, const char *prefix, Py_ssize_t prefix
                 if (!gap)
                     from += take;
                 if (n == w->niov || (!whole && (unsigned long long)at % chunk == 0)) {
-                    if (write_iov(fd, iov, n, call) < 0)
+                    if (iov_all(fd, iov, n, call, 1) < 0)
                         return -1;
                     n = 0, call = at;
                 }
@@ -169,7 +145,7 @@ static int write_body(writer_t *w, int fd, const char *prefix, Py_ssize_t prefix
         if (!whole)
             w->sums[p] = xxh_digest(w->state);
     }
-    if (n && write_iov(fd, iov, n, call) < 0)
+    if (n && iov_all(fd, iov, n, call, 1) < 0)
         return -1;
     if (whole)
         return 0;
