@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtier import HostKVPool, KVSpec, compiled as compiled_modules
+from kvtier.errors import IntegrityError
 from kvtier.transfer import cpu, native
 from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
 from tests.support.services import unavailable
@@ -100,6 +101,13 @@ def test_copy_runs_moves_each_runs_pages(monkeypatch, compiled, small_runs):
             want[a:a + n] = src[b:b + n]
         native.copy_runs(dst, src, runs)
         assert np.array_equal(dst, want), runs
+
+
+def test_copy_runs_refuses_pages_of_other_shapes(compiled):
+    dst = np.zeros((4, 6, 8), dtype=np.int16)
+    with pytest.raises(IntegrityError, match=r"page shapes differ: \(6, 8\) and \(8, 6\)"):
+        native.copy_runs(dst, np.ones((4, 8, 6), dtype=np.int16), [(0, 0, 2)])
+    assert not dst.any()
 
 
 def test_pure_path_without_module(monkeypatch):

@@ -138,19 +138,25 @@ _BUFFERS = _Buffers()
 def plan(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, parts: int = 1) -> list[Task]:
     """Tasks copying every run of ``runs`` for every page-major ``(dst, src)`` view pair, each
     pair's runs dealt round-robin over ``parts`` tasks: ``tasks[i::parts]`` is part ``i``.
-    When there are fewer runs than ``parts``, runs are cut so that every part gets some."""
+    When there are fewer runs than ``parts``, runs are cut so that every part gets some.
+    Pairs left to numpy are widened (:func:`widen`); the compiled copy merges contiguous
+    trailing axes itself (widening cost 12 µs for two components, a tenth of a sliding
+    window's per-layer load)."""
     triples = list(zip(runs.dst_start, runs.src_start, runs.length))
     if len(triples) < parts:
         pieces = -(-parts // len(triples))
         triples = [(a + i, b + i, min(step, n - i)) for a, b, n in triples
                    for step in (-(-n // pieces),) for i in range(0, n, step)]
     parts = min(parts, len(triples))
-    return [Task(dst, src, staged, triples[i::parts], compiled)
-            for dst, src in pairs
-            # NOTE: memcpy's blocks must not overlap; numpy copies overlapping views right
-            for compiled in (native.enabled() and not np.may_share_memory(dst, src),)
-            for staged in (not compiled and use_staging(dst[0], src[0]),)  # numpy's choice only
-            for i in range(parts)]
+    tasks = []
+    for dst, src in pairs:
+        # NOTE: memcpy's blocks must not overlap; numpy copies overlapping views right
+        compiled = native.enabled() and not np.may_share_memory(dst, src)
+        if not compiled:
+            dst, src = widen(dst, src)
+        staged = not compiled and use_staging(dst[0], src[0])
+        tasks += [Task(dst, src, staged, triples[i::parts], compiled) for i in range(parts)]
+    return tasks
 
 
 def run_tasks(tasks: Sequence[Task]) -> None:
@@ -189,10 +195,6 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, nbytes: int
     the pages across ``threads`` threads (``workers``' when given) when there are enough
     bytes to move."""
     parallel = _copy.thread_count(nbytes, threads, workers)
-    # NOTE: the compiled copy merges contiguous trailing axes itself: only numpy's pairs
-    # are widened (12 µs for two components, a tenth of a sliding window's per-layer load)
-    compiled = native.enabled()
-    tasks = plan([(d, s) if compiled and not np.may_share_memory(d, s) else widen(d, s) for d, s in pairs], runs,
-                 parts=parallel)
+    tasks = plan(pairs, runs, parts=parallel)
     # NOTE: split_threads deals tasks[i::parallel] to thread i: part i of every pair
     _copy.split_threads(tasks, nbytes, parallel, run_tasks, workers)

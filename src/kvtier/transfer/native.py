@@ -53,23 +53,22 @@ def _span(a: np.ndarray) -> tuple[int, int]:
 class Blocks:
     """One page's copy as blocks: ``shape``/``strides`` over the axes left once the trailing
     axes contiguous on both sides are merged into one ``block`` of bytes, loops ordered
-    by the source's memory (outermost = longest stride). Built from page views (no page axis)."""
+    by the source's memory (outermost = longest stride). Built from a page's shape, its
+    byte strides on each side and its item size (no page axis)."""
 
-    def __init__(self, dst_page: np.ndarray, src_page: np.ndarray) -> None:
-        if dst_page.shape != src_page.shape:
-            raise IntegrityError(f"page shapes differ: {dst_page.shape} and {src_page.shape}")
-        axes = [a for a in range(dst_page.ndim) if dst_page.shape[a] != 1]
-        axes.sort(key=lambda a: abs(dst_page.strides[a]))
-        block = dst_page.itemsize
-        while axes and dst_page.strides[axes[0]] == block == src_page.strides[axes[0]]:
-            block *= dst_page.shape[axes.pop(0)]
+    def __init__(self, shape: tuple, dst_strides: tuple, src_strides: tuple, itemsize: int) -> None:
+        axes = [a for a in range(len(shape)) if shape[a] != 1]
+        axes.sort(key=lambda a: abs(dst_strides[a]))
+        block = itemsize
+        while axes and dst_strides[axes[0]] == block == src_strides[axes[0]]:
+            block *= shape[axes.pop(0)]
         # NOTE: loops in the source's memory order: measured faster than the destination's
         # (page_head backup 1.3x, per-layer load 1.1x), as writes are streamed
-        axes.sort(key=lambda a: -abs(src_page.strides[a]))
+        axes.sort(key=lambda a: -abs(src_strides[a]))
         self.block = block
-        self.shape = tuple(dst_page.shape[a] for a in axes)
-        self.dst_strides = tuple(dst_page.strides[a] for a in axes)
-        self.src_strides = tuple(src_page.strides[a] for a in axes)
+        self.shape = tuple(shape[a] for a in axes)
+        self.dst_strides = tuple(dst_strides[a] for a in axes)
+        self.src_strides = tuple(src_strides[a] for a in axes)
 
 
 #: Runs up to which :func:`copy_runs` lists their pages in Python
@@ -80,8 +79,7 @@ _SMALL_RUNS = 16
 def _blocks(shape: tuple, dst_strides: tuple, src_strides: tuple, itemsize: int) -> Blocks:
     """:class:`Blocks` of a page of this shape, strides and item size (the same for every
     call between two pools: built once)."""
-    return Blocks(np.lib.stride_tricks.as_strided(np.empty(0, dtype=f"V{itemsize}"), shape, dst_strides),
-                  np.lib.stride_tricks.as_strided(np.empty(0, dtype=f"V{itemsize}"), shape, src_strides))
+    return Blocks(shape, dst_strides, src_strides, itemsize)
 
 
 def copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
@@ -91,6 +89,8 @@ def copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]]
     that :func:`enabled` let (a plan made under the switch runs as planned)."""
     if not runs:
         return
+    if dst.shape[1:] != src.shape[1:]:
+        raise IntegrityError(f"page shapes differ: {dst.shape[1:]} and {src.shape[1:]}")
     blocks = _blocks(dst.shape[1:], dst.strides[1:], src.strides[1:], dst.itemsize)
     d_low, d_len = _span(dst)
     s_low, s_len = _span(src)
