@@ -91,6 +91,15 @@ int iov_all(int fd, struct iovec *iov, int n, long long offset, int write) {
     return 0;
 }
 
+void hash_parts(const shape_t *sh, const span_t *spans, void *state, unsigned long long *sums) {
+    for (Py_ssize_t p = 0; p < sh->nparts; p++) {
+        xxh_reset(state);
+        for (Py_ssize_t k = sh->parts[p].first; k < sh->parts[p].first + sh->parts[p].count; k++)
+            xxh_update(state, spans[k].at, spans[k].len);
+        sums[p] = xxh_digest(state);
+    }
+}
+
 /* The parts moved and hashed; 0, or -1 with errno set. */
 int move_parts(int fd, const part_t *parts, Py_ssize_t nparts, const span_t *spans, size_t chunk, int write,
                void *state, unsigned long long *sums) {

@@ -124,6 +124,9 @@ int move_all(int fd, char *buf, size_t len, long long offset, int write);
  * iov. */
 int iov_all(int fd, struct iovec *iov, int n, long long offset, int write);
 
+/* Each part's xxh3-64 digest over its stretches of spans, into sums (in part order). */
+void hash_parts(const shape_t *sh, const span_t *spans, void *state, unsigned long long *sums);
+
 /* The parts moved in pieces that end at multiples of chunk in the file (0: a stretch
  * at once), each piece hashed while in the CPU's cache, each part's digest into sums;
  * 0, or -1 with errno set. */

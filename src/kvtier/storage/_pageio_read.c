@@ -203,12 +203,7 @@ static int read_cold(reader_t *r) {
  * copied out; its status. */
 static int hash_cold(reader_t *r) {
     const shape_t *sh = r->sh;
-    for (Py_ssize_t p = 0; p < sh->nparts; p++) {
-        xxh_reset(r->state);
-        for (Py_ssize_t k = sh->parts[p].first; k < sh->parts[p].first + sh->parts[p].count; k++)
-            xxh_update(r->state, r->spans[k].at, r->spans[k].len);
-        r->sums[p] = xxh_digest(r->state);
-    }
+    hash_parts(sh, r->spans, r->state, r->sums);
     if (!checks_out(r))
         return READ_OTHER;
     unstage(sh, r->staging, r->page);

@@ -101,12 +101,7 @@ static int write_body(writer_t *w, int fd, const char *prefix, Py_ssize_t prefix
     int n = 0;
     long long at = sh->header_len, call = sh->header_len; /* the next byte; the current call's first */
     if (whole) {
-        for (Py_ssize_t p = 0; p < sh->nparts; p++) {
-            xxh_reset(w->state);
-            for (Py_ssize_t b = sh->parts[p].first; b < sh->parts[p].first + sh->parts[p].count; b++)
-                xxh_update(w->state, w->spans[b].at, w->spans[b].len);
-            w->sums[p] = xxh_digest(w->state);
-        }
+        hash_parts(sh, w->spans, w->state, w->sums);
         build_header(w, prefix, prefix_len);
         iov[n++] = (struct iovec){w->head, (size_t)sh->header_len};
         call = 0;

@@ -767,8 +767,8 @@ class FileStorage(ThreadedStorage):
 
     def _remove_all(self) -> None:
         """Every file and directory under the root goes but the shard directories, which
-        are emptied: made again by the next puts, 256 of them (each a journaled metadata
-        write) cost the first 512 puts after a clear a fifth of their time."""
+        are emptied: made again by the next puts, 256 of them (each a metadata write) cost
+        the first 512 puts after a clear a fifth of their time."""
         try:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
