@@ -71,9 +71,11 @@ def test_a_corrupt_object_mid_batch_is_a_miss_that_leaves_its_page_untouched(tmp
     """The damaged part is neither the first nor the last of its page, and its page is
     neither the first nor the last of the batch: the pages around it load. A staged
     layout's page keeps every byte (no staged part is copied before all its parts
-    pass); ``page_head`` reads in place, so its miss page holds what was read."""
+    pass); ``page_head`` reads in place, so its miss page holds what was read. The
+    files are in head order (a ``page_head`` writer's): ``page_first`` expects slot
+    order, so it reads them staged on the per-file path."""
     store = open_store(tmp_path, io_threads, one_page_steps)
-    host, idx = filled_host(SPEC, 7, seed=3)
+    host, idx = filled_host(SPEC, 7, seed=3, layout="page_head")
     keys = keys_for(7)
     assert store.batch_set(keys, host, idx) == [True] * 7
     victim, = object_files(store, keys[4])
@@ -202,7 +204,7 @@ def test_shards_read_their_ranges_of_one_full_writers_file(tmp_path, layout):
     Each rank of 2 finds it (its own-size file is absent), reads only its own groups and
     the replicated part by their offsets, in place or staged, bit-exactly; then a
     damaged group the rank does not read leaves its read intact, one it reads is a miss."""
-    full, idx = filled_host(WITH_REP, 3, seed=9)
+    full, idx = filled_host(WITH_REP, 3, seed=9, layout="page_head")  # head order: a part per group
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(3)
     assert store.batch_set(keys, full, idx) == [True] * 3
@@ -253,7 +255,7 @@ def test_cold_aligned_pages_read_with_direct_io_bit_exactly(tmp_path, monkeypatc
     if not _direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     monkeypatch.setenv("KVTIER_NATIVE", "0")
-    host, idx = filled_host(ALIGNED, 4, page_size=16, seed=11)
+    host, idx = filled_host(ALIGNED, 4, page_size=16, seed=11, layout=layout)  # files of the reader's order
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="d")
     assert store.batch_set(keys, host, idx) == [True] * 4

@@ -1,17 +1,21 @@
 """``file:///dir``: one file per page (and writer), in 256 shard directories; the embedded default.
 
-    <dir>/kvtier-v3/<h[0:2]>/<h[2:]>.<field>    h = sha256(key), field = "<fingerprint>.p<page size>.g<a>-<b>of<G>"
+    <dir>/kvtier-v4/<h[0:2]>/<h[2:]>.<field>    h = sha256(key), field = "<fingerprint>.p<page size>.g<a>-<b>of<G>"
     (plus "+rep" for the replicated part; "<fingerprint>.p<page size>.rep" when that is all)
 
 A key's files sit side by side in its shard, named by the key's hash and their field:
 no directory per key, whose ``mkdir`` cost a new page more than writing 1.4 MiB of it.
 
 The file format is ``kvtier.storage.pagefile``: a checked header, then the page's
-parts at aligned offsets, so a ``page_head`` pool reads and writes its parts in
+parts at aligned offsets, in head order (a part per head group) or, from a pool that
+holds a component's page contiguously (``page_first``), in slot order (a part per
+component). So ``page_head`` and ``page_first`` pools read and write their parts in
 place (``preadv``/``writev`` straight between the file and the pool, no staging
-copy) and other layouts go through a per-thread staging arena. A reader of another
-tensor-parallel size than the writer finds the files holding its head groups among
-the names its geometry's writers can write, and reads only their ranges. Parts move through
+copy) and other layouts go through a per-thread staging arena. A reader expects its
+own layout's order and reads a file of the other one (another layout wrote it) on
+the per-file path. A reader of another tensor-parallel size than the writer finds
+the files holding its head groups among the names its geometry's writers can write,
+and reads only their ranges (slot-order parts with more heads than it holds: whole). Parts move through
 ``kvtier.storage.pageio``, which hashes each chunk while it is in the CPU's cache; a
 file the page cache does not hold is read with O_DIRECT where the filesystem allows.
 A batch's files are read in one compiled call per step (``pageio.read_pages``: parts
@@ -19,7 +23,7 @@ in place, or staged and copied out once the file checks out) wherever the pool i
 allocation; only the files it did not read go through the per-file path.
 Objects of earlier layouts are not read: they are misses (version 1, one file per
 part under ``kvtier-v1``; version 2, the same files as now in a directory per key
-under ``kvtier-v2``).
+under ``kvtier-v2``, then in shards under ``kvtier-v4``, head order only).
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
 sensitive as the prompts it came from: directories are created 0700 and objects 0600
@@ -66,11 +70,11 @@ from .codec import MAX_NAME_BYTES
 from .objects import PagePlan, Part
 from .options import Opt, check_options
 from . import pageio
-from .pagefile import (ALIGN, FileLayout, align_up, field_parts, file_field, header_room, longest_name, part_name,
-                       writer_files)
+from .pagefile import (ALIGN, HEAD, SLOT, FileLayout, OtherOrder, align_up, field_groups, field_parts, file_field,
+                       header_room, longest_name, part_name, writer_files)
 from .threaded import ThreadedStorage
 
-_ROOT = "kvtier-v3"
+_ROOT = "kvtier-v4"
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")  # <h[:2]>
 _counter = itertools.count()
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -86,7 +90,8 @@ class _Page:
     pieces' numpy views over every page (see ``PagePlan.part_views``), and the staging
     bytes it needs (0 when the pool holds each piece contiguously: it moves in place)."""
 
-    def __init__(self, plan: PagePlan, pool: HostKVPool, parts: list[Part]) -> None:
+    def __init__(self, plan: PagePlan, pool: HostKVPool, parts: list[Part], order: int = HEAD) -> None:
+        self.plan, self.pool, self.order = plan, pool, order  # order: of the files these parts are cut for
         self.parts = {part_name(p): (p, plan.part_views(pool, p)) for p in parts}
         self.staged = {name: 0 if all(view[0].flags.c_contiguous for view, _, _ in views) else part.nbytes
                        for name, (part, views) in self.parts.items()}
@@ -117,10 +122,11 @@ class _Page:
         """The pool's memory as one flat uint8 array (None: not one allocation)."""
         return self._flat
 
-    def buffers(self, names: list[str], page: int, staging) -> dict[str, tuple[list, list]]:
+    def buffers(self, names: list[str], page: int, staging) -> tuple[dict[str, tuple[list, list]], int]:
         """Per part of ``names``, of ``page``: its buffers in file order (each piece in place,
-        or a slice of the part's own stretch of ``staging``) and the ``(view, slice)`` pairs
-        that go through staging."""
+        or a slice of the part's own stretch of ``staging``) and the ``(piece, staged)``
+        pairs of arrays (one shape and dtype) that go through staging; and the bytes of
+        ``staging`` used."""
         out, used = {}, 0
         for name in names:
             if name in self._spans:  # in place: slices of the pool's one allocation (cheaper than views)
@@ -136,10 +142,81 @@ class _Page:
                     continue
                 buf = staging[used + offset:used + offset + nbytes]
                 bufs.append(buf)
-                staged.append((piece, buf))
+                staged.append((piece, buf.view(piece.dtype).reshape(piece.shape)))
             out[name] = bufs, staged
             used += align_up(self.staged[name])
-        return out
+        return out, used
+
+
+def _order(plan: PagePlan, pool: HostKVPool) -> int:
+    """The order of parts (``pagefile``) in which a pool's files are written, and read
+    first: ``SLOT`` where the pool holds each multi-head component's page contiguously
+    but not its head groups (``page_first``), so the page moves in place; else ``HEAD``
+    (``page_head`` moves in place, the other layouts are staged either way)."""
+    held = plan.held_groups
+    if not held:
+        return HEAD
+
+    def in_place(parts) -> bool:
+        return all(view[0].flags.c_contiguous for p in parts for view, _, _ in plan.part_views(pool, p))
+
+    slot_ok = in_place(plan.slot_parts(held.start, held.stop))
+    return SLOT if slot_ok and not in_place(p for p in plan.read_parts if part_name(p) != "rep") else HEAD
+
+
+def _write_parts(plan: PagePlan, order: int) -> list[Part]:
+    """The parts of a writer's file in ``order``, in file order."""
+    if order == HEAD:
+        return plan.write_parts
+    held = plan.held_groups
+    return plan.slot_parts(held.start, held.stop) + [p for p in plan.write_parts if part_name(p) == "rep"]
+
+
+def _file_parts(plan: PagePlan, field: str, wanted, order: int) -> list[tuple[str, Part | None]]:
+    """The parts a reader of ``plan`` reads of a file of ``field`` in ``order``, to get its
+    parts ``wanted`` (head-order names), in file order, each with its cut of the pool
+    (None: a slot-order part holding heads the pool does not, read whole and cut here)."""
+    tail = field.rsplit("/", 1)[1]
+    names = [n for n, _ in field_parts(plan, tail, order) or ()]
+    by_name = {part_name(p): p for p in plan.read_parts}
+    if order == HEAD:
+        return [(n, by_name[n]) for n in names if n in wanted]
+    slot = plan.slot_parts(*field_groups(tail)) if any(w != "rep" for w in wanted) else []
+    return list(zip(names, slot)) + ([("rep", by_name["rep"])] if "rep" in wanted else [])
+
+
+def _slot_cuts(plan: PagePlan, pool: HostKVPool, field: str, wanted, bufs: dict, page: int) -> list[tuple]:
+    """``(piece, staged)`` pairs taking the heads of ``wanted`` groups (head-order names)
+    from the whole slot-order parts ``bufs`` (name -> bytes) of a file of ``field`` into
+    ``page`` of ``pool``."""
+    a, _ = field_groups(field.rsplit("/", 1)[1])
+    groups = sorted(int(w[1:].split("of")[0]) for w in wanted if w != "rep")
+    held, out = plan.held_groups, []
+    for name, buf in bufs.items():
+        if name == "rep":
+            for view, offset, nbytes in plan.part_views(pool, _rep(plan)):
+                piece = view[page]
+                out.append((piece, buf[offset:offset + nbytes].view(piece.dtype).reshape(piece.shape)))
+            continue
+        c = plan.spec.full.component(name.split(".")[1])
+        per = c.head_num // plan.groups
+        dest = pool.page_views[c.name].np_all_layers[page]  # (slot, layer, head, dim)
+        part = buf.view(dest.dtype).reshape(dest.shape[0], dest.shape[1], -1, dest.shape[3])
+        for j in groups:
+            out.append((dest[:, :, (j - held.start) * per:(j - held.start + 1) * per],
+                        part[:, :, (j - a) * per:(j - a + 1) * per]))
+    return out
+
+
+def _rep(plan: PagePlan) -> Part:
+    return next(p for p in plan.read_parts if part_name(p) == "rep")
+
+
+def _empty(nbytes: int) -> np.ndarray:
+    """``nbytes`` new bytes starting at a multiple of ``ALIGN`` (for direct I/O)."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip:skip + nbytes]
 
 
 def _flat_spans(pool: HostKVPool, parts: dict, staged: dict) -> tuple[np.ndarray | None, dict]:
@@ -330,23 +407,24 @@ class FileStorage(ThreadedStorage):
                 return None
         return list(out.items())
 
-    def _layout(self, key: str, plan: PagePlan, field: str) -> tuple[FileLayout, list[str]]:
-        """The layout of ``key``'s file of ``field`` and the names of its parts in file order."""
+    def _layout(self, key: str, plan: PagePlan, field: str, order: int) -> tuple[FileLayout, list[str]]:
+        """The layout of ``key``'s file of ``field`` (parts in ``order``) and the names of
+        its parts in file order."""
         name = f"{key}#{field}"
-        layout, names = self._shape(plan, field, name)
+        layout, names = self._shape(plan, field, name, order)
         return layout.renamed(name), names
 
-    def _shape(self, plan: PagePlan, field: str, name: str) -> tuple[FileLayout, list[str]]:
-        """The layout of the files of ``field`` whose names have as many UTF-8 bytes as
-        ``name`` (built for one of them: rename it, or ask its ``prefix``), and the names
-        of their parts in file order.
+    def _shape(self, plan: PagePlan, field: str, name: str, order: int) -> tuple[FileLayout, list[str]]:
+        """The layout of the files of ``field`` (parts in ``order``) whose names have as
+        many UTF-8 bytes as ``name`` (built for one of them: rename it, or ask its
+        ``prefix``), and the names of their parts in file order.
         NOTE: built once per field and name length: building one parses the field and
         lays out every part (about 20 us per file, a fifth of a warm file's Python work)."""
-        shape = (field, len(name.encode()))
+        shape = (field, len(name.encode()), order)
         known = self._layouts.get(shape)
         if known is None:
-            parts = field_parts(plan, field.rsplit("/", 1)[1])
-            known = FileLayout(name, [n for _, n in parts]), [part for part, _ in parts]
+            parts = field_parts(plan, field.rsplit("/", 1)[1], order)
+            known = FileLayout(name, [n for _, n in parts], order), [part for part, _ in parts]
             if len(self._layouts) >= 4096:  # a bound: key lengths vary, fields do not
                 self._layouts.clear()
             self._layouts[shape] = known
@@ -388,12 +466,13 @@ class FileStorage(ThreadedStorage):
 
     def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
         keys, pages, plan, head_room = self._checked(keys, host_pool, host_indices, writing=True)
-        copies = _Page(plan, host_pool, plan.write_parts)
+        order = _order(plan, host_pool)
+        parts = _write_parts(plan, order)
+        copies = _Page(plan, host_pool, parts, order)
         field = file_field(plan, plan.write_parts)
         stored = [False] * len(keys)
         # O_DIRECT writes (each buffer in one request) stay on the Python path
-        compiled = (pageio.compiled() and not self.direct_writes
-                    and copies.compiled([part_name(p) for p in plan.write_parts]))
+        compiled = pageio.compiled() and not self.direct_writes and copies.compiled([part_name(p) for p in parts])
         t0 = time.perf_counter()
 
         def set_chunk(chunk: range) -> None:
@@ -422,10 +501,13 @@ class FileStorage(ThreadedStorage):
 
     def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: torch.Tensor) -> list[bool]:
         keys, pages, plan, head_room = self._checked(keys, host_pool, host_indices, writing=False)
-        copies = _Page(plan, host_pool, plan.read_parts)
+        order = _order(plan, host_pool)
         sources = self._sources(plan)
+        # the parts of the files the reader's own-size writers write, cut for the order they expect
+        parts = [p for field, wanted in sources for _, p in _file_parts(plan, field, wanted, order)]
+        copies = _Page(plan, host_pool, parts, order)
         loaded = [False] * len(keys)
-        compiled = pageio.compiled() and copies.compiled([name for _, wanted in sources for name in wanted])
+        compiled = pageio.compiled() and copies.compiled([part_name(p) for p in parts])
         t0 = time.perf_counter()
 
         def get_chunk(chunk: range) -> None:
@@ -481,12 +563,12 @@ class FileStorage(ThreadedStorage):
 
     def _write_page(self, key: str, plan: PagePlan, field: str, copies: _Page, page: int, head, staging) -> None:
         """Write one page's file from the pool, its header through ``head``."""
-        layout, names = self._layout(key, plan, field)
-        dests, parts = copies.buffers(names, page, staging), []
+        layout, names = self._layout(key, plan, field, copies.order)
+        (dests, _), parts = copies.buffers(names, page, staging), []
         for i, name in enumerate(names):
             part_bufs, staged = dests[name]
             for piece, buf in staged:
-                np.copyto(buf.view(piece.dtype).reshape(piece.shape), piece)
+                np.copyto(buf, piece)
             parts.append((layout.offsets[i], part_bufs))
         self._write(self._stem(key), self._file_name(field), layout, head[:layout.header_len], parts)
 
@@ -500,7 +582,7 @@ class FileStorage(ThreadedStorage):
         as long as the kernel's write of it, holding the GIL between the I/O threads."""
         file_name, written = self._file_name(field), set()
         for todo in _by_name_length(keys, field, chunk):
-            layout, names = self._shape(plan, field, todo[0][1])
+            layout, names = self._shape(plan, field, todo[0][1], copies.order)
             parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names)]
             stems = [self._stem(keys[i]) for i, _ in todo]
             files = [(_tmp_path(stem, file_name), f"{stem}.{file_name}", layout.prefix(name), pages[i])
@@ -557,8 +639,9 @@ class FileStorage(ThreadedStorage):
         stems = {i: self._stem(keys[i]) for i in chunk}
         for field, wanted in sources:
             file_name = self._file_name(field)
+            wanted = {name for name, _ in _file_parts(plan, field, wanted, copies.order)}
             for todo in _by_name_length(keys, field, [i for i in chunk if i in read]):
-                layout, names = self._shape(plan, field, todo[0][1])
+                layout, names = self._shape(plan, field, todo[0][1], copies.order)
                 parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names) if name in wanted]
                 files = [(f"{stems[i]}.{file_name}", layout.prefix(name), pages[i]) for i, name in todo]
                 status = pageio.read_pages(copies.flat, layout.header_len, layout.total, len(names), parts, files,
@@ -574,20 +657,47 @@ class FileStorage(ThreadedStorage):
         Raises what the caller counts (a ``CorruptObject`` carries the file's ``path``).
         ``scratch``: ``(sink, head, staging)`` (see ``_scratch``)."""
         sink, head, staging = scratch
-        dests = copies.buffers([name for _, wanted in sources for name in wanted], page, staging)
         staged_all = []
         for field, wanted in sources:
-            layout, names = self._layout(key, plan, field)
-            mine = {name: dests[name] for name in wanted}
             path = f"{stem}.{self._file_name(field)}"
             try:
-                self._read_file(path, layout, names, mine, sink, head[:layout.header_len])
+                try:
+                    staged, used = self._read_source(path, key, plan, field, wanted, copies, copies.order, page, sink,
+                                                     head, staging)
+                except OtherOrder as e:  # written by a pool of another layout: its order's parts, own staging
+                    staged, _ = self._read_source(path, key, plan, field, wanted, copies, e.order, page, sink,
+                                                  head, None)
+                    used = 0
             except CorruptObject as e:
                 e.path = path  # the caller deletes it
                 raise
-            staged_all += [s for _, staged in mine.values() for s in staged]
-        for piece, buf in staged_all:  # every part checked before any staged byte reaches the pool
-            np.copyto(piece, buf.view(piece.dtype).reshape(piece.shape))
+            staged_all += staged
+            staging = staging[used:]
+        for piece, staged in staged_all:  # every part checked before any staged byte reaches the pool
+            np.copyto(piece, staged)
+
+    def _read_source(self, path: str, key: str, plan: PagePlan, field: str, wanted, copies: _Page, order: int,
+                     page: int, sink, head, staging) -> tuple[list, int]:
+        """The parts ``wanted`` (head-order names) of the file at ``path`` read in ``order``
+        and checked: in place, or staged (through ``staging``, or new memory where it is
+        None) with the ``(piece, staged)`` copies still to make returned, and the bytes
+        of ``staging`` used. Raises ``OtherOrder`` for a file of the other order."""
+        layout, names = self._layout(key, plan, field, order)
+        named = _file_parts(plan, field, wanted, order)
+        head = head[:layout.header_len]
+        if any(p is None for _, p in named):  # slot-order parts with heads this pool does not hold
+            sizes = dict(zip(names, layout.sizes))
+            whole = {name: _empty(sizes[name]) for name, _ in named}
+            self._read_file(path, layout, names, {name: ([buf], []) for name, buf in whole.items()}, sink, head)
+            return _slot_cuts(plan, copies.pool, field, wanted, whole, page), 0
+        mine = [name for name, _ in named]
+        if order != copies.order or any(name not in copies.parts for name in mine):
+            copies, staging = _Page(plan, copies.pool, [p for _, p in named], order), None
+        if staging is None:
+            staging = _empty(copies.staging_bytes)
+        dests, used = copies.buffers(mine, page, staging)
+        self._read_file(path, layout, names, dests, sink, head)
+        return [pair for _, staged in dests.values() for pair in staged], used
 
     def _read_file(self, path: str, layout: FileLayout, names: list[str], dests: dict, sink, head) -> None:
         """Parts ``dests`` (part name -> (buffers, staged)) of the file at ``path``, read and

@@ -10,7 +10,11 @@ different head ranges (tensor-parallel shards of any size) share them:
 NOTE: head-major is the order of a ``page_head`` pool, the layout for sharing across
 tensor-parallel sizes: there each component of a part is one ``memcpy``. Every other
 layout interleaves heads with slots or layers, so any part order costs it a strided
-gather of ``dim``-sized pieces.
+gather of ``dim``-sized pieces. The file store also writes pages in **slot order**
+(:meth:`PagePlan.slot_parts`): one part per multi-head component, ``(slot, layer,
+head, dim)`` over a run of head groups, which is a ``page_first`` pool's page, so
+that pool (the default) moves it in place too; a reader of fewer heads reads such a
+part whole and keeps its own.
 
 ``G`` defaults to the greatest common divisor of the multi-head components' head
 counts, the finest cut every shard size divides. A part's field name is
@@ -38,6 +42,7 @@ class Part:
     field: str                                 # "<fingerprint>/p<page size>/<part name>"
     pieces: tuple[tuple[str, int, int], ...]   # (component, local head start, stop)
     nbytes: int
+    order: str = "head"                        # "head": (head, slot, layer, dim); "slot": (slot, layer, head, dim)
 
 
 class PagePlan:
@@ -74,15 +79,38 @@ class PagePlan:
         # NOTE: replicated parts are written by rank 0 only; every rank reads them.
         self.write_parts = [p for p in self.read_parts if rank == 0 or not p.field.endswith("/rep")]
         self.prefix = fp  # "<fingerprint>/p<page size>": the geometry part of every field
+        #: The head groups this plan's pool holds (global numbers)
+        self.held_groups = range(rank * groups // size, (rank + 1) * groups // size) if multi else range(0)
+        self.multi, self._token_bytes = tuple(multi), token_bytes  # multi: the full spec's multi-head components
+
+    def slot_parts(self, a: int, b: int) -> list[Part | None]:
+        """The slot-order parts of a file of head groups ``[a, b)``: per multi-head
+        component, ``(slot, layer, head, dim)`` over those groups' heads, named
+        ``s.<component>.g<a>-<b>``; None for each where this plan's pool does not hold
+        all of those heads (a reader of fewer heads than the file: see the module's NOTE)."""
+        held, out = self.held_groups, []
+        inside = held and held.start <= a < b <= held.stop
+        for c, nbytes in zip(self.multi, self.slot_bytes(a, b)):
+            per_group = c.head_num // self.groups  # the full component's heads
+            local = ((c.name, (a - held.start) * per_group, (b - held.start) * per_group),)
+            out.append(Part(f"{self.prefix}/s.{c.name}.g{a}-{b}", local, nbytes, "slot") if inside else None)
+        return out
+
+    def slot_bytes(self, a: int, b: int) -> list[int]:
+        """The bytes of each of :meth:`slot_parts`' parts (held here or not)."""
+        return [(b - a) * (c.head_num // self.groups) * c.head_dim * self._token_bytes for c in self.multi]
 
     def part_views(self, pool, part: Part) -> tuple[tuple[np.ndarray, int, int], ...]:
         """Per piece of ``part``: ``(view, offset, nbytes)``, ``view`` numpy
-        ``(page, head, slot, layer, dim)`` over all of ``pool``'s pages, ``offset`` and
+        ``(page, head, slot, layer, dim)`` (slot order: ``(page, slot, layer, head, dim)``)
+        over all of ``pool``'s pages, ``offset`` and
         ``nbytes`` where the piece sits in the part's bytes. Build them once per call:
         making views costs more than copying a small part."""
         out, offset = [], 0
         for name, h0, h1 in part.pieces:
-            view = pool.page_views[name].np_all_layers[:, :, :, h0:h1].transpose(0, 3, 1, 2, 4)
+            view = pool.page_views[name].np_all_layers[:, :, :, h0:h1]  # (page, slot, layer, head, dim)
+            if part.order == "head":
+                view = view.transpose(0, 3, 1, 2, 4)
             # NOTE: every layout but page_head scatters a part in runs of one head's `dim`;
             # numpy's strided copy costs per element, so each run moves as the widest ints
             # that tile it (8 bytes for any even head_dim of a 2-byte dtype: about 2x faster).

@@ -1,17 +1,25 @@
-"""Stored format of ``file://`` objects (version 2): one file per page and writer.
+"""Stored format of ``file://`` objects (version 3): one file per page and writer.
 
-A file holds the consecutive parts of one page that its writer held (see
-``kvtier.storage.objects``): head groups ``a..b-1`` of ``G`` (``h{j}of{G}``), then,
-from rank 0, the single-head components (``rep``). Its field says which:
-``<fingerprint>/p<page size>/g{a}-{b}of{G}`` with ``+rep``, or ``.../rep`` alone. A
-reader of any tensor-parallel size reads the parts it needs by their offsets.
+A file holds the page that its writer held (see ``kvtier.storage.objects``), head
+groups ``a..b-1`` of ``G`` then, from rank 0, the single-head components (``rep``),
+in one of two orders that its header names:
+
+- head order (0): a part per head group (``h{j}of{G}``), each ``(head, slot, layer,
+  dim)``: what a ``page_head`` pool holds contiguously, and a reader of any
+  tensor-parallel size reads only its groups' parts;
+- slot order (1): a part per multi-head component (``s.<component>.g{a}-{b}``), each
+  ``(slot, layer, head, dim)`` over the file's heads: what a ``page_first`` pool
+  holds contiguously; a reader of fewer heads reads the parts whole.
+
+The field says which heads: ``<fingerprint>/p<page size>/g{a}-{b}of{G}`` with
+``+rep``, or ``.../rep`` alone (both orders are one for it).
 
     offset  size  field
     0       4     magic b"KVT2"
-    4       2     format version (2)
+    4       2     format version (3)
     6       2     part count n
     8       4     header length (a multiple of 4096)
-    12      4     zero
+    12      4     order of the parts (0 head, 1 slot)
     16      8     file length
     24      2     name length m
     26      m     name: "<key>#<field>" in UTF-8 (the object's own identity)
@@ -19,10 +27,11 @@ reader of any tensor-parallel size reads the parts it needs by their offsets.
     pad           zeros up to the header length
 
 Each part starts at a 4096-byte boundary (zeros between parts; the last one ends
-the file), so a part reads with one ``preadv`` straight into a pool whose head
-groups are contiguous (``page_head``), and every part stays aligned for direct I/O.
-Everything in the header but the checksums follows from the name and the reader's
-plan: a reader builds it and compares bytes.
+the file), so a part reads with one ``preadv`` straight into a pool that holds it
+contiguously, and every part stays aligned for direct I/O. Everything in the header
+but the checksums follows from the name, the order and the reader's plan: a reader
+builds it for the order it expects and compares bytes; a header of the other order
+(:class:`OtherOrder`) sends it to that order's layout.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from .codec import CorruptObject, UnexpectedObject
 from .objects import PagePlan, Part
 
 MAGIC = b"KVT2"
-VERSION = 2
+VERSION = 3
+HEAD, SLOT = 0, 1  # the orders of a file's parts
 ALIGN = 4096
 _FIXED = struct.Struct("<4sHHIIQH")
 _FIELD = re.compile(r"g(\d+)-(\d+)of(\d+)(\+rep)?|rep")
@@ -46,10 +56,19 @@ def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class FileLayout:
-    """Where each part of one file sits, and the header a file of that name must have."""
+class OtherOrder(Exception):
+    """An intact header of this object, of the other order of parts (``order``)."""
 
-    def __init__(self, name: str, sizes: list[int]) -> None:
+    def __init__(self, order: int) -> None:
+        super().__init__(f"parts in order {order}")
+        self.order = order
+
+
+class FileLayout:
+    """Where each part of one file sits, and the header a file of that name (and
+    order of parts) must have."""
+
+    def __init__(self, name: str, sizes: list[int], order: int = HEAD) -> None:
         raw = name.encode()
         self.header_len = align_up(_FIXED.size + len(raw) + 8 * len(sizes))
         self.offsets, end = [], self.header_len
@@ -57,7 +76,8 @@ class FileLayout:
             self.offsets.append(end)
             end = end + nbytes if i == len(sizes) - 1 else align_up(end + nbytes)
         self.sizes, self.total = sizes, end
-        self._prefix = _FIXED.pack(MAGIC, VERSION, len(sizes), self.header_len, 0, end, len(raw)) + raw
+        self.order = order
+        self._prefix = _FIXED.pack(MAGIC, VERSION, len(sizes), self.header_len, order, end, len(raw)) + raw
         self._sums = struct.Struct(f"<{len(sizes)}Q")
 
     def renamed(self, name: str) -> "FileLayout":
@@ -88,11 +108,13 @@ class FileLayout:
 
     def checksums(self, head) -> tuple[int, ...]:
         """The parts' checksums from ``head`` (the file's first ``header_len`` bytes), if
-        it is this file's intact header; else :class:`CorruptObject`."""
+        it is this file's intact header; :class:`OtherOrder` if it names this object
+        with its parts in the other order; else :class:`CorruptObject`."""
         view = memoryview(head)
         n = len(self._prefix)
         pad = bytes(view[n + self._sums.size:])  # NOTE: compared whole: any() over 4 KiB took 18 us
         if len(view) != self.header_len or view[:n] != self._prefix or pad != bytes(len(pad)):
+            self._other_order(view)
             magic, version = bytes(view[:4]), bytes(view[4:6])
             raise CorruptObject(f"{self._name()}: bad header (magic {magic!r}, version {version.hex()})")
         return self._sums.unpack_from(view, n)
@@ -102,12 +124,24 @@ class FileLayout:
         ``head``: it is intact but another object if its header names this object and
         says it is ``size`` bytes long, else corrupt."""
         view = memoryview(head)
+        self._other_order(view)
         if len(view) >= _FIXED.size:
             magic, version, _, _, _, length, name_len = _FIXED.unpack_from(view)
             named = bytes(view[_FIXED.size:_FIXED.size + name_len]) == self._prefix[_FIXED.size:]
             if magic == MAGIC and version == VERSION and named and length == size:
                 return UnexpectedObject(f"{self._name()}: an intact object of {size} bytes, expected {self.total}")
         return CorruptObject(f"{self._name()}: {size} bytes, expected {self.total}")
+
+    def _other_order(self, view) -> None:
+        """Raise :class:`OtherOrder` if ``view`` starts with a header of this object whose
+        parts are in the other order."""
+        if len(view) < _FIXED.size:
+            return
+        magic, version, _, _, order, _, name_len = _FIXED.unpack_from(view)
+        name = self._prefix[_FIXED.size:]
+        if (magic == MAGIC and version == VERSION and order != self.order and order in (HEAD, SLOT)
+                and name_len == len(name) and bytes(view[_FIXED.size:_FIXED.size + name_len]) == name):
+            raise OtherOrder(order)
 
     def _name(self) -> str:
         return self._prefix[_FIXED.size:].decode(errors="replace")
@@ -151,9 +185,15 @@ def header_room(key_bytes: int, plan: PagePlan) -> int:
     return max(align_up(_FIXED.size + key_bytes + 1 + len(field.encode()) + 8 * n) for field, n in writer_files(plan))
 
 
-def field_parts(plan: PagePlan, tail: str) -> list[tuple[str, int]] | None:
-    """``(part name, bytes)`` of the parts a file of field ``<plan.prefix>/<tail>`` holds,
-    in file order; ``None`` when ``tail`` is no field of this plan's geometry."""
+def field_groups(tail: str) -> tuple[int, int] | None:
+    """The head groups ``(a, b)`` of a file of field ``.../<tail>``; None for ``rep`` alone."""
+    m = _FIELD.fullmatch(tail)
+    return None if m is None or m.group(1) is None else (int(m.group(1)), int(m.group(2)))
+
+
+def field_parts(plan: PagePlan, tail: str, order: int = HEAD) -> list[tuple[str, int]] | None:
+    """``(part name, bytes)`` of the parts a file of field ``<plan.prefix>/<tail>`` holds
+    in ``order``, in file order; ``None`` when ``tail`` is no field of this plan's geometry."""
     m = _FIELD.fullmatch(tail)
     if m is None:
         return None
@@ -165,13 +205,16 @@ def field_parts(plan: PagePlan, tail: str) -> list[tuple[str, int]] | None:
     group_bytes = next((n for name, n in sizes.items() if name != "rep"), None)
     if groups != plan.groups or not 0 <= a < b <= groups or group_bytes is None or (m.group(4) and rep is None):
         return None
-    parts = [(f"h{j}of{groups}", group_bytes) for j in range(a, b)]
+    if order == SLOT:
+        parts = [(f"s.{c.name}.g{a}-{b}", n) for c, n in zip(plan.multi, plan.slot_bytes(a, b))]
+    else:
+        parts = [(f"h{j}of{groups}", group_bytes) for j in range(a, b)]
     return parts + [("rep", rep)] if m.group(4) else parts
 
 
 def object_name(head) -> str | None:
     """The ``<key>#<field>`` a file's first bytes name, or ``None`` if they are no
-    version-2 header (for tools that list a store's objects)."""
+    version-3 header (for tools that list a store's objects)."""
     view = memoryview(head)
     if len(view) < _FIXED.size:
         return None
