@@ -18,7 +18,8 @@ import torch
 from ..errors import IntegrityError, UsageError
 from .inflight import InFlight
 from .lru import side_tier
-from ..pools.indices import page_token_slots
+from ..compiled import load
+from ..pools.indices import COMPILED, page_token_slots
 from .sides import HOLE, lowest, resumable
 
 
@@ -121,6 +122,9 @@ class HybridState:
         window before ``prefix``, ``-1`` elsewhere (and where the device lacks a page)."""
         ps, out = self.page_size, {}
         pages = prefix // ps
+        # NOTE: the compiled expansion called as is: page_token_slots' checks of its
+        # arguments took 0.45 us of a hybrid full hit's 4.4 in this call
+        compiled = load(COMPILED)
         for g in self.sides.names:
             w = self.sides.window_pages(g, pages * ps)
             slots = self.sides.holes(pages * ps)
@@ -137,7 +141,10 @@ class HybridState:
                 lo, hi = max(w.start, at), min(w.stop, end)
                 held = node.device.side[g][lo - at:hi - at]
                 if lowest(held) >= 0:  # in place: no array per piece
-                    page_token_slots(held, ps, out=slots[lo * ps:hi * ps])
+                    if compiled is not None and held.flags.c_contiguous:
+                        compiled.expand_pages(held, ps, slots[lo * ps:hi * ps])
+                    else:
+                        page_token_slots(held, ps, out=slots[lo * ps:hi * ps])
                 else:
                     piece = page_token_slots(np.maximum(held, 0), ps)
                     piece[np.repeat(held < 0, ps)] = HOLE
