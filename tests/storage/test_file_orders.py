@@ -15,7 +15,7 @@ import kvtier.storage
 from kvtier import Component, KVSpec
 from kvtier.layout import LAYOUTS
 from kvtier.storage import pageio
-from kvtier.storage.pagefile import ALIGN, HEAD, SLOT
+from kvtier.storage.pagefile import ALIGN, HEAD, SLOT, OtherOrder
 from tests.support.pools import SPECS, bits
 from tests.support.services import unavailable
 from tests.support.storage import blank_host, filled_host, flat_pages, shard_flat
@@ -55,7 +55,7 @@ def test_each_layout_writes_the_order_it_holds_contiguously(tmp_path, layout, or
         assert (version, count, header_len, got_order) == (3, parts, ALIGN, order)
         if order != SLOT:
             continue
-        offset = header_len
+        offset = end = header_len
         name_len = struct.unpack_from("<H", data, 24)[0]
         sums = struct.unpack_from("<2Q", data, 26 + name_len)
         for i, comp in enumerate(("k", "v")):
@@ -203,3 +203,29 @@ def test_a_file_of_the_other_order_is_never_judged_corrupt(tmp_path):
     assert sizes["page_head"] == sizes["page_first"]
     assert all(s.stats()["corrupt"] == 0 and s.stats()["errors"] == 0 for s in stores.values())
     assert np.unique([header_fields(the_file(s, keys[0]).read_bytes())[3] for s in stores.values()]).size == 2
+
+
+def test_a_file_that_changes_order_while_read_is_a_counted_miss_that_stays(tmp_path, monkeypatch):
+    """Read in the other order, a file that names yet another order (it was replaced
+    between the two reads) is a miss and a counted error, never an exception, and it
+    is not deleted; the batch's other pages load."""
+    monkeypatch.setenv("KVTIER_NATIVE", "0")  # the per-file path, where the orders are judged
+    host, idx = filled_host(SPEC, 3, layout="page_head", seed=8)
+    store = kvtier.storage.open(f"file://{tmp_path}", io_threads=1)  # one step: the pages after it are read too
+    keys = keys_for(3)
+    assert store.batch_set(keys, host, idx) == [True] * 3
+    victim = the_file(store, keys[1])
+    real = store._read_source
+
+    def replaced_meanwhile(path, *args):
+        if path == str(victim) and args[5] == HEAD:  # the second read, in the file's own order
+            raise OtherOrder(SLOT)
+        return real(path, *args)
+
+    monkeypatch.setattr(store, "_read_source", replaced_meanwhile)
+    reader, ridx = blank_host(SPEC, 12)  # page_first: expects slot order, meets head order
+    assert store.batch_get(keys, reader, ridx) == [True, False, True]
+    pages, want = flat_pages(reader, ridx), flat_pages(host, idx)
+    assert torch.equal(pages[0], want[0]) and torch.equal(pages[2], want[2])
+    stats = store.stats()
+    assert (stats["errors"], stats["corrupt"]) == (1, 0) and victim.exists()

@@ -56,8 +56,10 @@ def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class OtherOrder(Exception):
-    """An intact header of this object, of the other order of parts (``order``)."""
+class OtherOrder(UnexpectedObject):
+    """An intact header of this object, of the other order of parts (``order``): the
+    reader reads it in that order; met again there (the file replaced meanwhile), a
+    miss that leaves the file as it is."""
 
     def __init__(self, order: int) -> None:
         super().__init__(f"parts in order {order}")
