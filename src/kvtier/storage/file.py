@@ -23,7 +23,7 @@ in place, or staged and copied out once the file checks out) wherever the pool i
 allocation; only the files it did not read go through the per-file path.
 Objects of earlier layouts are not read: they are misses (version 1, one file per
 part under ``kvtier-v1``; version 2, the same files as now in a directory per key
-under ``kvtier-v2``, then in shards under ``kvtier-v4``, head order only).
+under ``kvtier-v2``, then in shards under ``kvtier-v3``, head order only).
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
 sensitive as the prompts it came from: directories are created 0700 and objects 0600
