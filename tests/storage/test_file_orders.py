@@ -1,12 +1,12 @@
-"""File backend: the two orders of a page file's parts. A ``page_first`` pool writes
-slot order (a part per component, its page's own bytes) and reads it in place; a
-``page_head`` pool writes head order (a part per head group); every layout and every
-tensor-parallel size reads either, bit-exactly, and a damaged part is a miss."""
+"""File backend: the orders of a page file's parts. A ``page_first`` pool writes slot
+order and a ``page_first_direct`` pool layer order (a part per component, its page's
+own bytes), and each reads its own in place; ``page_head`` and ``layer_first`` pools
+write head order (a part per head group); every layout and every tensor-parallel
+size reads any order, bit-exactly, and a damaged part is a miss."""
 
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import xxhash
@@ -15,12 +15,13 @@ import kvtier.storage
 from kvtier import Component, KVSpec
 from kvtier.layout import LAYOUTS
 from kvtier.storage import pageio
-from kvtier.storage.pagefile import ALIGN, HEAD, SLOT, OtherOrder
+from kvtier.storage.pagefile import ALIGN, HEAD, LAYER, SLOT, OtherOrder
 from tests.support.pools import SPECS, bits
 from tests.support.services import unavailable
 from tests.support.storage import blank_host, filled_host, flat_pages, shard_flat
 
-SPEC = SPECS["asym"]  # K 4 heads x 12, V 4 heads x 8: head order has 4 parts, slot order 2
+SPEC = SPECS["asym"]  # K 4 heads x 12, V 4 heads x 8: head order has 4 parts, slot and layer order 2
+COMPONENT_ORDERS = ["page_first", "page_first_direct"]  # the layouts that write a part per component
 WITH_REP = KVSpec(2, (Component("k", 4, 12), Component("v", 4, 8), Component("idx", 1, 6)), torch.bfloat16)
 
 
@@ -40,11 +41,11 @@ def header_fields(data: bytes) -> tuple[int, int, int, int]:
 
 
 @pytest.mark.parametrize("layout, order, parts", [("page_first", SLOT, 2), ("page_head", HEAD, 4),
-                                                  ("layer_first", HEAD, 4), ("page_first_direct", HEAD, 4)])
+                                                  ("layer_first", HEAD, 4), ("page_first_direct", LAYER, 2)])
 def test_each_layout_writes_the_order_it_holds_contiguously(tmp_path, layout, order, parts):
-    """A page_first page's file holds, after its header, each component's page span
-    byte for byte (at 4 KiB boundaries), each part's xxh3-64 in the header; the other
-    layouts write a part per head group."""
+    """A page_first or page_first_direct page's file holds, after its header, each
+    component's page span byte for byte (at 4 KiB boundaries), each part's xxh3-64 in
+    the header; the other layouts write a part per head group."""
     host, idx = filled_host(SPEC, 2, layout=layout, seed=1)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(2)
@@ -53,7 +54,7 @@ def test_each_layout_writes_the_order_it_holds_contiguously(tmp_path, layout, or
         data = the_file(store, key).read_bytes()
         version, count, header_len, got_order = header_fields(data)
         assert (version, count, header_len, got_order) == (3, parts, ALIGN, order)
-        if order != SLOT:
+        if order == HEAD:
             continue
         offset = end = header_len
         name_len = struct.unpack_from("<H", data, 24)[0]
@@ -61,7 +62,8 @@ def test_each_layout_writes_the_order_it_holds_contiguously(tmp_path, layout, or
         for i, comp in enumerate(("k", "v")):
             if i:
                 assert not any(data[end:offset]), "zeros between parts"
-            span = host.page_views[comp].np_all_layers[idx[page * 4].item() // 4].tobytes()
+            view = host.page_views[comp].np_all_layers[idx[page * 4].item() // 4]  # (slot, layer, head, dim)
+            span = (view if order == SLOT else view.transpose(1, 0, 2, 3)).tobytes()
             assert data[offset:offset + len(span)] == span, comp
             assert sums[i] == xxhash.xxh3_64_intdigest(span)
             end = offset + len(span)
@@ -70,7 +72,7 @@ def test_each_layout_writes_the_order_it_holds_contiguously(tmp_path, layout, or
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
-@pytest.mark.parametrize("writer", ["page_first", "page_head"])
+@pytest.mark.parametrize("writer", ["page_first", "page_first_direct", "page_head"])
 @pytest.mark.parametrize("spec", [SPEC, WITH_REP, SPECS["mla"]], ids=["asym", "with_rep", "mla"])
 def test_every_layout_reads_files_of_either_order(tmp_path, monkeypatch, writer, spec, native):
     """Files of the reader's own order move in place or staged; of the other order on
@@ -88,20 +90,22 @@ def test_every_layout_reads_files_of_either_order(tmp_path, monkeypatch, writer,
     assert store.stats()["errors"] == 0
 
 
-def test_page_first_reads_its_files_in_place_with_the_compiled_reader(tmp_path, monkeypatch):
-    """Slot-order files go straight into a page_first pool: the compiled reader reads
-    every one (no per-file path, no staging copy) bit-exactly."""
+@pytest.mark.parametrize("layout", COMPONENT_ORDERS)
+def test_a_pool_reads_its_own_orders_files_in_place_with_the_compiled_reader(tmp_path, monkeypatch, layout):
+    """Slot-order files go straight into a page_first pool, layer-order ones into a
+    page_first_direct pool: the compiled reader reads every one (no per-file path, no
+    staging copy) bit-exactly."""
     if not pageio.compiled():
         unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
     seen, real = [], pageio.read_pages
     monkeypatch.setattr(pageio, "read_pages", lambda *a, **k: seen.append(a) or real(*a, **k))
-    host, idx = filled_host(SPEC, 4, seed=3)
+    host, idx = filled_host(SPEC, 4, seed=3, layout=layout)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(4)
     assert store.batch_set(keys, host, idx) == [True] * 4
     per_file = []
     monkeypatch.setattr(store, "_get_page", lambda *a: per_file.append(a) or False)
-    reader, ridx = blank_host(SPEC, 16)
+    reader, ridx = blank_host(SPEC, 16, layout=layout)
     assert store.batch_get(keys, reader, ridx) == [True] * 4
     assert per_file == [] and seen
     assert all(len(piece) == 3 for _, _, _, _, parts, *_ in seen for _, _, pieces in parts for piece in pieces), \
@@ -109,12 +113,14 @@ def test_page_first_reads_its_files_in_place_with_the_compiled_reader(tmp_path, 
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
 
 
+@pytest.mark.parametrize("layout", COMPONENT_ORDERS)
 @pytest.mark.parametrize("native", ["1", "0"])
-def test_a_damaged_slot_order_part_is_a_miss_and_is_deleted(tmp_path, monkeypatch, native):
-    """Either part of a slot-order file damaged: that page misses (in place, so its
-    pool page may hold what was read), is counted corrupt and deleted; the others load."""
+def test_a_damaged_per_component_part_is_a_miss_and_is_deleted(tmp_path, monkeypatch, native, layout):
+    """Either part of a slot- or layer-order file damaged: that page misses (read in
+    place, so its pool page may hold what was read), is counted corrupt and deleted;
+    the others load."""
     monkeypatch.setenv("KVTIER_NATIVE", native)
-    host, idx = filled_host(SPEC, 4, seed=4)
+    host, idx = filled_host(SPEC, 4, seed=4, layout=layout)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(4)
     assert store.batch_set(keys, host, idx) == [True] * 4
@@ -123,20 +129,21 @@ def test_a_damaged_slot_order_part_is_a_miss_and_is_deleted(tmp_path, monkeypatc
         data = bytearray(victim.read_bytes())
         data[where] ^= 0x20
         victim.write_bytes(bytes(data))
-    reader, ridx = blank_host(SPEC, 16)
+    reader, ridx = blank_host(SPEC, 16, layout=layout)
     assert store.batch_get(keys, reader, ridx) == [True, False, False, True]
     pages, want = flat_pages(reader, ridx), flat_pages(host, idx)
     assert torch.equal(pages[0], want[0]) and torch.equal(pages[3], want[3])
     assert store.stats()["corrupt"] == 2 and store._key_files(keys[1]) == store._key_files(keys[2]) == []
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_head"])
-def test_shards_read_their_heads_of_a_full_writers_slot_order_file(tmp_path, layout):
-    """A full page_first writer leaves one slot-order file a page (K's and V's parts
-    with all heads, then the replicated part). Ranks of 2 and of 4 read the parts whole
-    and keep their own heads, bit-exactly; a damaged byte of any head is a miss for
-    every rank (each reads the whole part)."""
-    full, idx = filled_host(WITH_REP, 3, seed=9)
+@pytest.mark.parametrize("writer", COMPONENT_ORDERS)
+@pytest.mark.parametrize("layout", ["page_first", "page_head", "page_first_direct"])
+def test_shards_read_their_heads_of_a_full_writers_per_component_file(tmp_path, layout, writer):
+    """A full page_first (page_first_direct) writer leaves one slot-order (layer-order)
+    file a page: K's and V's parts with all heads, then the replicated part. Ranks of 2
+    and of 4 read the parts whole and keep their own heads, bit-exactly; a damaged byte
+    of any head is a miss for every rank (each reads the whole part)."""
+    full, idx = filled_host(WITH_REP, 3, seed=9, layout=writer)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(3)
     assert store.batch_set(keys, full, idx) == [True] * 3
@@ -149,31 +156,34 @@ def test_shards_read_their_heads_of_a_full_writers_slot_order_file(tmp_path, lay
                 assert torch.equal(got, bits(shard_flat(want.view(WITH_REP.dtype), WITH_REP, 4, rank, size)))
     victim = the_file(store, keys[1])
     data = bytearray(victim.read_bytes())
-    data[ALIGN + 3 * 2 * 12 + 1] ^= 0x01  # K of head 3, slot 0, layer 0: rank 1's (of 2), not rank 0's
+    data[ALIGN + 3 * 2 * 12 + 1] ^= 0x01  # K of head 3, slot 0, layer 0 (either order): rank 1's (of 2)
     victim.write_bytes(bytes(data))
     reader, ridx = blank_host(WITH_REP.shard(0, 2), 12, layout=layout)
     assert store.batch_get(keys, reader, ridx) == [True, False, True]
     assert store.stats()["corrupt"] == 1 and not victim.exists()
 
 
-@pytest.mark.parametrize("reader_layout", ["page_first", "page_head", "layer_first"])
-def test_a_full_reader_joins_the_slot_order_files_of_two_shards(tmp_path, reader_layout):
-    """Two page_first ranks write their halves in slot order (rank 0 with the replicated
-    part); a full reader of any layout finds both files and puts each part's heads in
-    place, bit-exactly; ranks of 4 read their quarter out of a half."""
+@pytest.mark.parametrize("writer", COMPONENT_ORDERS)
+@pytest.mark.parametrize("reader_layout", ["page_first", "page_head", "layer_first", "page_first_direct"])
+def test_a_full_reader_joins_the_per_component_files_of_two_shards(tmp_path, reader_layout, writer):
+    """Two page_first (page_first_direct) ranks write their halves in slot (layer)
+    order, rank 0 with the replicated part; a full reader of any layout finds both
+    files and puts each part's heads in place, bit-exactly; ranks of 4 read their
+    quarter out of a half."""
     full, idx = filled_host(WITH_REP, 3, seed=6)
     truth = flat_pages(full, idx)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(3)
     for rank in range(2):
         shard = WITH_REP.shard(rank, 2)
-        host, hidx = blank_host(shard, 12)
+        host, hidx = blank_host(shard, 12, layout=writer)
         for i, s in enumerate(hidx[::4].tolist()):
             host.set_from_flat_data_page(s, shard_flat(truth[i].view(WITH_REP.dtype), WITH_REP, 4, rank, 2))
         assert store.batch_set(keys, host, hidx) == [True] * 3
     files = [Path(p) for p in store._key_files(keys[0])]
     assert sorted(f.name.rsplit(".", 1)[1] for f in files) == ["g0-2of4+rep", "g2-4of4"]
-    assert [header_fields(f.read_bytes())[3] for f in files] == [SLOT, SLOT]
+    order = SLOT if writer == "page_first" else LAYER
+    assert [header_fields(f.read_bytes())[3] for f in files] == [order, order]
     reader, ridx = blank_host(WITH_REP, 12, layout=reader_layout)
     assert store.batch_get(keys, reader, ridx) == [True] * 3
     assert all(torch.equal(a, b) for a, b in zip(truth, flat_pages(reader, ridx)))
@@ -185,24 +195,26 @@ def test_a_full_reader_joins_the_slot_order_files_of_two_shards(tmp_path, reader
     assert store.stats()["errors"] == 0
 
 
-def test_a_file_of_the_other_order_is_never_judged_corrupt(tmp_path):
-    """A reader that expects slot order meets a head-order file of the same size and
-    name (and the other way round): it reads it in its order, deletes nothing."""
-    spec = KVSpec.mha(2, 2, 64)  # both orders: a 4 KiB header and two 8 KiB parts
+def test_a_file_of_another_order_is_never_judged_corrupt(tmp_path):
+    """A reader that expects one order meets a file of another of the same size and
+    name: it reads it in that order, deletes nothing (every writer, every reader)."""
+    spec = KVSpec.mha(2, 2, 64)  # every order: a 4 KiB header and two 8 KiB parts
+    layouts = ("page_head", "page_first", "page_first_direct")
     stores = {}
-    for layout in ("page_head", "page_first"):
+    for layout in layouts:
         host, idx = filled_host(spec, 2, page_size=16, layout=layout, seed=7)
         store = stores[layout] = kvtier.storage.open(f"file://{tmp_path / layout}")
         keys = kvtier.storage.page_keys(list(range(32)), 16, namespace="x")
         assert store.batch_set(keys, host, idx) == [True] * 2
-        for reader_layout in ("page_head", "page_first"):
+        for reader_layout in layouts:
             reader, ridx = blank_host(spec, 32, page_size=16, layout=reader_layout)
             assert store.batch_get(keys, reader, ridx) == [True] * 2
             assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
     sizes = {layout: [the_file(s, k).stat().st_size for k in keys] for layout, s in stores.items()}
-    assert sizes["page_head"] == sizes["page_first"]
+    assert sizes["page_head"] == sizes["page_first"] == sizes["page_first_direct"]
     assert all(s.stats()["corrupt"] == 0 and s.stats()["errors"] == 0 for s in stores.values())
-    assert np.unique([header_fields(the_file(s, keys[0]).read_bytes())[3] for s in stores.values()]).size == 2
+    assert [header_fields(the_file(stores[layout], keys[0]).read_bytes())[3] for layout in layouts] == [HEAD, SLOT,
+                                                                                                        LAYER]
 
 
 def test_a_file_that_changes_order_while_read_is_a_counted_miss_that_stays(tmp_path, monkeypatch):

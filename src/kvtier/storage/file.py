@@ -70,8 +70,8 @@ from .codec import MAX_NAME_BYTES
 from .objects import PagePlan, Part
 from .options import Opt, check_options
 from . import pageio
-from .pagefile import (ALIGN, HEAD, SLOT, FileLayout, OtherOrder, align_up, field_groups, field_parts, file_field,
-                       header_room, longest_name, part_name, writer_files)
+from .pagefile import (ALIGN, HEAD, LAYER, ORDERS, FileLayout, OtherOrder, align_up, field_groups, field_parts,
+                       file_field, header_room, longest_name, part_name, writer_files)
 from .threaded import ThreadedStorage
 
 _ROOT = "kvtier-v4"
@@ -150,9 +150,9 @@ class _Page:
 
 def _order(plan: PagePlan, pool: HostKVPool) -> int:
     """The order of parts (``pagefile``) in which a pool's files are written, and read
-    first: ``SLOT`` where the pool holds each multi-head component's page contiguously
-    but not its head groups (``page_first``), so the page moves in place; else ``HEAD``
-    (``page_head`` moves in place, the other layouts are staged either way)."""
+    first: the first of head, slot and layer order whose parts the pool holds
+    contiguously (``page_head``, ``page_first``, ``page_first_direct``), so its pages
+    move in place; else head order (``layer_first`` is staged in any)."""
     held = plan.held_groups
     if not held:
         return HEAD
@@ -160,8 +160,10 @@ def _order(plan: PagePlan, pool: HostKVPool) -> int:
     def in_place(parts) -> bool:
         return all(view[0].flags.c_contiguous for p in parts for view, _, _ in plan.part_views(pool, p))
 
-    slot_ok = in_place(plan.slot_parts(held.start, held.stop))
-    return SLOT if slot_ok and not in_place(p for p in plan.read_parts if part_name(p) != "rep") else HEAD
+    if in_place(p for p in plan.read_parts if part_name(p) != "rep"):
+        return HEAD
+    return next((order for order in range(1, len(ORDERS))
+                 if in_place(plan.component_parts(held.start, held.stop, ORDERS[order]))), HEAD)
 
 
 def _write_parts(plan: PagePlan, order: int) -> list[Part]:
@@ -169,7 +171,8 @@ def _write_parts(plan: PagePlan, order: int) -> list[Part]:
     if order == HEAD:
         return plan.write_parts
     held = plan.held_groups
-    return plan.slot_parts(held.start, held.stop) + [p for p in plan.write_parts if part_name(p) == "rep"]
+    return (plan.component_parts(held.start, held.stop, ORDERS[order])
+            + [p for p in plan.write_parts if part_name(p) == "rep"])
 
 
 def _file_parts(plan: PagePlan, field: str, wanted, order: int) -> list[tuple[str, Part | None]]:
@@ -181,14 +184,15 @@ def _file_parts(plan: PagePlan, field: str, wanted, order: int) -> list[tuple[st
     by_name = {part_name(p): p for p in plan.read_parts}
     if order == HEAD:
         return [(n, by_name[n]) for n in names if n in wanted]
-    slot = plan.slot_parts(*field_groups(tail)) if any(w != "rep" for w in wanted) else []
-    return list(zip(names, slot)) + ([("rep", by_name["rep"])] if "rep" in wanted else [])
+    cut = plan.component_parts(*field_groups(tail), ORDERS[order]) if any(w != "rep" for w in wanted) else []
+    return list(zip(names, cut)) + ([("rep", by_name["rep"])] if "rep" in wanted else [])
 
 
-def _slot_cuts(plan: PagePlan, pool: HostKVPool, field: str, wanted, bufs: dict, page: int) -> list[tuple]:
+def _component_cuts(plan: PagePlan, pool: HostKVPool, field: str, wanted, bufs: dict, page: int,
+                    order: int) -> list[tuple]:
     """``(piece, staged)`` pairs taking the heads of ``wanted`` groups (head-order names)
-    from the whole slot-order parts ``bufs`` (name -> bytes) of a file of ``field`` into
-    ``page`` of ``pool``."""
+    from the whole per-component parts ``bufs`` (name -> bytes; slot or layer ``order``)
+    of a file of ``field`` into ``page`` of ``pool``."""
     a, _ = field_groups(field.rsplit("/", 1)[1])
     groups = sorted(int(w[1:].split("of")[0]) for w in wanted if w != "rep")
     held, out = plan.held_groups, []
@@ -201,7 +205,10 @@ def _slot_cuts(plan: PagePlan, pool: HostKVPool, field: str, wanted, bufs: dict,
         c = plan.spec.full.component(name.split(".")[1])
         per = c.head_num // plan.groups
         dest = pool.page_views[c.name].np_all_layers[page]  # (slot, layer, head, dim)
-        part = buf.view(dest.dtype).reshape(dest.shape[0], dest.shape[1], -1, dest.shape[3])
+        if order == LAYER:
+            part = buf.view(dest.dtype).reshape(dest.shape[1], dest.shape[0], -1, dest.shape[3]).transpose(1, 0, 2, 3)
+        else:
+            part = buf.view(dest.dtype).reshape(dest.shape[0], dest.shape[1], -1, dest.shape[3])
         for j in groups:
             out.append((dest[:, :, (j - held.start) * per:(j - held.start + 1) * per],
                         part[:, :, (j - a) * per:(j - a + 1) * per]))
@@ -685,11 +692,11 @@ class FileStorage(ThreadedStorage):
         layout, names = self._layout(key, plan, field, order)
         named = _file_parts(plan, field, wanted, order)
         head = head[:layout.header_len]
-        if any(p is None for _, p in named):  # slot-order parts with heads this pool does not hold
+        if any(p is None for _, p in named):  # per-component parts with heads this pool does not hold
             sizes = dict(zip(names, layout.sizes))
             whole = {name: _empty(sizes[name]) for name, _ in named}
             self._read_file(path, layout, names, {name: ([buf], []) for name, buf in whole.items()}, sink, head)
-            return _slot_cuts(plan, copies.pool, field, wanted, whole, page), 0
+            return _component_cuts(plan, copies.pool, field, wanted, whole, page, order), 0
         mine = [name for name, _ in named]
         if order != copies.order or any(name not in copies.parts for name in mine):
             copies, staging = _Page(plan, copies.pool, [p for _, p in named], order), None

@@ -10,11 +10,12 @@ different head ranges (tensor-parallel shards of any size) share them:
 NOTE: head-major is the order of a ``page_head`` pool, the layout for sharing across
 tensor-parallel sizes: there each component of a part is one ``memcpy``. Every other
 layout interleaves heads with slots or layers, so any part order costs it a strided
-gather of ``dim``-sized pieces. The file store also writes pages in **slot order**
-(:meth:`PagePlan.slot_parts`): one part per multi-head component, ``(slot, layer,
-head, dim)`` over a run of head groups, which is a ``page_first`` pool's page, so
-that pool (the default) moves it in place too; a reader of fewer heads reads such a
-part whole and keeps its own.
+gather of ``dim``-sized pieces. The file store also writes pages as one part per
+multi-head component over a run of head groups (:meth:`PagePlan.component_parts`),
+in **slot order** ``(slot, layer, head, dim)``, a ``page_first`` pool's page, or
+**layer order** ``(layer, slot, head, dim)``, a ``page_first_direct`` pool's: those
+pools (``page_first`` is the default) then move their pages in place too; a reader
+of fewer heads reads such a part whole and keeps its own.
 
 ``G`` defaults to the greatest common divisor of the multi-head components' head
 counts, the finest cut every shard size divides. A part's field name is
@@ -37,12 +38,18 @@ from ..errors import IntegrityError, UsageError
 from ..spec import KVSpec
 
 
+#: A part's axes after the page, as a transpose of ``(page, slot, layer, head, dim)``
+PART_AXES = {"head": (0, 3, 1, 2, 4),   # (head, slot, layer, dim): page_head's
+             "slot": None,              # (slot, layer, head, dim): page_first's
+             "layer": (0, 2, 1, 3, 4)}  # (layer, slot, head, dim): page_first_direct's, the flat page's
+
+
 @dataclass(frozen=True)
 class Part:
     field: str                                 # "<fingerprint>/p<page size>/<part name>"
     pieces: tuple[tuple[str, int, int], ...]   # (component, local head start, stop)
     nbytes: int
-    order: str = "head"                        # "head": (head, slot, layer, dim); "slot": (slot, layer, head, dim)
+    order: str = "head"                        # the piece's axes: a key of PART_AXES
 
 
 class PagePlan:
@@ -83,34 +90,34 @@ class PagePlan:
         self.held_groups = range(rank * groups // size, (rank + 1) * groups // size) if multi else range(0)
         self.multi, self._token_bytes = tuple(multi), token_bytes  # multi: the full spec's multi-head components
 
-    def slot_parts(self, a: int, b: int) -> list[Part | None]:
-        """The slot-order parts of a file of head groups ``[a, b)``: per multi-head
-        component, ``(slot, layer, head, dim)`` over those groups' heads, named
-        ``s.<component>.g<a>-<b>``; None for each where this plan's pool does not hold
-        all of those heads (a reader of fewer heads than the file: see the module's NOTE)."""
+    def component_parts(self, a: int, b: int, order: str) -> list[Part | None]:
+        """The parts of a file of head groups ``[a, b)`` cut per component: per multi-head
+        component, its page over those groups' heads in ``order`` (``"slot"`` or
+        ``"layer"``, see ``PART_AXES``), named ``<order's initial>.<component>.g<a>-<b>``;
+        None for each where this plan's pool does not hold all of those heads (a
+        reader of fewer heads than the file: see the module's NOTE)."""
         held, out = self.held_groups, []
         inside = held and held.start <= a < b <= held.stop
-        for c, nbytes in zip(self.multi, self.slot_bytes(a, b)):
+        for c, nbytes in zip(self.multi, self.component_bytes(a, b)):
             per_group = c.head_num // self.groups  # the full component's heads
             local = ((c.name, (a - held.start) * per_group, (b - held.start) * per_group),)
-            out.append(Part(f"{self.prefix}/s.{c.name}.g{a}-{b}", local, nbytes, "slot") if inside else None)
+            out.append(Part(f"{self.prefix}/{order[0]}.{c.name}.g{a}-{b}", local, nbytes, order) if inside else None)
         return out
 
-    def slot_bytes(self, a: int, b: int) -> list[int]:
-        """The bytes of each of :meth:`slot_parts`' parts (held here or not)."""
+    def component_bytes(self, a: int, b: int) -> list[int]:
+        """The bytes of each of :meth:`component_parts`' parts (held here or not)."""
         return [(b - a) * (c.head_num // self.groups) * c.head_dim * self._token_bytes for c in self.multi]
 
     def part_views(self, pool, part: Part) -> tuple[tuple[np.ndarray, int, int], ...]:
         """Per piece of ``part``: ``(view, offset, nbytes)``, ``view`` numpy
-        ``(page, head, slot, layer, dim)`` (slot order: ``(page, slot, layer, head, dim)``)
-        over all of ``pool``'s pages, ``offset`` and
+        with its part's axes after the page (``PART_AXES``) over all of ``pool``'s pages, ``offset`` and
         ``nbytes`` where the piece sits in the part's bytes. Build them once per call:
         making views costs more than copying a small part."""
         out, offset = [], 0
         for name, h0, h1 in part.pieces:
             view = pool.page_views[name].np_all_layers[:, :, :, h0:h1]  # (page, slot, layer, head, dim)
-            if part.order == "head":
-                view = view.transpose(0, 3, 1, 2, 4)
+            if PART_AXES[part.order] is not None:
+                view = view.transpose(PART_AXES[part.order])
             # NOTE: every layout but page_head scatters a part in runs of one head's `dim`;
             # numpy's strided copy costs per element, so each run moves as the widest ints
             # that tile it (8 bytes for any even head_dim of a 2-byte dtype: about 2x faster).

@@ -9,7 +9,9 @@ in one of two orders that its header names:
   tensor-parallel size reads only its groups' parts;
 - slot order (1): a part per multi-head component (``s.<component>.g{a}-{b}``), each
   ``(slot, layer, head, dim)`` over the file's heads: what a ``page_first`` pool
-  holds contiguously; a reader of fewer heads reads the parts whole.
+  holds contiguously; a reader of fewer heads reads the parts whole;
+- layer order (2): the same per component in ``(layer, slot, head, dim)``
+  (``l.<component>.g{a}-{b}``): a ``page_first_direct`` pool's page.
 
 The field says which heads: ``<fingerprint>/p<page size>/g{a}-{b}of{G}`` with
 ``+rep``, or ``.../rep`` alone (both orders are one for it).
@@ -19,7 +21,7 @@ The field says which heads: ``<fingerprint>/p<page size>/g{a}-{b}of{G}`` with
     4       2     format version (3)
     6       2     part count n
     8       4     header length (a multiple of 4096)
-    12      4     order of the parts (0 head, 1 slot)
+    12      4     order of the parts (0 head, 1 slot, 2 layer)
     16      8     file length
     24      2     name length m
     26      m     name: "<key>#<field>" in UTF-8 (the object's own identity)
@@ -45,7 +47,8 @@ from .objects import PagePlan, Part
 
 MAGIC = b"KVT2"
 VERSION = 3
-HEAD, SLOT = 0, 1  # the orders of a file's parts
+HEAD, SLOT, LAYER = 0, 1, 2  # the orders of a file's parts
+ORDERS = ("head", "slot", "layer")  # each order's Part.order (kvtier.storage.objects.PART_AXES)
 ALIGN = 4096
 _FIXED = struct.Struct("<4sHHIIQH")
 _FIELD = re.compile(r"g(\d+)-(\d+)of(\d+)(\+rep)?|rep")
@@ -141,7 +144,7 @@ class FileLayout:
             return
         magic, version, _, _, order, _, name_len = _FIXED.unpack_from(view)
         name = self._prefix[_FIXED.size:]
-        if (magic == MAGIC and version == VERSION and order != self.order and order in (HEAD, SLOT)
+        if (magic == MAGIC and version == VERSION and order != self.order and order < len(ORDERS)
                 and name_len == len(name) and bytes(view[_FIXED.size:_FIXED.size + name_len]) == name):
             raise OtherOrder(order)
 
@@ -207,8 +210,9 @@ def field_parts(plan: PagePlan, tail: str, order: int = HEAD) -> list[tuple[str,
     group_bytes = next((n for name, n in sizes.items() if name != "rep"), None)
     if groups != plan.groups or not 0 <= a < b <= groups or group_bytes is None or (m.group(4) and rep is None):
         return None
-    if order == SLOT:
-        parts = [(f"s.{c.name}.g{a}-{b}", n) for c, n in zip(plan.multi, plan.slot_bytes(a, b))]
+    if order != HEAD:
+        initial = ORDERS[order][0]
+        parts = [(f"{initial}.{c.name}.g{a}-{b}", n) for c, n in zip(plan.multi, plan.component_bytes(a, b))]
     else:
         parts = [(f"h{j}of{groups}", group_bytes) for j in range(a, b)]
     return parts + [("rep", rep)] if m.group(4) else parts
