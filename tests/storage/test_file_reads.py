@@ -292,24 +292,26 @@ def read_statuses(monkeypatch):
 
 
 @NEEDS_DIRECT
-def test_the_compiled_reader_reads_cached_files_and_cold_ones_with_direct_io(tmp_path, read_statuses):
-    """``page_head`` pages are read by the compiled reader straight into the pool: just
-    written (cached) buffered, once dropped from the page cache with O_DIRECT, both
+@pytest.mark.parametrize("layout", ["page_head", "page_first", "page_first_direct"])
+def test_the_compiled_reader_reads_cached_files_and_cold_ones_with_direct_io(tmp_path, read_statuses, layout):
+    """Pages of files in the pool's own order are read by the compiled reader: just
+    written (cached) buffered straight into the pool, once dropped from the page cache
+    with O_DIRECT through staging (copied out once the file checks out), both
     bit-exact; a damaged part is a miss (judged and deleted by the per-file path)."""
     if not _direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
-    host, idx = filled_host(ALIGNED, 4, page_size=16, layout="page_head", seed=15)
+    host, idx = filled_host(ALIGNED, 4, page_size=16, layout=layout, seed=15)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="c")
     assert store.batch_set(keys, host, idx) == [True] * 4
-    reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout="page_head")
+    reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout=layout)
     assert store.batch_get(keys, reader, ridx) == [True] * 4
     assert read_statuses == [pageio.READ] * 4
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
     for _ in range(20):  # a page just used may stay cached a moment
         evict_cached(tmp_path)
         read_statuses.clear()
-        reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout="page_head")
+        reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout=layout)
         assert store.batch_get(keys, reader, ridx) == [True] * 4
         if read_statuses == [pageio.DIRECT] * 4:
             break

@@ -56,6 +56,7 @@ typedef struct {
     long long (*dims)[MAX_DIMS], (*strides)[MAX_DIMS];
     long long *extent; /* per piece: bytes from its first to past its last in the pool */
     long long *stage_at; /* per staged piece: its offset in staging */
+    long long *cold_at;  /* per piece: its offset in a cold file's staging (cold_stage) */
     /* per piece: whether it is the first staged piece of its group of alike ones (the same
      * dims, strides and bytes: moved row by row together), and the next of its group (-1:
      * none) */
@@ -63,6 +64,10 @@ typedef struct {
     Py_ssize_t *next_alike;
     char *staging;
     long long staging_len, staged; /* staged: the staging one file needs */
+    /* cold_staged: the staging one cold file needs when every piece goes through it
+     * (cold_stage: read_pages does so; see the NOTE in _pageio_read.c) */
+    long long cold_staged;
+    int cold_stage;
     size_t chunk;
     int cold_check;
 } shape_t;
@@ -95,13 +100,18 @@ int parse_files(const shape_t *sh, PyObject *files_obj, int with_tmp, files_t *f
 void free_files(files_t *fs);
 
 /* Where each piece of page `page` moves from or to: its place in the pool, or (staged)
- * its place in `staging`. */
-void page_spans(const shape_t *sh, char *staging, long long page, span_t *spans);
+ * its place in `staging`; with `all`, every piece's place in a cold file's staging
+ * (cold_at). */
+void page_spans(const shape_t *sh, char *staging, long long page, span_t *spans, int all);
 
 /* Every staged piece of page `page` copied out of staging to its place in the pool, whole
  * lines with streaming stores where it can (the pool's page is not read back soon: a
  * plain store first reads each line it writes). */
 void unstage(const shape_t *sh, const char *staging, long long page);
+
+/* unstage, then every in-place piece of page `page` copied from its place in a cold
+ * file's staging (cold_at) to the pool, whole lines with streaming stores where it can. */
+void unstage_all(const shape_t *sh, const char *staging, long long page);
 
 /* Every staged piece of page `page` gathered from the pool into staging (plain stores:
  * the staging is read back at once). */

@@ -115,10 +115,11 @@ int parse_parts(PyObject *parts_obj, shape_t *sh) {
     sh->strides = PyMem_Calloc(total ? total : 1, sizeof *sh->strides);
     sh->extent = PyMem_Calloc(total ? total : 1, sizeof(long long));
     sh->stage_at = PyMem_Calloc(total ? total : 1, sizeof(long long));
+    sh->cold_at = PyMem_Calloc(total ? total : 1, sizeof(long long));
     sh->next_alike = PyMem_Calloc(total ? total : 1, sizeof(Py_ssize_t));
     sh->lead = PyMem_Calloc(total ? total : 1, 1);
     if (!sh->start || !sh->step || !sh->len || !sh->ndim || !sh->dims || !sh->strides || !sh->extent ||
-        !sh->stage_at || !sh->next_alike || !sh->lead) {
+        !sh->stage_at || !sh->cold_at || !sh->next_alike || !sh->lead) {
         PyErr_NoMemory();
         goto done;
     }
@@ -158,6 +159,20 @@ int parse_parts(PyObject *parts_obj, shape_t *sh) {
         }
     }
     sh->staged = staged;
+    /* a cold file's staging: the staged parts as above, then each in-place part at a
+     * multiple of ALIGN */
+    long long cold = staged;
+    for (Py_ssize_t p = 0; p < n; p++) {
+        const part_t *part = &sh->parts[p];
+        long long part_bytes = 0;
+        for (Py_ssize_t k = part->first; k < part->first + part->count; k++) {
+            sh->cold_at[k] = sh->ndim[k] ? sh->stage_at[k] : cold + part_bytes;
+            part_bytes += (long long)sh->len[k];
+        }
+        if (part->count && !sh->ndim[part->first])
+            cold += (part_bytes + ALIGN - 1) / ALIGN * ALIGN;
+    }
+    sh->cold_staged = cold;
     group_alike(sh);
     if (staged > sh->staging_len) {
         PyErr_Format(PyExc_ValueError, "%s: staged parts need %lld bytes of staging, got %lld", sh->what, staged,
@@ -244,6 +259,7 @@ void free_shape(shape_t *sh) {
     PyMem_Free(sh->strides);
     PyMem_Free(sh->extent);
     PyMem_Free(sh->stage_at);
+    PyMem_Free(sh->cold_at);
     PyMem_Free(sh->next_alike);
     PyMem_Free(sh->lead);
 }
@@ -288,14 +304,34 @@ static void each_row(const shape_t *sh, char *staging, long long page, int out) 
         lines_fence();
 }
 
-void page_spans(const shape_t *sh, char *staging, long long page, span_t *spans) {
+void page_spans(const shape_t *sh, char *staging, long long page, span_t *spans, int all) {
     for (Py_ssize_t k = 0; k < sh->npieces; k++)
-        spans[k] = (span_t){sh->ndim[k] ? staging + sh->stage_at[k] : sh->flat + sh->start[k] + page * sh->step[k],
+        spans[k] = (span_t){all            ? staging + sh->cold_at[k]
+                            : sh->ndim[k] ? staging + sh->stage_at[k]
+                                          : sh->flat + sh->start[k] + page * sh->step[k],
                             sh->len[k]};
 }
 
 void unstage(const shape_t *sh, const char *staging, long long page) {
     each_row(sh, (char *)staging, page, 1);
+}
+
+void unstage_all(const shape_t *sh, const char *staging, long long page) {
+    unstage(sh, staging, page);
+    int streamed = 0;
+    for (Py_ssize_t k = 0; k < sh->npieces; k++) {
+        if (sh->ndim[k])
+            continue;
+        char *in_pool = sh->flat + sh->start[k] + page * sh->step[k];
+        if (lines_ok(in_pool, sh->len[k])) {
+            copy_lines(in_pool, staging + sh->cold_at[k], sh->len[k]);
+            streamed = 1;
+        } else {
+            memcpy(in_pool, staging + sh->cold_at[k], sh->len[k]);
+        }
+    }
+    if (streamed)
+        lines_fence();
 }
 
 void stage(const shape_t *sh, char *staging, long long page) {

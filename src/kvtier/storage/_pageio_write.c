@@ -169,7 +169,7 @@ static int write_file(writer_t *w, const char *tmp, const char *path, const char
     if (reserve(fd, sh->total) < 0)
         goto fail;
     stage(sh, sh->staging, page);
-    page_spans(sh, sh->staging, page, w->spans);
+    page_spans(sh, sh->staging, page, w->spans, 0);
     if (write_body(w, fd, prefix, prefix_len) < 0)
         goto fail;
     if (w->fsync && fsync(fd) != 0)

@@ -97,6 +97,9 @@ class _Page:
                        for name, (part, views) in self.parts.items()}
         #: Staging for every part at once, each starting at a multiple of ``ALIGN`` (direct I/O)
         self.staging_bytes = sum(align_up(n) for n in self.staged.values())
+        #: Staging for every part at once, in place or not: what the compiled reader's cold
+        #: files go through (see the NOTE in ``_pageio_read.c``)
+        self.cold_staging_bytes = sum(align_up(part.nbytes) for part, _ in self.parts.values())
         self._flat, self._spans = _flat_spans(pool, self.parts, self.staged)
         self._pieces: dict[str, list | None] = {}  # see pieces
 
@@ -518,7 +521,9 @@ class FileStorage(ThreadedStorage):
         t0 = time.perf_counter()
 
         def get_chunk(chunk: range) -> None:
-            scratch = self._scratch(head_room, copies, files=self._staged_files(copies) if compiled else 1)
+            scratch = (self._scratch(head_room, copies, self._staged_files(copies),
+                                     copies.cold_staging_bytes if self.direct_io else None)
+                       if compiled else self._scratch(head_room, copies))
             read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2]) if compiled else ()
             for i in chunk:
                 if i in read:
@@ -542,24 +547,25 @@ class FileStorage(ThreadedStorage):
     # -- one page ----------------------------------------------------------------------------------
     def _staged_files(self, copies: _Page) -> int:
         """How many files' staging the compiled reader gets: one without direct reads; else
-        two at least (a cold file is hashed while the next is read), up to 8 within
-        ``READ_STAGING_BYTES`` (warm files use the first, cold ones the others in turn).
+        two at least (a cold file is hashed, and copied out, while the next is read), up to
+        8 within ``READ_STAGING_BYTES`` (warm files use the first, cold ones the others in
+        turn), each of a whole page (``cold_staging_bytes``).
         NOTE: O_DIRECT reads into the same staging file after file took about twice as
         long as reads into the pool on this VM's disk, and one stretch per file of a call
         recovered most of it (in one process, alternating page_first and page_head pools
         over the same cold files)."""
         if not self.direct_io:
             return 1
-        return max(2, min(8, self.READ_STAGING_BYTES // max(copies.staging_bytes, 1)))
+        return max(2, min(8, self.READ_STAGING_BYTES // max(copies.cold_staging_bytes, 1)))
 
-    def _scratch(self, head_room: int, copies: _Page, files: int = 1) -> tuple:
+    def _scratch(self, head_room: int, copies: _Page, files: int = 1, per_file: int | None = None) -> tuple:
         """This thread's ``(sink, head, staging)`` from its aligned arena: ``ALIGN`` bytes that
         take the zeros between parts a read skips, ``head_room`` for a header, then staging
         for ``files`` pages at once (the compiled reader hashes a cold file while it reads
-        the next one).
+        the next one) of ``per_file`` bytes each (default ``copies.staging_bytes``).
         NOTE: kept with the arena it was cut from: a batch asks once per page, and the
         slicing costs tens of us once a page's copy has pushed it out of the CPU's caches."""
-        shape = (head_room, files * copies.staging_bytes)
+        shape = (head_room, files * (copies.staging_bytes if per_file is None else per_file))
         last = getattr(self._local, "scratch", None)
         if last is not None and last[0] == shape and last[1] is getattr(self._local, "arena", None):
             return last[2]
