@@ -149,7 +149,10 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
     hashed; a run whose buffers are not aligned for it is read buffered. Where
     ``staging`` holds two files' staged parts (or none are staged), a thread beside the
     caller's hashes each cold file while the next one is read; where it holds three or
-    more, warm files use its first stretch and cold ones the others in turn.
+    more, warm files use its first stretch and cold ones the others in turn. Where it
+    holds two files' parts whole (in-place ones too, each part at a multiple of 4096
+    bytes), a cold file goes through it whole and every piece is copied out once the
+    file checks out.
 
     Per file one status: ``READ``, ``DIRECT`` (read with O_DIRECT), ``MISSING``, ``COLD``
     (cold, but the file system refuses O_DIRECT: nothing read) or ``OTHER``: for the
