@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..storage.threaded import aligned
+
 
 def vllm_fs_io():
     """vLLM's fs tier I/O module, or ``None`` where vLLM (0.32 or later) is not installed."""
@@ -29,9 +31,7 @@ class VllmFsTier:
         self.io, self.root, self.threads, self.o_direct = io, root, threads, o_direct
         self.block = block_bytes
         # NOTE: page-aligned, as vLLM's CPU pool is: O_DIRECT needs aligned buffers
-        raw = np.ones(pages * block_bytes + 4096, dtype=np.uint8)
-        skip = -raw.ctypes.data % 4096
-        self.buf = raw[skip:skip + pages * block_bytes]
+        self.buf = aligned(np.ones(pages * block_bytes + 4096, dtype=np.uint8), pages * block_bytes, 4096)
         self.view = memoryview(self.buf)
         self.paths = [f"{root}/{i // 256:03d}/{i}.bin" for i in range(pages)]
         self.offsets = [i * block_bytes for i in range(pages)]

@@ -72,7 +72,7 @@ from .options import Opt, check_options
 from . import pageio
 from .pagefile import (ALIGN, HEAD, LAYER, ORDERS, FileLayout, OtherOrder, align_up, field_groups, field_parts,
                        file_field, header_room, longest_name, part_name, writer_files)
-from .threaded import ThreadedStorage
+from .threaded import ThreadedStorage, aligned
 
 _ROOT = "kvtier-v4"
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")  # <h[:2]>
@@ -223,10 +223,9 @@ def _rep(plan: PagePlan) -> Part:
 
 
 def _empty(nbytes: int) -> np.ndarray:
-    """``nbytes`` new bytes starting at a multiple of ``ALIGN`` (for direct I/O)."""
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    skip = -raw.ctypes.data % ALIGN
-    return raw[skip:skip + nbytes]
+    """``nbytes`` new bytes starting at a multiple of ``ALIGN`` (for direct I/O): not the
+    thread's arena, whose bytes the caller's scratch already holds."""
+    return aligned(np.empty(nbytes + ALIGN - 1, dtype=np.uint8), nbytes, ALIGN)
 
 
 def _flat_spans(pool: HostKVPool, parts: dict, staged: dict) -> tuple[np.ndarray | None, dict]:

@@ -17,6 +17,13 @@ from .options import Opt, check_options
 BATCH_BYTES = 64 << 20
 
 
+def aligned(raw: np.ndarray, nbytes: int, align: int) -> np.ndarray:
+    """The first ``nbytes`` of the bytes ``raw`` (at least ``nbytes + align - 1`` of them)
+    that start at a multiple of ``align``."""
+    skip = -raw.ctypes.data % align
+    return raw[skip:skip + nbytes]
+
+
 class ThreadedStorage(Storage):
     """A backend whose batches run on ``io_threads`` workers, the calling thread being one.
 
@@ -41,8 +48,7 @@ class ThreadedStorage(Storage):
         arena = getattr(self._local, "arena", None)
         if arena is None or arena.nbytes < nbytes + align - 1:
             arena = self._local.arena = np.empty(nbytes + align - 1, dtype=np.uint8)
-        skip = -arena.ctypes.data % align
-        return arena[skip:skip + nbytes]
+        return aligned(arena, nbytes, align)
 
     # -- the contract, on each backend's primitives ----------------------------------------------
     def batch_exists(self, keys: Sequence[str]) -> int:
