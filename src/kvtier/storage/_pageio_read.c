@@ -351,13 +351,18 @@ static void hasher_post(hasher_t *h, int s) {
     pthread_mutex_unlock(&h->lock);
 }
 
+/* The staging one file takes: its staged parts, or with cold_stage all of its parts. */
+static long long file_staging(const shape_t *sh) {
+    return sh->cold_stage ? sh->cold_staged : sh->staged;
+}
+
 /* Every file of the call read: the cold ones judged by a hasher beside this thread
  * where there are two slots and it starts, else here. */
 static void read_files(reader_t *slot, int nslots, const files_t *fs, unsigned char *status) {
     hasher_t h = {.slot = slot};
     int started = 0, tried = nslots < 2;
     /* stretches of one file's staging in the caller's; with two, each slot keeps its own */
-    long long per = slot->sh->cold_stage ? slot->sh->cold_staged : slot->sh->staged;
+    long long per = file_staging(slot->sh);
     long long stretches = nslots == 2 && per ? slot->sh->staging_len / per : 0, pending = 0;
     for (Py_ssize_t f = 0, s = 0; f < fs->n; f++) {
         reader_t *r = &slot[s];
@@ -449,7 +454,7 @@ PyObject *read_pages(PyObject *self, PyObject *args) {
     }
     /* cold files through staging, every piece, where it holds two such files (NOTE above) */
     sh.cold_stage = direct && sh.cold_staged > sh.staged && 2 * sh.cold_staged <= sh.staging_len;
-    long long per = sh.cold_stage ? sh.cold_staged : sh.staged;
+    long long per = file_staging(&sh);
     /* two slots where a hasher can judge one cold file while the next is read: staging
      * for two files */
     if (direct && fs.n > 1 && 2 * per <= sh.staging_len)
