@@ -8,15 +8,15 @@ import kvtier.bench.timing as timing
 from kvtier.transfer import native
 
 
-def test_the_compiled_limit_copy_moves_every_byte_in_pieces():
-    src = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
+@pytest.mark.parametrize("size", [1_000_003, 3 << 20, (5 << 20) + 17])
+def test_the_compiled_limit_copy_moves_every_byte(monkeypatch, size):
+    """Rows split over threads, then the rest (none, or less than a row): every byte."""
+    monkeypatch.setattr(timing, "_ROW", 1 << 20)
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     if not native.enabled():
         pytest.skip("kvtier's compiled copy is not built (or KVTIER_NATIVE=0): the limit is torch's copy_ alone")
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(3) as pool:
-        timing._native_copy(pool, 3, dst, src)  # three pieces, the last one shorter
+    timing._native_copy(3, dst, src)
     assert torch.equal(dst, src)
 
 

@@ -87,20 +87,29 @@ def flat_page(pool: DeviceKVPool, first_slot: int, page_size: int) -> torch.Tens
                       for n in pool.spec.names])
 
 
-def record_copy_threads(monkeypatch) -> list:
-    """Make every copy split across threads (no size threshold) and return the list
-    the copy threads are appended to as they start."""
+def record_copy_threads(monkeypatch) -> tuple[list, list]:
+    """Make every copy split across threads (no size threshold). Returns the list the
+    numpy path's copy threads are appended to as they start, and the list of the thread
+    counts the compiled path was asked to split its calls over."""
     import threading
 
     from kvtier.transfer import copy as copy_mod
+    from kvtier.transfer import native
 
-    started = []
+    started, compiled = [], []
 
     class CountingThread(threading.Thread):
         def start(self):
             started.append(self)
             super().start()
 
+    real = native.copy_pages
+
+    def counting_copy(pairs, dst_pages, src_pages, threads):
+        compiled.append(threads)
+        return real(pairs, dst_pages, src_pages, threads)
+
     monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(copy_mod.threading, "Thread", CountingThread)
-    return started
+    monkeypatch.setattr(native, "copy_pages", counting_copy)
+    return started, compiled

@@ -107,18 +107,26 @@ def test_staging_grows_for_a_later_larger_component(monkeypatch):
     assert len(calls) == 2 * 3
 
 
+@pytest.mark.parametrize("native", ["0", "1"], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
 @pytest.mark.parametrize("threads", [2, 3, 5])
-def test_thread_split_of_long_and_odd_runs(monkeypatch, layout, threads):
+def test_thread_split_of_long_and_odd_runs(monkeypatch, layout, threads, native):
     """Runs consecutive on both sides are cut into pieces so that every thread gets some;
-    7 pages (odd) over 2, 3 and 5 threads, staged and direct, stay exact."""
-    started = record_copy_threads(monkeypatch)
+    7 pages (odd) over 2, 3 and 5 threads, staged and direct, stay exact. numpy's path
+    splits over the pool's kept Python threads, the compiled one in its own call."""
+    monkeypatch.setenv("KVTIER_NATIVE", native)
+    started, compiled = record_copy_threads(monkeypatch)
     monkeypatch.setattr(cpu, "STAGE_BELOW_BYTES", 256)
     monkeypatch.setattr(cpu, "STAGE_SOURCE_BYTES", 256)
     consecutive = list(range(1, 8))
     _round_trip(SPECS["asym"], layout, 16, host_pages=consecutive, src_pages=[p + 2 for p in consecutive],
                 dst_pages=consecutive, threads=threads)
-    assert len(started) == threads - 1  # the pool's kept workers, started once, serve every call
+    if native == "0" or not compiled:  # no compiled module: numpy's path
+        assert len(started) == threads - 1  # the pool's kept workers, started once, serve every call
+        assert not compiled
+    else:
+        assert not started
+        assert compiled == [threads] * (1 + SPECS["asym"].layer_num)  # the backup, then each layer's load
 
 
 def test_copy_workers_are_reused_and_pass_errors_back():

@@ -31,7 +31,7 @@ def compiled():
 
 def test_native_module_is_built(compiled):
     """CI builds the extension: a missing one fails there instead of silently testing numpy only."""
-    assert callable(compiled.copy_pages)
+    assert callable(compiled.copy_jobs)
 
 
 def _copies(spec, layout, threads, monkeypatch, calls):
@@ -44,7 +44,8 @@ def _copies(spec, layout, threads, monkeypatch, calls):
     gen = torch.Generator().manual_seed(3)
     for buf in host.buffers.values():
         fill_random(buf, gen)
-    monkeypatch.setattr(native, "copy_runs", _counted(native.copy_runs, calls))
+    for name in ("copy_pages", "copy_runs"):  # the compiled path's two entries in kvtier.transfer.native
+        monkeypatch.setattr(native, name, _counted(getattr(native, name), calls))
     # NOTE: force the thread split (these pools are far below the default threshold)
     monkeypatch.setattr(cpu._copy, "PARALLEL_MIN_BYTES", 0)
     host.backup_from_device_all_layer(src, slots(host_pages, page_size), slots(src_pages, page_size), "direct")
@@ -130,6 +131,11 @@ def test_overlapping_views_stay_on_numpy(compiled):
     assert np.array_equal(a[1:], before[:-1]) and np.array_equal(a[0], before[0])
 
 
+def _copy_pages(compiled, *job):
+    """One job through ``copy_jobs`` (one thread)."""
+    compiled.copy_jobs([job])
+
+
 def _bufs():
     src = np.arange(256, dtype=np.uint8)
     dst = np.zeros(256, dtype=np.uint8)
@@ -137,13 +143,13 @@ def _bufs():
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_copy_pages_blocks(compiled, stream):
+def test_copy_job_blocks(compiled, stream):
     """Each page's blocks land where the strides say, in any page order; both store kinds."""
     src = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
     dst = np.zeros(4096, dtype=np.uint8)
     # pages of 2 x 2 blocks of 64 bytes: source rows 128 apart, blocks 64 apart; dest transposed
     d_pages, s_pages = np.array([2048, 0], dtype=np.int64), np.array([0, 1024], dtype=np.int64)
-    compiled.copy_pages(dst, src, d_pages, s_pages, (2, 2), (64, 128), (128, 64), 64, stream)
+    _copy_pages(compiled, dst, src, d_pages, s_pages, (2, 2), (64, 128), (128, 64), 64, stream)
     want = np.zeros_like(dst)
     for d, s in zip(d_pages, s_pages):
         for i in range(2):
@@ -154,7 +160,7 @@ def test_copy_pages_blocks(compiled, stream):
 
 @pytest.mark.parametrize("side", ["dst", "src"])
 @pytest.mark.parametrize("offset", [-1, 200, 1 << 62, -(1 << 62)])
-def test_copy_pages_checks_every_block_first(compiled, side, offset):
+def test_copy_job_checks_every_block_first(compiled, side, offset):
     """An offset putting any block outside either buffer raises before a byte is written
     (the first, valid pages are not copied either)."""
     dst, src = _bufs()
@@ -162,27 +168,27 @@ def test_copy_pages_checks_every_block_first(compiled, side, offset):
     s_pages = np.array([0, 16, 32], dtype=np.int64)
     (d_pages if side == "dst" else s_pages)[2] = offset
     with pytest.raises(ValueError, match=side):
-        compiled.copy_pages(dst, src, d_pages, s_pages, (2,), (64,), (64,), 16)
+        _copy_pages(compiled, dst, src, d_pages, s_pages, (2,), (64,), (64,), 16)
     assert not dst.any()
 
 
-def test_copy_pages_checks_strided_extent(compiled):
+def test_copy_job_checks_strided_extent(compiled):
     """The last block of a page (its largest stride times its count) is checked too."""
     dst, src = _bufs()
     pages = np.array([0], dtype=np.int64)
     with pytest.raises(ValueError, match="src"):
-        compiled.copy_pages(dst, src, pages, pages, (4,), (16,), (81,), 16)  # block 3 ends at 259 > 256
+        _copy_pages(compiled, dst, src, pages, pages, (4,), (16,), (81,), 16)  # block 3 ends at 259 > 256
     assert not dst.any()
-    compiled.copy_pages(dst, src, pages, pages, (4,), (16,), (80,), 16)  # block 3 ends at 256: fits
+    _copy_pages(compiled, dst, src, pages, pages, (4,), (16,), (80,), 16)  # block 3 ends at 256: fits
     assert np.array_equal(dst[:64].reshape(4, 16), np.stack([src[80 * i:80 * i + 16] for i in range(4)]))
     assert not dst[64:].any()
 
 
-def test_copy_pages_checks_negative_strides(compiled):
+def test_copy_job_checks_negative_strides(compiled):
     """A negative stride reaching before the buffer is caught like a positive one."""
     dst, src = _bufs()
     with pytest.raises(ValueError, match="src"):
-        compiled.copy_pages(dst, src, np.array([0], np.int64), np.array([16], np.int64), (2,), (16,), (-32,), 16)
+        _copy_pages(compiled, dst, src, np.array([0], np.int64), np.array([16], np.int64), (2,), (16,), (-32,), 16)
     assert not dst.any()
 
 
@@ -197,27 +203,108 @@ def test_copy_pages_checks_negative_strides(compiled):
     dict(shape=(2,), d_strides=(16, 16)),  # strides do not match the shape
     dict(shape=(-1,)),
 ])
-def test_copy_pages_rejects_bad_arguments(compiled, bad):
+def test_copy_job_rejects_bad_arguments(compiled, bad):
     dst, src = _bufs()
     args = dict(d_pages=np.array([0], np.int64), s_pages=np.array([0], np.int64), shape=(2,), d_strides=(16,),
                 s_strides=(16,), block=16)
     args.update(bad)
     with pytest.raises(ValueError):
-        compiled.copy_pages(dst, src, args["d_pages"], args["s_pages"], args["shape"], args["d_strides"],
+        _copy_pages(compiled, dst, src, args["d_pages"], args["s_pages"], args["shape"], args["d_strides"],
                             args["s_strides"], args["block"])
     assert not dst.any()
 
 
-def test_copy_pages_rejects_read_only_or_non_buffers(compiled):
+def test_copy_job_rejects_read_only_or_non_buffers(compiled):
     dst, src = _bufs()
     pages = np.array([0], np.int64)
     with pytest.raises((TypeError, BufferError)):
-        compiled.copy_pages(bytes(256), src, pages, pages, (1,), (0,), (0,), 16)  # read-only destination
+        _copy_pages(compiled, bytes(256), src, pages, pages, (1,), (0,), (0,), 16)  # read-only destination
     with pytest.raises(TypeError):
-        compiled.copy_pages(dst, [0] * 256, pages, pages, (1,), (0,), (0,), 16)  # not a buffer
+        _copy_pages(compiled, dst, [0] * 256, pages, pages, (1,), (0,), (0,), 16)  # not a buffer
     with pytest.raises(TypeError):
-        compiled.copy_pages(dst, src, [0], pages, (1,), (0,), (0,), 16)  # offsets not a buffer
+        _copy_pages(compiled, dst, src, [0], pages, (1,), (0,), (0,), 16)  # offsets not a buffer
     assert not dst.any()
+
+
+def _jobs(rng, count, pages, block=64):
+    """``count`` jobs of ``pages`` random page pairs each (pages of 3 blocks, transposed
+    from source to destination), with their sources, destinations and expected bytes."""
+    jobs, dsts, wants = [], [], []
+    for _ in range(count):
+        src = rng.integers(0, 256, pages * 3 * block + 4096, dtype=np.uint8)
+        dst = np.zeros(pages * 3 * block, dtype=np.uint8)
+        d_pages = rng.permutation(pages).astype(np.int64) * 3 * block
+        s_pages = rng.choice(len(src) - 3 * block, pages, replace=False).astype(np.int64)
+        want = dst.copy()
+        for d, s_at in zip(d_pages, s_pages):
+            for i in range(3):  # source block i lands at destination block 2 - i
+                want[d + (2 - i) * block:][:block] = src[s_at + i * block:][:block]
+        # destination offsets at each page's last block, stepping back (a negative stride)
+        jobs.append((dst, src, d_pages + 2 * block, s_pages, (3,), (-block,), (block,), block))
+        dsts.append(dst)
+        wants.append(want)
+    return jobs, dsts, wants
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("pages", [1, 5, 64])
+def test_copy_jobs_splits_every_job_over_threads(compiled, threads, pages):
+    """Several jobs in one call, each job's pages shared out over 1 to 8 threads (more
+    threads than pages included): every page of every job lands, nothing else changes."""
+    jobs, dsts, wants = _jobs(np.random.default_rng(pages * 10 + threads), 3, pages)
+    compiled.copy_jobs(jobs, threads)
+    for dst, want in zip(dsts, wants):
+        assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("block", [4096, 4096 + 64, 8192, 3 * 4096 + 48, 5 * 4096 + 8])
+def test_copy_jobs_copies_long_blocks_whole(compiled, block, stream):
+    """Blocks longer than the lines prefetched ahead of one (4 KiB) are copied a line at a
+    time with prefetches further on, then their tail: whole lines and ragged ends,
+    streaming and plain stores, every byte lands and nothing past a block changes."""
+    rng = np.random.default_rng(block)
+    src = rng.integers(0, 256, 6 * block, dtype=np.uint8)
+    dst = np.zeros(6 * block + 64, dtype=np.uint8)
+    d_pages, s_pages = np.array([3 * block, 0], np.int64), np.array([block, 4 * block + 8], np.int64)
+    compiled.copy_jobs([(dst, src, d_pages, s_pages, (1,), (0,), (0,), block, stream)], 2)
+    want = np.zeros_like(dst)
+    for d, s_at in zip(d_pages, s_pages):
+        want[d:d + block] = src[s_at:s_at + block]
+    assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("bad_job", [0, 2])
+def test_copy_jobs_checks_every_job_before_any_copy(compiled, bad_job):
+    """A job with a block outside its buffers, first or last: ValueError, and no job's
+    destination is written, the valid ones' included."""
+    jobs, dsts, _ = _jobs(np.random.default_rng(7), 3, 8)
+    dst, src, d_pages, s_pages, *rest = jobs[bad_job]
+    s_pages = s_pages.copy()
+    s_pages[-1] = len(src)  # the last page starts past the source's end
+    jobs[bad_job] = (dst, src, d_pages, s_pages, *rest)
+    with pytest.raises(ValueError, match="src page 7"):
+        compiled.copy_jobs(jobs, 2)
+    assert not any(d.any() for d in dsts)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 65])
+def test_copy_jobs_refuses_thread_counts_out_of_range(compiled, threads):
+    jobs, dsts, _ = _jobs(np.random.default_rng(1), 1, 2)
+    with pytest.raises(ValueError, match=rf"threads must be in \[1, 64\], got {threads}"):
+        compiled.copy_jobs(jobs, threads)
+    assert not dsts[0].any()
+
+
+def test_copy_jobs_refuses_jobs_that_are_not_tuples(compiled):
+    dst, src = _bufs()
+    pages = np.array([0], np.int64)
+    with pytest.raises(TypeError, match="a copy job must be a tuple, got list"):
+        compiled.copy_jobs([(dst, src, pages, pages, (1,), (0,), (0,), 16), [dst, src]])
+    with pytest.raises(TypeError, match="jobs must be a sequence"):
+        compiled.copy_jobs(5)
+    assert not dst.any()
+    compiled.copy_jobs([])  # no jobs: nothing to do
 
 
 @pytest.mark.parametrize("flag", ["0", "1"])

@@ -8,9 +8,9 @@ maps the kernel's shared zero page, whose reads cost almost nothing: an unwritte
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..errors import UsageError
@@ -64,15 +64,23 @@ def _copy_gbps(d: torch.Tensor, s: torch.Tensor, repeat: int) -> float:
     rates = [n / best_seconds(lambda: d.copy_(s), repeat) / 1e9]
     if native.enabled():
         threads = max(1, torch.get_num_threads())
-        with ThreadPoolExecutor(threads) as pool:
-            rates.append(n / best_seconds(lambda: _native_copy(pool, threads, d, s), repeat) / 1e9)
+        rates.append(n / best_seconds(lambda: _native_copy(threads, d, s), repeat) / 1e9)
     return max(rates)
 
 
-def _native_copy(pool: ThreadPoolExecutor, threads: int, d: torch.Tensor, s: torch.Tensor) -> None:
-    """``d <- s`` (contiguous bytes) with kvtier's compiled copy, in ``threads`` pieces."""
+def _native_copy(threads: int, d: torch.Tensor, s: torch.Tensor) -> None:
+    """``d <- s`` (contiguous bytes) with kvtier's compiled copy: rows of ``_ROW`` bytes
+    split over ``threads`` threads in one call, as a pool copy's pages are, then the rest."""
     n = d.numel()
-    step = -(-n // threads)
-    pieces = [(d[i:i + step].numpy().reshape(1, -1), s[i:i + step].numpy().reshape(1, -1)) for i in range(0, n, step)]
-    for f in [pool.submit(native.copy_runs, dp, sp, [(0, 0, 1)]) for dp, sp in pieces]:
-        f.result()
+    rows = n // _ROW
+    if rows:
+        pages = np.arange(rows, dtype=np.int64)
+        body = tuple(t[:rows * _ROW].numpy().reshape(rows, _ROW) for t in (d, s))
+        native.copy_pages([body], pages, pages, threads)
+    if n % _ROW:
+        first = np.zeros(1, dtype=np.int64)
+        native.copy_pages([(d[rows * _ROW:].numpy()[None], s[rows * _ROW:].numpy()[None])], first, first, 1)
+
+
+#: Bytes per page of the limit's compiled copy
+_ROW = 1 << 20

@@ -49,12 +49,14 @@ def _view_pairs(dst, src, layer: int | None, use_numpy: bool = False) -> list:
     return list(zip(d_layers, s_layers))
 
 
-def _copy_direct(views, runs: Runs, layer, nbytes, threads, workers) -> None:
+def _copy_direct(views, dst_pages: torch.Tensor, src_pages: torch.Tensor, runs: Runs | None, layer, nbytes,
+                 threads, workers) -> None:
     use_numpy = all(d.np_layers is not None and s.np_layers is not None for d, s in views)
     pairs = [pair for dv, sv in views for pair in _view_pairs(dv, sv, layer, use_numpy)]
     if use_numpy:
-        cpu.copy(pairs, runs, nbytes, threads, workers)
+        cpu.copy(pairs, dst_pages, src_pages, nbytes, threads, workers, runs)
         return
+    runs = runs or coalesce(dst_pages, src_pages)
     runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
     copy_torch([(d[a:a + n], s[b:b + n]) for d, s in pairs for a, b, n in runs3])
 
@@ -121,10 +123,12 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch
     d_dev, s_dev = d0.layers[0].device, s0.layers[0].device
     if "meta" in (d_dev.type, s_dev.type):
         return  # shapes without memory (the simulator's pools): validated by the caller, nothing to move
-    runs = coalesce(dst_pages, src_pages)
-    small = _mean_pair_bytes(views, runs, layer, nbytes) < KERNEL_MIN_RUN_BYTES
-    if io_backend == "auto":
-        io_backend = "kernel" if small else "direct"
+    runs = None  # NOTE: only for picking an engine and for numpy's copies: the compiled copy takes pages
+    if io_backend != "direct":
+        runs = coalesce(dst_pages, src_pages)
+        small = _mean_pair_bytes(views, runs, layer, nbytes) < KERNEL_MIN_RUN_BYTES
+        if io_backend == "auto":
+            io_backend = "kernel" if small else "direct"
     if io_backend == "kernel":
         if "cuda" in (d_dev.type, s_dev.type) and _triton() is not None:
             _copy_triton(views, dst_pages, src_pages, layer)
@@ -132,7 +136,7 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch
         if d_dev == s_dev and (d_dev.type != "cpu" or small):
             _copy_gather(views, dst_pages, src_pages, layer)
             return
-    _copy_direct(views, runs, layer, nbytes, threads, workers)
+    _copy_direct(views, dst_pages, src_pages, runs, layer, nbytes, threads, workers)
 
 
 __all__ = ["IO_BACKENDS", "CopyWorkers", "KERNEL_MIN_RUN_BYTES", "Runs", "check_io_backend", "coalesce", "copy_pages"]

@@ -1,6 +1,6 @@
 /* kvtier.transfer._native: the CPU engine's optional compiled block copy.
  *
- * One function, copy_pages(): for each page pair i, copy every block of a page,
+ * One function, copy_jobs(): for each job, for each page pair i, copy every block of a page,
  * i.e. for every index (i0, ..., ik) of ``shape`` (at most MAX_DIMS axes, the
  * first varying slowest)
  *
@@ -14,11 +14,13 @@
  * bound by memory latency; prefetching the source a few blocks ahead hides it
  * (numpy, which cannot prefetch, reaches about half of memcpy). Destination blocks of
  * whole cache lines are written with streaming stores: a plain store first reads the
- * line it writes, a third of a copy's memory traffic. Threads stay in
- * Python (kvtier.transfer.copy.CopyWorkers): the GIL is released while copying.
+ * line it writes, a third of a copy's memory traffic. One call takes every component's
+ * job and splits each job's pages over threads it starts itself, GIL released: a
+ * per-layer load then costs one Python call instead of one per component and thread,
+ * handed to Python threads (about 400 us of a 4.4 ms load of 64 MiB before).
  *
- * Nothing read from the caller is trusted: every block of every page is checked to
- * lie inside both buffers before the first byte moves (ValueError otherwise).
+ * Nothing read from the caller is trusted: every block of every page of every job is
+ * checked to lie inside both buffers before the first byte moves (ValueError otherwise).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,13 +30,25 @@
 #include "../_lines.h"
 
 #define MAX_DIMS 6
-/* Bytes of source prefetched ahead of the block being copied: 32 blocks of 256 bytes, or
- * four of page_first's 2 KiB rows. Measured on the reference spec with L2 prefetches
- * (below): 8 KiB ahead of 2 and 4 KiB, level with 16 and 32 KiB. */
+/* Threads copy_jobs may split one call over. */
+#define MAX_THREADS 64
+/* Bytes of source prefetched ahead of the block being copied: four of page_first's 2 KiB
+ * rows. Measured on the reference spec with L2 prefetches (below): 8 KiB ahead of 2 and
+ * 4 KiB, level with 16 and 32 KiB. */
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES 8192
 #endif
-/* Cache lines prefetched per block at most (the rest of a longer block streams by itself). */
+/* Short blocks (at most SHORT_BLOCK bytes: a page_head row of one head) are prefetched
+ * further ahead: 80 blocks of 256 bytes. Per-layer loads from page_head, the copy split
+ * over two threads started in C, alternated on the 2-core VM (one build per distance):
+ * 10.5-11.1 GB/s at 8 KiB, 11.8-13.5 at 12-16, 13.7-14.8 at 20, 12.2-14.8 at 24-64;
+ * K/V dims 128/128 and 192/128 alike. page_first's rows stay best at 8 KiB. */
+#ifndef AHEAD_SHORT_BYTES
+#define AHEAD_SHORT_BYTES 20480
+#endif
+#define SHORT_BLOCK 1024
+/* Cache lines prefetched per block at most (a longer block prefetches its own rest as it
+ * is copied: copy_long_block). */
 #ifndef PREFETCH_LINES
 #define PREFETCH_LINES 64
 #endif
@@ -175,6 +189,21 @@ static inline void copy_block(char *dst, const char *src, size_t block, int stre
         memcpy(dst, src, block);
 }
 
+/* A block longer than the lines prefetched ahead of it (PREFETCH_LINES): each line's
+ * copy prefetches the line that far past it, so its reads stay ahead to the block's
+ * end. The hardware's streamer alone fell behind: 128 KiB blocks at random places,
+ * copied by two threads, went from 18.5 to 21.3 GB/s in a C harness (a burst of
+ * prefetches per 4 KiB piece instead gained nothing). */
+static inline void copy_long_block(char *dst, const char *src, size_t block, int stream) {
+    const size_t ahead = PREFETCH_LINES * 64;
+    size_t k = 0;
+    for (; k + ahead < block; k += 64) {
+        PREFETCH_READ(src + k + ahead);
+        copy_block(dst + k, src + k, 64, stream);
+    }
+    copy_block(dst + k, src + k, block - k, stream);
+}
+
 #if defined(__GNUC__) || defined(__clang__)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 #else
@@ -188,7 +217,7 @@ static ALWAYS_INLINE void copy_all_sized(const Plan *p, char *dst, const char *s
     size_t lines = (block + 63) / 64;
     if (lines > PREFETCH_LINES)
         lines = PREFETCH_LINES;
-    size_t blocks_ahead = AHEAD_BYTES / (lines * 64);
+    size_t blocks_ahead = (block <= SHORT_BLOCK ? AHEAD_SHORT_BYTES : AHEAD_BYTES) / (lines * 64);
     if (blocks_ahead < 1)
         blocks_ahead = 1;
     for (size_t k = 0; k < blocks_ahead && ahead.page < p->pages; k++) {
@@ -204,7 +233,10 @@ static ALWAYS_INLINE void copy_all_sized(const Plan *p, char *dst, const char *s
                 PREFETCH_WRITE(dst + ahead.dst);
             cursor_next(p, &ahead);
         }
-        copy_block(dst + cur.dst, src + cur.src, block, stream);
+        if (block > PREFETCH_LINES * 64)
+            copy_long_block(dst + cur.dst, src + cur.src, block, stream);
+        else
+            copy_block(dst + cur.dst, src + cur.src, block, stream);
         cursor_next(p, &cur);
     }
     if (stream)
@@ -258,103 +290,209 @@ static int get_int64_tuple(PyObject *seq, int64_t *out, Py_ssize_t n, const char
     return 0;
 }
 
-PyDoc_STRVAR(copy_pages_doc,
-"copy_pages(dst, src, dst_pages, src_pages, shape, dst_strides, src_strides, block_bytes, stream=True)\n\n"
-"Copy ``block_bytes`` at every index of ``shape`` of every page pair: page i's block\n"
-"``idx`` goes from ``src`` byte ``src_pages[i] + sum(idx * src_strides)`` to ``dst`` byte\n"
-"``dst_pages[i] + sum(idx * dst_strides)``. ``dst`` is a writable buffer, ``src`` a\n"
-"buffer (both C-contiguous bytes), ``dst_pages``/``src_pages`` 1-d int64 buffers of\n"
-"equal length. Every block is checked to lie inside both buffers before any byte is\n"
-"copied (ValueError otherwise); the GIL is released while copying. With ``stream`` (and\n"
-"SSE2, and every destination block made of whole 64-byte lines) the destination is written\n"
-"with streaming stores.");
+/* One copy job's arguments (see copy_jobs), checked, with the buffers it holds. */
+typedef struct {
+    Plan plan;
+    Py_buffer dst, src, dpage, spage;
+    size_t block;
+    int stream;
+} Job;
 
-static PyObject *copy_pages(PyObject *self, PyObject *args) {
-    (void)self;
+static void job_release(Job *job) {
+    PyBuffer_Release(&job->dst);
+    PyBuffer_Release(&job->src);
+    PyBuffer_Release(&job->dpage);
+    PyBuffer_Release(&job->spage);
+}
+
+/* Parse and check one job; on success it holds its four
+ * buffers (job_release), on failure none and an exception is set. */
+static int job_parse(PyObject *args, Job *job) {
     PyObject *dst_obj, *src_obj, *dpage_obj, *spage_obj, *shape_obj, *dstr_obj, *sstr_obj;
     Py_ssize_t block;
     int allow_stream = 1;
-    if (!PyArg_ParseTuple(args, "OOOOOOOn|p:copy_pages", &dst_obj, &src_obj, &dpage_obj, &spage_obj, &shape_obj,
+    memset(job, 0, sizeof *job);
+    if (!PyTuple_Check(args)) {
+        PyErr_Format(PyExc_TypeError, "a copy job must be a tuple, got %s", Py_TYPE(args)->tp_name);
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OOOOOOOn|p:copy_jobs", &dst_obj, &src_obj, &dpage_obj, &spage_obj, &shape_obj,
                           &dstr_obj, &sstr_obj, &block, &allow_stream))
-        return NULL;
-    Plan plan;
-    memset(&plan, 0, sizeof plan);
+        return -1;
+    Plan *plan = &job->plan;
     Py_ssize_t ndim = PySequence_Size(shape_obj);
     if (ndim < 0)
-        return NULL;
+        return -1;
     if (ndim > MAX_DIMS) {
         PyErr_Format(PyExc_ValueError, "shape: at most %d axes, got %zd", MAX_DIMS, ndim);
-        return NULL;
+        return -1;
     }
     if (block <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_bytes must be positive");
-        return NULL;
+        return -1;
     }
-    plan.ndim = ndim;
+    plan->ndim = ndim;
     int64_t shape64[MAX_DIMS];
     if (get_int64_tuple(shape_obj, shape64, ndim, "shape") < 0 ||
-        get_int64_tuple(dstr_obj, plan.dst_stride, ndim, "dst_strides") < 0 ||
-        get_int64_tuple(sstr_obj, plan.src_stride, ndim, "src_strides") < 0)
-        return NULL;
+        get_int64_tuple(dstr_obj, plan->dst_stride, ndim, "dst_strides") < 0 ||
+        get_int64_tuple(sstr_obj, plan->src_stride, ndim, "src_strides") < 0)
+        return -1;
     int empty = 0;
     for (Py_ssize_t j = 0; j < ndim; j++) {
         if (shape64[j] < 0) {
             PyErr_SetString(PyExc_ValueError, "shape: negative size");
-            return NULL;
+            return -1;
         }
         if (shape64[j] == 0)
             empty = 1;
-        plan.shape[j] = (Py_ssize_t)shape64[j];
+        plan->shape[j] = (Py_ssize_t)shape64[j];
     }
-    Py_buffer dst, src, dpage, spage;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    if (PyObject_GetBuffer(dst_obj, &job->dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (PyObject_GetBuffer(src_obj, &job->src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&job->dst);
+        return -1;
+    }
+    if (get_offsets(dpage_obj, &job->dpage, -1, "dst_pages") < 0) {
+        PyBuffer_Release(&job->dst);
+        PyBuffer_Release(&job->src);
+        return -1;
+    }
+    if (get_offsets(spage_obj, &job->spage, job->dpage.len / 8, "src_pages") < 0) {
+        PyBuffer_Release(&job->dst);
+        PyBuffer_Release(&job->src);
+        PyBuffer_Release(&job->dpage);
+        return -1;
+    }
+    plan->pages = empty ? 0 : job->dpage.len / 8; /* an empty page shape: nothing to copy */
+    plan->dst_page = (const int64_t *)job->dpage.buf;
+    plan->src_page = (const int64_t *)job->spage.buf;
+    job->block = (size_t)block;
+    if (plan->pages > 0) {
+        if (check_side(plan, plan->dst_page, plan->dst_stride, block, (int64_t)job->dst.len, "dst") < 0 ||
+            check_side(plan, plan->src_page, plan->src_stride, block, (int64_t)job->src.len, "src") < 0) {
+            job_release(job);
+            return -1;
+        }
+        job->stream = whole_lines(plan, (const char *)job->dst.buf, (size_t)block) && allow_stream;
+    }
+    return 0;
+}
+
+/* Part ``part`` of ``parts`` of every job: a contiguous share of each job's pages. */
+typedef struct {
+    const Job *jobs;
+    Py_ssize_t count;
+    Py_ssize_t part, parts;
+} Share;
+
+static void copy_share(const Share *sh) {
+    for (Py_ssize_t k = 0; k < sh->count; k++) {
+        const Job *job = &sh->jobs[k];
+        Py_ssize_t from = job->plan.pages * sh->part / sh->parts, to = job->plan.pages * (sh->part + 1) / sh->parts;
+        if (to <= from)
+            continue;
+        Plan plan = job->plan;
+        plan.pages = to - from;
+        plan.dst_page += from;
+        plan.src_page += from;
+        copy_all(&plan, (char *)job->dst.buf, (const char *)job->src.buf, job->block, job->stream);
+    }
+}
+
+#ifndef _WIN32
+#include <pthread.h>
+static void *share_thread(void *arg) {
+    copy_share((const Share *)arg);
+    return NULL;
+}
+#endif
+
+/* Every job's pages split over ``parts`` threads: this one and parts - 1 started for
+ * the call (a thread that cannot start has its share copied here). */
+static void copy_jobs_split(const Job *jobs, Py_ssize_t count, Py_ssize_t parts) {
+    Share shares[MAX_THREADS];
+    for (Py_ssize_t t = 0; t < parts; t++)
+        shares[t] = (Share){jobs, count, t, parts};
+#ifndef _WIN32
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (Py_ssize_t t = 1; t < parts; t++)
+        started[t] = pthread_create(&threads[t], NULL, share_thread, &shares[t]) == 0;
+    copy_share(&shares[0]);
+    for (Py_ssize_t t = 1; t < parts; t++) {
+        if (started[t])
+            pthread_join(threads[t], NULL);
+        else
+            copy_share(&shares[t]);
+    }
+#else
+    for (Py_ssize_t t = 0; t < parts; t++)
+        copy_share(&shares[t]);
+#endif
+}
+
+PyDoc_STRVAR(copy_jobs_doc,
+"copy_jobs(jobs, threads=1)\n\n"
+"Run copy jobs, each a tuple\n"
+"``(dst, src, dst_pages, src_pages, shape, dst_strides, src_strides, block_bytes[, stream])``:\n"
+"copy ``block_bytes`` at every index of ``shape`` of every page pair: page i's block\n"
+"``idx`` goes from ``src`` byte ``src_pages[i] + sum(idx * src_strides)`` to ``dst`` byte\n"
+"``dst_pages[i] + sum(idx * dst_strides)``. ``dst`` is a writable buffer, ``src`` a\n"
+"buffer (both C-contiguous bytes), ``dst_pages``/``src_pages`` 1-d int64 buffers of\n"
+"equal length. Every block of every job is checked to lie inside both of its buffers\n"
+"before any byte is copied (ValueError otherwise). Then each job's pages are split into\n"
+"``threads`` contiguous shares, one copied on this thread and the others on threads\n"
+"started for the call (at most " Py_STRINGIFY(MAX_THREADS) "), with the GIL released. With ``stream``\n"
+"(default; and SSE2, and every destination block made of whole 64-byte lines) the\n"
+"destination is written with streaming stores. Jobs must not write memory that another\n"
+"job, or their own source, holds.");
+
+static PyObject *copy_jobs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *jobs_obj;
+    Py_ssize_t threads = 1;
+    if (!PyArg_ParseTuple(args, "O|n:copy_jobs", &jobs_obj, &threads))
         return NULL;
-    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads must be in [1, %d], got %zd", MAX_THREADS, threads);
         return NULL;
     }
-    if (get_offsets(dpage_obj, &dpage, -1, "dst_pages") < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
+    PyObject *fast = PySequence_Fast(jobs_obj, "jobs must be a sequence of tuples");
+    if (fast == NULL)
         return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    Job *jobs = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Job));
+    if (jobs == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
     }
-    if (get_offsets(spage_obj, &spage, dpage.len / 8, "src_pages") < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&dpage);
-        return NULL;
-    }
-    plan.pages = dpage.len / 8;
-    plan.dst_page = (const int64_t *)dpage.buf;
-    plan.src_page = (const int64_t *)spage.buf;
-    PyObject *result = NULL;
-    if (!empty && plan.pages > 0) {
-        if (check_side(&plan, plan.dst_page, plan.dst_stride, block, (int64_t)dst.len, "dst") < 0 ||
-            check_side(&plan, plan.src_page, plan.src_stride, block, (int64_t)src.len, "src") < 0)
-            goto done;
-        int stream = whole_lines(&plan, (const char *)dst.buf, (size_t)block) && allow_stream;
+    Py_ssize_t parsed = 0;
+    for (; parsed < count; parsed++)
+        if (job_parse(PySequence_Fast_GET_ITEM(fast, parsed), &jobs[parsed]) < 0)
+            break;
+    if (parsed == count) {
         Py_BEGIN_ALLOW_THREADS
-        copy_all(&plan, (char *)dst.buf, (const char *)src.buf, (size_t)block, stream);
+        copy_jobs_split(jobs, count, threads);
         Py_END_ALLOW_THREADS
     }
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dpage);
-    PyBuffer_Release(&spage);
-    return result;
+    for (Py_ssize_t k = 0; k < parsed; k++)
+        job_release(&jobs[k]);
+    PyMem_Free(jobs);
+    Py_DECREF(fast);
+    if (parsed < count)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"copy_pages", copy_pages, METH_VARARGS, copy_pages_doc},
+    {"copy_jobs", copy_jobs, METH_VARARGS, copy_jobs_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier.transfer._native",
-    "Optional compiled block copy for kvtier's CPU transfers (see copy_pages).", -1, methods,
+    "Optional compiled block copy for kvtier's CPU transfers (see copy_jobs).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -17,13 +17,14 @@ the destination in its own order (sequential writes; the short reads hit cache).
 Memory is then read and written in long runs only; the transpose happens in cache.
 
 Where the compiled module is built (``kvtier.transfer.native``; ``KVTIER_NATIVE=0`` turns
-it off), it replaces both: one C call per task copies every block in the source's order,
-prefetching the source and streaming whole destination lines (faster for every layout
-and direction measured); numpy stays the fallback, complete.
-
-In all, the trailing axes contiguous on both sides (at least ``dim``) are seen as one
-opaque element (:func:`widen`), so numpy steps once per head row, not per number.
-Pages are split across threads (``copy.split_threads``, ``copy.CopyWorkers``): ``np.copyto`` releases the GIL.
+it off), it replaces both: one C call per copy takes every view pair, copies every block
+in the source's order, prefetching the source and streaming whole destination lines
+(faster for every layout and direction measured), and splits each pair's pages over
+threads it starts itself. numpy stays the fallback, complete: there the trailing axes
+contiguous on both sides (at least ``dim``) are seen as one opaque element
+(:func:`widen`), so numpy steps once per head row, not per number, and pages are split
+across Python threads (``copy.split_threads``, ``copy.CopyWorkers``): ``np.copyto``
+releases the GIL.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import threading
 from typing import NamedTuple, Sequence
 
 import numpy as np
+import torch
 
 from . import copy as _copy
 from . import native
-from .runs import Runs
+from .runs import Runs, coalesce
 
 #: A page is staged when the block both sides share is shorter than ``STAGE_BELOW_BYTES``
 #: while the source's own blocks are at least ``STAGE_SOURCE_BYTES`` long. (Measured on the
@@ -151,7 +153,7 @@ def plan(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, parts: int 
     tasks = []
     for dst, src in pairs:
         # NOTE: memcpy's blocks must not overlap; numpy copies overlapping views right
-        compiled = native.enabled() and not np.may_share_memory(dst, src)
+        compiled = native.takes(dst, src)
         if not compiled:
             dst, src = widen(dst, src)
         staged = not compiled and use_staging(dst[0], src[0])
@@ -189,12 +191,20 @@ def run_tasks(tasks: Sequence[Task]) -> None:
             _BUFFERS.give(buf)
 
 
-def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], runs: Runs, nbytes: int, threads: int,
-         workers: _copy.CopyWorkers | None = None) -> None:
-    """Copy ``runs`` of pages for every page-major ``(dst, src)`` numpy view pair, splitting
-    the pages across ``threads`` threads (``workers``' when given) when there are enough
-    bytes to move."""
+def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_pages: torch.Tensor, src_pages: torch.Tensor,
+         nbytes: int, threads: int, workers: _copy.CopyWorkers | None = None, runs: Runs | None = None) -> None:
+    """``dst[dst_pages[i]] <- src[src_pages[i]]`` for every page-major ``(dst, src)`` numpy
+    view pair (page numbers as tensors), split across ``threads`` threads when there are
+    enough bytes to move: in one compiled call where every pair may take it, else with
+    numpy on ``workers``' threads (when given) over ``runs`` (coalesced here when not given)."""
     parallel = _copy.thread_count(nbytes, threads, workers)
-    tasks = plan(pairs, runs, parts=parallel)
+    if all(native.takes(d, s) for d, s in pairs):
+        native.copy_pages(pairs, _numbers(dst_pages), _numbers(src_pages), parallel)
+        return
+    tasks = plan(pairs, runs or coalesce(dst_pages, src_pages), parts=parallel)
     # NOTE: split_threads deals tasks[i::parallel] to thread i: part i of every pair
     _copy.split_threads(tasks, nbytes, parallel, run_tasks, workers)
+
+
+def _numbers(pages: torch.Tensor) -> np.ndarray:
+    return np.asarray(pages.cpu().numpy(), dtype=np.int64)
