@@ -99,6 +99,7 @@ def test_files_longer_than_a_chunk_are_the_same_bytes(tmp_path, monkeypatch, chu
     """A file is written in calls that end at multiples of the chunk (or, 0, in one),
     however the chunks cut its parts, pieces and zeros: the same bytes either way."""
     monkeypatch.setattr(pageio, "WRITE_CHUNK", chunk)
+    monkeypatch.setattr(pageio, "WHOLE_WRITE_BYTES", 0)  # these small files in chunks too
     parts = _pieces(range(4)) if how == "in-place" else _staged(range(4))
     staging = None if how == "in-place" else np.zeros(32768, dtype=np.uint8)
     pool = _filled()
@@ -110,6 +111,7 @@ def test_files_longer_than_a_chunk_are_the_same_bytes(tmp_path, monkeypatch, chu
 def test_wide_gaps_between_parts_are_zeros(tmp_path, monkeypatch, chunk):
     """Parts further apart than the format puts them (more than a block of zeros between)."""
     monkeypatch.setattr(pageio, "WRITE_CHUNK", chunk)
+    monkeypatch.setattr(pageio, "WHOLE_WRITE_BYTES", 0)
     shift = 3 * 4096 + 512
     parts = [(k, offset + (k > 0) * shift, pieces) for k, offset, pieces in _pieces(range(4))]
     pool = _filled()
@@ -127,6 +129,30 @@ def test_wide_gaps_between_parts_are_zeros(tmp_path, monkeypatch, chunk):
     sums = [int.from_bytes(data[at:at + 8], "little") for at in range(len(LAYOUT.prefix()),
                                                                       len(LAYOUT.prefix()) + 32, 8)]
     assert sums == [xxhash.xxh3_64_intdigest(g) for g in gathered]
+
+
+@pytest.mark.parametrize("whole_bytes", [0, LAYOUT.total - 1, LAYOUT.total, 2 << 20])
+def test_files_up_to_the_whole_write_size_go_in_one_call(tmp_path, monkeypatch, whole_bytes):
+    """A file no longer than ``WHOLE_WRITE_BYTES`` is written in one call (chunk 0 to the
+    compiled writer), a longer one in ``WRITE_CHUNK`` calls; the same bytes either way."""
+    monkeypatch.setattr(pageio, "WRITE_CHUNK", 4096)
+    monkeypatch.setattr(pageio, "WHOLE_WRITE_BYTES", whole_bytes)
+    assert pageio.compiled()
+    real, chunks = pageio._pageio[0], []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def write_pages(self, *args):
+            chunks.append(args[5])
+            return real.write_pages(*args)
+
+    monkeypatch.setattr(pageio, "_pageio", [Spy()])
+    pool = _filled()
+    assert _write(pool, _pieces(range(4)), _files(tmp_path, {"a": 1})) == [0]
+    assert chunks == [0 if LAYOUT.total <= whole_bytes else 4096]
+    assert (tmp_path / "a").read_bytes() == _expected_file("a#f", _gathered(pool, _pieces(range(4)), 1))
 
 
 def test_an_object_written_again_is_replaced_whole(tmp_path):
