@@ -111,6 +111,35 @@ def test_copy_runs_refuses_pages_of_other_shapes(compiled):
     assert not dst.any()
 
 
+def test_a_view_pair_is_worked_out_once_and_keeps_nothing_alive(compiled, monkeypatch):
+    """A pair's spans and blocks are kept for the next copy between the same views, by
+    weak reference: the views die with their owner, and new views that get the dead
+    ones' ids (views of other memory) are worked out again: their own bytes are copied."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(native, "_PAIRS", {})
+    rng = np.random.default_rng(1)
+    bases = [(np.zeros((8, 4, 6), dtype=np.int16), rng.integers(0, 1 << 15, (8, 4, 6), dtype=np.int16))
+             for _ in range(2)]  # both kept alive: a stale pair would write into the first
+    pages = np.array([3, 0, 5], dtype=np.int64)
+    dst, src = bases[0][0][:], bases[0][1][:]
+    native.copy_pages([(dst, src)], pages, pages[::-1].copy(), 1)
+    stale = native._pair(dst, src)
+    assert native._pair(dst, src) is stale  # kept
+    assert np.array_equal(dst[pages], src[pages[::-1]])
+    alive = weakref.ref(src)
+    del dst, src
+    gc.collect()
+    assert alive() is None  # the kept pair held no reference to the views
+    before = bases[0][0].copy()
+    dst, src = bases[1][0][:], bases[1][1][:]
+    native._PAIRS[(id(dst), id(src))] = stale  # as if the new views had the dead ones' ids
+    native.copy_pages([(dst, src)], pages, pages, 1)
+    assert np.array_equal(bases[1][0][pages], bases[1][1][pages]) and not bases[1][0][[1, 2, 4, 6, 7]].any()
+    assert np.array_equal(bases[0][0], before)  # nothing went to the dead views' memory
+
+
 def test_pure_path_without_module(monkeypatch):
     """With the module missing (as on a machine without a compiler: its import found
     nothing) the numpy path copies."""
