@@ -51,6 +51,14 @@ def index_in_range(name: str, value: object, n: int) -> int:
     return value
 
 
+def layer_range(name: str, value: object, n: int) -> range:
+    """``value`` if it is a non-empty ``range`` of step 1 inside ``[0, n)``, else a
+    ``UsageError`` saying so with the numbers."""
+    if not isinstance(value, range) or value.step != 1 or not 0 <= value.start < value.stop <= n:
+        raise UsageError(f"{name} must be a non-empty range(start, stop) of step 1 inside [0, {n}), got {value!r}")
+    return value
+
+
 def positive_number(name: str, value: object) -> float:
     """``value`` if it is a finite int or float ``> 0``: ``"{name} must be a finite number > 0,
     got {value!r}"`` (the command line's wording for the same values)."""

@@ -151,7 +151,7 @@ def test_uniform_json_keys_are_unchanged(capsys):
     assert code == 0 and list(data) == ["config", "memcpy_gbps", "transfer", "meta", "seconds"]
     assert list(data["config"]) == ["layers", "heads", "dims"] + UNIFORM_CONFIG
     assert data["config"]["dtype"] == "bf16" and list(data["memcpy_gbps"]) == ["L2-bf16-k=2x16-v=2x16/p4"]
-    assert [list(r) for r in data["transfer"]] == [[f.name for f in fields(TransferRow)]] * 2
+    assert [list(r) for r in data["transfer"]] == [[f.name for f in fields(TransferRow)]] * 3  # backup, load, runs
     assert {tuple(r) for r in data["meta"]} == {tuple(f.name for f in fields(MetaRow))}
     code, out, _ = run(capsys, "bench", "transfer", "--layers", "2", "--heads", "2", "--dims", "16", "--page-size",
                        "4", "--pages", "4", "--layouts", "page_head", "--backends", "direct", "--repeat", "1",

@@ -64,13 +64,14 @@ def test_bench_transfer_json_reports_ratios(capsys):
     data = json.loads(out)
     assert code == 0
     assert set(data["memcpy_gbps"]) == {"L2-bf16-k=2x16-v=2x16/p4", "L2-bf16-k=2x24-v=2x16/p4"}
-    assert len(data["transfer"]) == 2 * 4 * 2 * 2  # specs x layouts x backends x directions
+    assert len(data["transfer"]) == 2 * 4 * 2 * 3  # specs x layouts x backends x directions
+    assert {r["direction"] for r in data["transfer"]} == {"backup", "load", "load runs"}
     for row in data["transfer"]:  # each row against a memcpy between its own two pools; the best one is reported
         best = data["memcpy_gbps"][f"{row['spec']}/p{row['page_size']}"][row["direction"]]
         assert 0 < row["memcpy_gbps"] <= best
         assert row["gbps"] > 0 and row["ratio"] == pytest.approx(row["gbps"] / row["memcpy_gbps"])
     for spec in data["memcpy_gbps"]:
-        for direction in ("backup", "load"):
+        for direction in ("backup", "load", "load runs"):
             assert data["memcpy_gbps"][spec][direction] == max(
                 r["memcpy_gbps"] for r in data["transfer"]
                 if f"{r['spec']}/p{r['page_size']}" == spec and r["direction"] == direction)

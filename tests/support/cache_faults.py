@@ -8,17 +8,17 @@ import time
 
 
 class LoadFaults:
-    """Wraps ``host_pool.load_to_device_per_layer`` of a cache: ``fail`` (how many
-    upcoming calls raise) and ``gate`` (each call waits for it), recording threads."""
+    """Wraps ``host_pool.load_to_device_layers`` of a cache (its loads' copies): ``fail``
+    (how many upcoming calls raise) and ``gate`` (each call waits for it), recording threads."""
 
     def __init__(self, cache) -> None:
         self.pool = cache.host_pool
-        self.inner = self.pool.load_to_device_per_layer
+        self.inner = self.pool.load_to_device_layers
         self.fail = 0
         self.delay = 0.0                   # seconds each call sleeps
         self.gate: threading.Event | None = None
         self.started = threading.Event()
-        self.pool.load_to_device_per_layer = self
+        self.pool.load_to_device_layers = self
 
     def __call__(self, *args, **kwargs):
         self.started.set()

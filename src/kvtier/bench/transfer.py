@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .._checks import positive_ints
+from ..cache.mover import layer_runs
 from ..layout import LAYOUTS
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
@@ -36,7 +37,8 @@ class TransferRow:
     page_size: int
     layout: str
     io_backend: str
-    direction: str  # "backup" (device->host, all layers) or "load" (host->device, per layer)
+    direction: str  # "backup" (device->host, all layers), "load" (host->device, a layer a call) or
+    # "load runs" (host->device, the cache's runs of layers: kvtier.cache.mover.layer_runs)
     gbytes: float
     gbps: float
     memcpy_gbps: float  # the limit: the fastest contiguous copy of the bytes this run saw (timing.memcpy_gbps)
@@ -69,6 +71,16 @@ def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
     return backup, load
 
 
+def load_runs(host, dev, host_idx, dev_idx, layers: int, backend: str):
+    """Host -> device of every layer in the runs the cache's loads copy off a CUDA stream
+    (``mover.layer_runs``: layer 0 alone, then longer runs), one call a run."""
+    def load():
+        for run in layer_runs(layers):
+            host.load_to_device_layers(dev, host_idx, dev_idx, run, backend)
+
+    return load
+
+
 def time_copies(backup, load, repeat: int, cuda: bool) -> tuple[float, float]:
     """Best seconds of ``backup``, then of ``load``."""
     return best_seconds(backup, repeat, cuda=cuda), best_seconds(load, repeat, cuda=cuda)
@@ -91,16 +103,19 @@ def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, r
     host_idx, dev_idx = _permuted_slots(pages, page_size, gen), _permuted_slots(pages, page_size, gen)
     dev_idx = dev_idx.to(dev.index_device)
     cuda = dev.device.type == "cuda"
-    timed, limit = [], {"backup": 0.0, "load": 0.0}
+    timed, limit = [], {"backup": 0.0, "load": 0.0, "load runs": 0.0}
     for layout in layouts:
         host = HostKVPool(spec, size, page_size, layout=layout, pin_memory=cuda)
         host.raw.fill_(0)
         own = {"backup": memcpy_gbps(host.raw, dev.raw, nbytes, repeat),
                "load": memcpy_gbps(dev.raw, host.raw, nbytes, repeat)}
+        own["load runs"] = own["load"]  # the same bytes the same way
         limit = {d: max(limit[d], own[d]) for d in limit}
         for backend in backends:
             t_backup, t_load = time_copies(*copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
-            timed += [(layout, backend, d, t, own[d]) for d, t in (("backup", t_backup), ("load", t_load))]
+            t_runs = best_seconds(load_runs(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda=cuda)
+            timed += [(layout, backend, d, t, own[d])
+                      for d, t in (("backup", t_backup), ("load", t_load), ("load runs", t_runs))]
         # NOTE: the copies close over ``host`` only inside time_copies' call, so this frees
         # the layout's pool before the next one is allocated
         del host

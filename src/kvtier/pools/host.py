@@ -7,7 +7,7 @@ import os
 import numpy as np
 import torch
 
-from .._checks import index_in_range, is_int, positive_int
+from .._checks import index_in_range, is_int, layer_range, positive_int
 from ..errors import UsageError
 from ..layout import get_layout, require_split_heads
 from ..spec import KVSpec
@@ -180,6 +180,26 @@ class HostKVPool:
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
         copy_pages(views, dev_pages, host_pages, layer=layer_id,
                    nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
+                   io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
+
+    def load_to_device_layers(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
+                              device_indices: torch.Tensor, layers: range, io_backend: str = "direct") -> None:
+        """Copy the layers of ``layers`` (a range of step 1) of whole pages, every
+        component, host -> device: what ``load_to_device_per_layer`` does for each of
+        them, in one copy. For a caller that loads several layers before it needs the
+        first: where a host page holds a token's layers side by side (``page_first``,
+        ``page_head``), one copy reads each token's run of those layers at once instead
+        of gathering short runs far apart layer by layer."""
+        layers = layer_range("layers", layers, self.spec.layer_num)
+        host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
+                                                     dst_is_host=False)
+        self._load_pages(device_pool, host_pages, dev_pages, layers, io_backend)
+
+    def _load_pages(self, device_pool: DeviceKVPool, host_pages, dev_pages, layers: range, io_backend: str) -> None:
+        """The copy of :meth:`load_to_device_layers`, on pages and layers it checked."""
+        views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
+        copy_pages(views, dev_pages, host_pages, layer=layers,
+                   nbytes=len(host_pages) * self.page_bytes * len(layers) // self.spec.layer_num,
                    io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):

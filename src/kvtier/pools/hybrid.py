@@ -19,6 +19,7 @@ from typing import Mapping
 
 import torch
 
+from .._checks import layer_range
 from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..spec import KVSpec
@@ -175,6 +176,27 @@ class HybridHostPool(_GroupPools):
         if group.name in host:  # one group's copy: its pool checks its numbers first
             self.pools[group.name].load_to_device_per_layer(device_pool.pools[group.name], host[group.name],
                                                             dev[group.name], local, io_backend)
+
+    def load_to_device_layers(self, device_pool: HybridDevicePool, host_indices: Mapping[str, torch.Tensor],
+                              device_indices: Mapping[str, torch.Tensor], layers: range,
+                              io_backend: str = "direct") -> None:
+        """Copy model layers ``layers`` (a range of step 1), each from its group's pages,
+        host -> device: ``load_to_device_per_layer`` of each, one copy per group (a
+        group's layers inside a range of model layers are a range of its own). Every
+        group's numbers are checked before any group's bytes move."""
+        layers = layer_range("layers", layers, self.spec.layer_num)
+        host, dev = self._named(device_pool, host_indices, device_indices)
+        local: dict[str, list[int]] = {}
+        for layer in layers:
+            group, i = self.spec.group_of(layer)
+            if group.name in host:
+                local.setdefault(group.name, []).append(i)
+        checked = [(name, self.pools[name]._check_transfer(device_pool.pools[name], host[name], dev[name],
+                                                           io_backend, dst_is_host=False)) for name in local]
+        for name, (host_pages, dev_pages) in checked:
+            got = local[name]
+            self.pools[name]._load_pages(device_pool.pools[name], host_pages, dev_pages, range(got[0], got[-1] + 1),
+                                         io_backend)
 
     def _named(self, device_pool, host_indices, device_indices):
         """The per-group indices, after checking the pool and the group names."""

@@ -37,11 +37,16 @@ def check_io_backend(io_backend: str) -> None:
         raise UsageError(f"unknown io_backend {io_backend!r}; supported: {', '.join(IO_BACKENDS)}")
 
 
-def _view_pairs(dst, src, layer: int | None, use_numpy: bool = False) -> list:
+def _view_pairs(dst, src, layer: int | range | None, use_numpy: bool = False) -> list:
     """Whole ``(dst, src)`` page views to copy between for one component: the layer's,
-    the all-layer views, or (separate layer allocations) one pair per layer."""
+    the all-layer views (or, for a range of layers, the numpy all-layer views cut to
+    it: one copy reads each page's run of those layers at once), or one pair per layer."""
     d_all, d_layers = dst.arrays(use_numpy)
     s_all, s_layers = src.arrays(use_numpy)
+    if isinstance(layer, range):
+        if use_numpy and d_all is not None and s_all is not None:  # (page, slot, layer, head, dim)
+            return [(d_all[:, :, layer.start:layer.stop], s_all[:, :, layer.start:layer.stop])]
+        return list(zip(d_layers[layer.start:layer.stop], s_layers[layer.start:layer.stop]))
     if layer is not None:
         return [(d_layers[layer], s_layers[layer])]
     if d_all is not None and s_all is not None:
@@ -110,11 +115,12 @@ def _mean_pair_bytes(views, runs: Runs, layer, nbytes) -> float:
     return nbytes / pairs
 
 
-def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch.Tensor, *, layer: int | None,
+def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch.Tensor, *, layer: int | range | None,
                nbytes: int, io_backend: str, threads: int, workers: CopyWorkers | None = None) -> None:
     """Copy pages ``src_pages[i] -> dst_pages[i]`` for every ``(dst, src)`` pair of
     ``PageViews`` in ``views`` (one per component). ``layer=None`` copies every layer,
-    else only ``layer``. ``nbytes`` is the total to move (sizes threads and runs).
+    else only ``layer`` (an index, or a range of layers with step 1). ``nbytes`` is the
+    total to move (sizes threads and runs).
     ``workers``: kept threads for the CPU engine's split (else threads per call)."""
     check_io_backend(io_backend)
     if dst_pages.numel() == 0:
