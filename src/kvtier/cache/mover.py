@@ -139,8 +139,7 @@ class Mover:
             with scope:
                 # NOTE: on a CUDA stream one layer a call, each with its event; else in runs of
                 # growing length (layer_runs), each layer done once its run is copied
-                for layers in (layer_runs(self.layer_num) if stream is None else
-                               [range(layer, layer + 1) for layer in range(self.layer_num)]):
+                for layers in layer_runs(self.layer_num, LAYER_RUNS if stream is None else (1,)):
                     if mark.side is not None:
                         state.sides.groups_host.load_to_device_layers(state.sides.groups_device, host, dev, layers,
                                                                       self.io_backend)

@@ -177,10 +177,7 @@ class HostKVPool:
         index_in_range("layer_id", layer_id, self.spec.layer_num)
         host_pages, dev_pages = self._check_transfer(device_pool, host_indices, device_indices, io_backend,
                                                      dst_is_host=False)
-        views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
-        copy_pages(views, dev_pages, host_pages, layer=layer_id,
-                   nbytes=len(host_pages) * self.page_bytes // self.spec.layer_num,
-                   io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
+        self._load_pages(device_pool, host_pages, dev_pages, layer_id, io_backend)
 
     def load_to_device_layers(self, device_pool: DeviceKVPool, host_indices: torch.Tensor,
                               device_indices: torch.Tensor, layers: range, io_backend: str = "direct") -> None:
@@ -195,11 +192,13 @@ class HostKVPool:
                                                      dst_is_host=False)
         self._load_pages(device_pool, host_pages, dev_pages, layers, io_backend)
 
-    def _load_pages(self, device_pool: DeviceKVPool, host_pages, dev_pages, layers: range, io_backend: str) -> None:
-        """The copy of :meth:`load_to_device_layers`, on pages and layers it checked."""
+    def _load_pages(self, device_pool: DeviceKVPool, host_pages, dev_pages, layers: int | range,
+                    io_backend: str) -> None:
+        """The copy of a load, on pages and layers (a layer, or a range of them) checked."""
+        count = len(layers) if isinstance(layers, range) else 1
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
         copy_pages(views, dev_pages, host_pages, layer=layers,
-                   nbytes=len(host_pages) * self.page_bytes * len(layers) // self.spec.layer_num,
+                   nbytes=len(host_pages) * self.page_bytes * count // self.spec.layer_num,
                    io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):

@@ -2,7 +2,7 @@
 
 A file holds the page that its writer held (see ``kvtier.storage.objects``), head
 groups ``a..b-1`` of ``G`` then, from rank 0, the single-head components (``rep``),
-in one of two orders that its header names:
+in one of three orders that its header names:
 
 - head order (0): a part per head group (``h{j}of{G}``), each ``(head, slot, layer,
   dim)``: what a ``page_head`` pool holds contiguously, and a reader of any
@@ -14,7 +14,7 @@ in one of two orders that its header names:
   (``l.<component>.g{a}-{b}``): a ``page_first_direct`` pool's page.
 
 The field says which heads: ``<fingerprint>/p<page size>/g{a}-{b}of{G}`` with
-``+rep``, or ``.../rep`` alone (both orders are one for it).
+``+rep``, or ``.../rep`` alone (every order is one for it).
 
     offset  size  field
     0       4     magic b"KVT2"

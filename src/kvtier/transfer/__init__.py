@@ -43,6 +43,8 @@ def _view_pairs(dst, src, layer: int | range | None, use_numpy: bool = False) ->
     it: one copy reads each page's run of those layers at once), or one pair per layer."""
     d_all, d_layers = dst.arrays(use_numpy)
     s_all, s_layers = src.arrays(use_numpy)
+    if isinstance(layer, range) and len(layer) == 1:  # the layer's own views (kept: native._pair knows them)
+        layer = layer.start
     if isinstance(layer, range):
         if use_numpy and d_all is not None and s_all is not None:  # (page, slot, layer, head, dim)
             return [(d_all[:, :, layer.start:layer.stop], s_all[:, :, layer.start:layer.stop])]

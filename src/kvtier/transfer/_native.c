@@ -347,21 +347,12 @@ static int job_parse(PyObject *args, Job *job) {
             empty = 1;
         plan->shape[j] = (Py_ssize_t)shape64[j];
     }
-    if (PyObject_GetBuffer(dst_obj, &job->dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    if (PyObject_GetBuffer(src_obj, &job->src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&job->dst);
-        return -1;
-    }
-    if (get_offsets(dpage_obj, &job->dpage, -1, "dst_pages") < 0) {
-        PyBuffer_Release(&job->dst);
-        PyBuffer_Release(&job->src);
-        return -1;
-    }
-    if (get_offsets(spage_obj, &job->spage, job->dpage.len / 8, "src_pages") < 0) {
-        PyBuffer_Release(&job->dst);
-        PyBuffer_Release(&job->src);
-        PyBuffer_Release(&job->dpage);
+    /* NOTE: job_release releases only what was taken: the job starts zeroed */
+    if (PyObject_GetBuffer(dst_obj, &job->dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(src_obj, &job->src, PyBUF_C_CONTIGUOUS) < 0 ||
+        get_offsets(dpage_obj, &job->dpage, -1, "dst_pages") < 0 ||
+        get_offsets(spage_obj, &job->spage, job->dpage.len / 8, "src_pages") < 0) {
+        job_release(job);
         return -1;
     }
     plan->pages = empty ? 0 : job->dpage.len / 8; /* an empty page shape: nothing to copy */
