@@ -212,3 +212,25 @@ def test_freeing_a_slot_twice_is_the_callers_mistake():
     assert cache.device_pool.available_size() == free
     cache.free_device(other)
     assert cache.device_pool.available_size() == free + 4
+
+
+def test_a_match_result_is_frozen_and_keeps_what_it_was_given():
+    """Its own ``__init__`` (one dict update) keeps a dataclass's fields, defaults,
+    equality and frozenness."""
+    import dataclasses
+    from array import array
+
+    from kvtier.cache.handles import MatchResult
+
+    slots = torch.arange(4)
+    m = MatchResult(slots, 4, 2, 1, "node", ("node",), array("q", [1, 2]), b"t", groups={"g": slots})
+    assert (m.device_indices is slots and m.cached_len == 6 and m.storage_len == 1 and m.last_node == "node"
+            and m.path == ("node",) and m.tokens == array("q", [1, 2]) and m.salt == b"t" and not m.peeked
+            and m.groups["g"] is slots)
+    bare = MatchResult(slots, 4, 0, 0, None)
+    assert bare.path == () and bare.tokens == array("q") and bare.salt == b"" and bare.groups is None
+    assert bare.tokens is not MatchResult(slots, 4, 0, 0, None).tokens  # no shared default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.device_len = 0
+    assert [f.name for f in dataclasses.fields(MatchResult)] == list(vars(m))
+    assert dataclasses.replace(m, peeked=True).peeked and "device_len=4" in repr(m)

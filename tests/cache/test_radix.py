@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -180,4 +182,31 @@ def test_device_slots_expand_the_same_on_an_accelerator():
     elsewhere = [cache.match_prefix(t).device_indices for t in (tokens, branch, [5] * PAGE)]
     assert [t.tolist() for t in elsewhere] == [t.tolist() for t in on_cpu] and on_cpu[0].numel() == len(tokens)
     assert all(t.dtype == torch.int64 for t in elsewhere)
+    cache.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])
+def test_device_slots_of_a_path_over_several_allocations(native, monkeypatch):
+    """A path whose nodes were inserted from separate allocations expands run by run: the
+    match's slots are each node's own, in path order, on both paths; a run that is not
+    contiguous int64 takes numpy's way and gives the same slots."""
+    import torch
+
+    from tests.support.cache_engine import PAGE, make_cache
+
+    if not native:
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+    cache = make_cache(device_tokens=96, host_tokens=64)
+    tokens = list(range(100, 100 + 6 * PAGE))
+    for end in (PAGE, 3 * PAGE, 6 * PAGE):  # three inserts, each adding pages from its own allocation
+        slots = cache.alloc_device(end)
+        cache.free_device(slots[:cache.insert(tokens[:end], slots)])
+    match = cache.match_prefix(tokens)
+    nodes = [n for n in match.path if n.dev_pages is not None]
+    assert len({id(n.device.base) for n in nodes}) == 3
+    want = [p * PAGE + i for n in nodes for p in n.dev_pages.tolist() for i in range(PAGE)]
+    assert match.device_indices.tolist() == want and match.device_indices.dtype == torch.int64
+    odd = [n.dev_pages.astype(np.int32) for n in nodes]  # numpy's way, whatever the switch
+    assert cache._state.slots_of(odd).tolist() == want
+    assert cache._state.slots_of([]).numel() == 0
     cache.close()

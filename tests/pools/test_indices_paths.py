@@ -192,6 +192,28 @@ def test_compiled_loops_check_their_buffers(compiled):
         compiled.expand_pages(np.array([2, 0], dtype=np.int64), 3, np.empty(5, dtype=np.int64))
 
 
+def test_expand_runs_writes_each_run_after_the_last_and_checks_all_first():
+    compiled = load(indices.COMPILED)
+    if compiled is None:
+        pytest.skip("the compiled indices module is not built")
+    runs = [np.array([5, 1], dtype=np.int64), np.array([], dtype=np.int64), np.array([9], dtype=np.int64)]
+    got = np.full(9, -1, dtype=np.int64)
+    compiled.expand_runs(runs, 3, got)
+    assert got.tolist() == [15, 16, 17, 3, 4, 5, 27, 28, 29]
+    assert got.tolist() == page_token_slots(np.concatenate(runs), 3).tolist()
+    compiled.expand_runs((), 3, np.empty(0, dtype=np.int64))
+    for bad_runs, out, error in (
+            (runs, np.full(8, -1, dtype=np.int64), ValueError),  # one slot short
+            ([runs[0], runs[2].astype(np.int32)], np.full(9, -1, dtype=np.int64), TypeError),  # a run of int32
+            ([runs[0], np.arange(4, dtype=np.int64)[::2]], np.full(12, -1, dtype=np.int64), ValueError),  # strided
+            (7, np.full(6, -1, dtype=np.int64), TypeError)):  # not a sequence of runs
+        with pytest.raises(error):
+            compiled.expand_runs(bad_runs, 3, out)
+        assert (out == -1).all()  # nothing written before the check
+    with pytest.raises(ValueError, match="positive"):
+        compiled.expand_runs(runs, 0, got)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])
 def test_page_token_slots_writes_into_a_stretch_of_a_larger_array(native, monkeypatch):
     """With ``out``, the slots land in that stretch (and nowhere else) on both paths; an

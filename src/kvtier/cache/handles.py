@@ -12,7 +12,7 @@ import torch
 from ..errors import CacheClosedError, LoadError  # noqa: F401 (re-exported: their home before errors.py)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class MatchResult:
     """The cached prefix of a prompt, tier by tier (all lengths in tokens, whole pages).
 
@@ -34,10 +34,19 @@ class MatchResult:
     storage_len: int
     last_node: object = field(repr=False)   # deepest matched node (the tenant's root when none)
     path: tuple = field(repr=False, default=())
-    tokens: array = field(repr=False, default_factory=lambda: array("q"))
+    tokens: array = field(repr=False, default=None)  # an empty array('q') when not given
     salt: bytes = field(repr=False, default=b"")
     peeked: bool = field(repr=False, default=False)
     groups: dict | None = field(repr=False, default=None)
+
+    def __init__(self, device_indices: torch.Tensor, device_len: int, host_len: int, storage_len: int,
+                 last_node: object, path: tuple = (), tokens: array | None = None, salt: bytes = b"",
+                 peeked: bool = False, groups: dict | None = None) -> None:
+        # NOTE: one update of the instance's dict, where a frozen dataclass's own __init__
+        # calls object.__setattr__ per field: 1.5 -> 0.5 us, a tenth of a full hit's budget
+        vars(self).update(device_indices=device_indices, device_len=device_len, host_len=host_len,
+                          storage_len=storage_len, last_node=last_node, path=path,
+                          tokens=array("q") if tokens is None else tokens, salt=salt, peeked=peeked, groups=groups)
 
     @property
     def cached_len(self) -> int:

@@ -3,7 +3,8 @@
  * check_pages validates a slot array the way kvtier.pools.indices does in numpy (each
  * page's slots consecutive from an aligned start inside the pool) and writes the page
  * numbers, in one pass instead of about ten numpy calls; expand_pages writes the token
- * slots of page numbers (the inverse). Both are optional: kvtier.pools.indices falls
+ * slots of page numbers (the inverse), expand_runs those of several runs of page numbers
+ * into one output (a matched path's). All are optional: kvtier.pools.indices falls
  * back to numpy where this module is missing or KVTIER_NATIVE=0, and words every error
  * itself (check_pages only reports where the first bad page is). Nothing is trusted:
  * every buffer must be C-contiguous and exactly the size its counts imply.
@@ -168,9 +169,74 @@ static PyObject *expand_pages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(expand_runs_doc,
+"expand_runs(runs, page_size, out) -> None\n\n"
+"Write the token slots of the pages of each run in ``runs`` (a tuple or list of int64\n"
+"page number buffers), one run after another, to ``out`` (a writable int64 buffer of\n"
+"page_size slots per page of all the runs): what expand_pages does with the runs\n"
+"concatenated, without the concatenation.");
+
+static PyObject *expand_runs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *runs_obj, *out_obj;
+    Py_ssize_t page_size;
+    if (!PyArg_ParseTuple(args, "OnO:expand_runs", &runs_obj, &page_size, &out_obj))
+        return NULL;
+    if (page_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "expand_runs: page_size %zd must be positive", page_size);
+        return NULL;
+    }
+    PyObject *runs = PySequence_Fast(runs_obj, "expand_runs: runs must be a tuple or list of int64 buffers");
+    if (runs == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(runs), got = 0, pages = 0;
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer)), out;
+    PyObject *result = NULL;
+    if (views == NULL) {
+        Py_DECREF(runs);
+        return PyErr_NoMemory();
+    }
+    for (; got < n; got++) { /* every run taken (and checked) before any slot is written */
+        if (get_int64s(PySequence_Fast_GET_ITEM(runs, got), &views[got], 0, "a run") < 0)
+            goto done;
+        pages += views[got].len / 8;
+    }
+    if (get_int64s(out_obj, &out, 1, "out") < 0)
+        goto done;
+    if (out.len / 8 != pages * page_size) {
+        PyErr_Format(PyExc_ValueError, "expand_runs: %zd pages of %zd slots need %zd, the output holds %zd", pages,
+                     page_size, pages * page_size, out.len / 8);
+        PyBuffer_Release(&out);
+        goto done;
+    }
+    int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size;
+    PyThreadState *save = pages * page_size >= RELEASE_GIL_SLOTS ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const int64_t *s = (const int64_t *)views[r].buf;
+        for (Py_ssize_t p = 0; p < views[r].len / 8; p++, o += ps) {
+            /* NOTE: unsigned, so no page number overflows into undefined behaviour */
+            uint64_t first = (uint64_t)s[p] * (uint64_t)ps;
+            for (int64_t j = 0; j < ps; j++)
+                o[j] = (int64_t)(first + (uint64_t)j);
+        }
+    }
+    if (save)
+        PyEval_RestoreThread(save);
+    PyBuffer_Release(&out);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t r = 0; r < got; r++)
+        PyBuffer_Release(&views[r]);
+    PyMem_Free(views);
+    Py_DECREF(runs);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"check_pages", check_pages, METH_VARARGS, check_pages_doc},
     {"expand_pages", expand_pages, METH_VARARGS, expand_pages_doc},
+    {"expand_runs", expand_runs, METH_VARARGS, expand_runs_doc},
     {NULL, NULL, 0, NULL},
 };
 
