@@ -361,3 +361,31 @@ def test_a_path_of_one_node_per_page_resumes_with_its_window(name):
     assert eng.serve(a[:36] + prompt(rng, 8)) == 36
     cache.check_integrity()
     cache.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("name", ["mimo", "long_window"])
+def test_a_match_hands_back_the_windows_its_check_found(name, native, monkeypatch):
+    """A full device hit reuses the window pieces its check found for its groups' slots:
+    they equal what a fresh walk of the same path gives, for hits on one node, on a path
+    of a node per page, and ending at a branch point inside the path (which walks); the
+    compiled fill and numpy's give the same slots."""
+    if not native:
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+    spec = HYBRID_SPECS[name]
+    cache = make_cache(spec, 4, sizes(spec, 1024, 1024), sizes(spec, 1024, 1024))
+    eng, rng = HybridEngine(cache), random.Random(5)
+    a, b = prompt(rng, 64), prompt(rng, 40)
+    eng.serve(b)
+    eng.serve(a)
+    for i in range(1, 16, 3):
+        eng.serve(a[:4 * i] + prompt(rng, 4))
+    for tokens in (a, b, a[:36], a[:36] + prompt(rng, 8), b[:20] + prompt(rng, 8)):
+        m = cache.match_prefix(tokens)
+        assert m.groups is not None and set(m.groups) == {g.name for g in spec.groups if not g.attention.is_full}
+        walked = cache._state.side_slots(list(m.path), m.device_len)
+        assert {g: t.tolist() for g, t in m.groups.items()} == {g: t.tolist() for g, t in walked.items()}
+        assert all(t.numel() == m.device_len and (t >= 0).any() == (m.device_len > 0) for t in m.groups.values())
+    assert eng.serve(a) == 64 and eng.serve(b) == 40  # every group's window compared with what was written
+    cache.check_integrity()
+    cache.close()

@@ -214,6 +214,29 @@ def test_expand_runs_writes_each_run_after_the_last_and_checks_all_first():
         compiled.expand_runs(runs, 0, got)
 
 
+def test_window_slots_fills_holes_and_expands_each_piece_after_checking_them_all():
+    compiled = load(indices.COMPILED)
+    if compiled is None:
+        pytest.skip("the compiled indices module is not built")
+    got = np.zeros(12, dtype=np.int64)
+    compiled.window_slots(got, [(1, np.array([7, -1], dtype=np.int64)), (3, np.array([0], dtype=np.int64))], 3)
+    assert got.tolist() == [-1, -1, -1, 21, 22, 23, -1, -1, -1, 0, 1, 2]
+    compiled.window_slots(got, [], 3)
+    assert got.tolist() == [-1] * 12
+    for pieces, error in (([(3, np.array([1, 2], dtype=np.int64))], ValueError),  # past the end
+                          ([(-1, np.array([1], dtype=np.int64))], ValueError),
+                          ([(0, np.array([1], dtype=np.int32))], TypeError),
+                          ([(0, np.array([1], dtype=np.int64)), [1, np.array([1], dtype=np.int64)]], TypeError),
+                          ([(0, np.array([1], dtype=np.int64)), (1,)], TypeError),
+                          (5, TypeError)):
+        out = np.full(12, 9, dtype=np.int64)
+        with pytest.raises(error):
+            compiled.window_slots(out, pieces, 3)
+        assert (out == 9).all()  # nothing written before every piece checked out
+    with pytest.raises(ValueError, match="positive"):
+        compiled.window_slots(got, [], 0)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])
 def test_page_token_slots_writes_into_a_stretch_of_a_larger_array(native, monkeypatch):
     """With ``out``, the slots land in that stretch (and nowhere else) on both paths; an

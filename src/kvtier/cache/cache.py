@@ -227,7 +227,7 @@ class HierarchicalCache:
             self._hit(path)
             parent_key = self._parent_key(path)
             device, last = self._ends(path, salt)
-            groups = self._groups(path, device_len)
+            groups = self._groups(path, device_len, probe)
             asked = self._probe_keys(tokens, probe, salt)
         storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0]
         self._stats.matched(device_len, host_len, storage_len)
@@ -260,9 +260,12 @@ class HierarchicalCache:
         """``(device slots, last node)`` of a matched path (lock held)."""
         return self._state.device_slots(path), (path[-1] if path else self._state.tree.root(salt))
 
-    def _groups(self, path, device_len: int) -> dict | None:
-        """Hybrid: the sliding groups' slots of the device hit (lock held)."""
-        return None if self._sides is None else self._state.side_slots(path, device_len)
+    def _groups(self, path, device_len: int, probe: list | None = None) -> dict | None:
+        """Hybrid: the sliding groups' slots of the device hit (lock held); ``probe``: the
+        match's, just made (its windows, where found whole on the device, are reused)."""
+        if self._sides is None:
+            return None
+        return self._state.side_slots(path, device_len, probe[0] if probe else None)
 
     def _hit(self, path) -> None:
         """One request's reuse of ``path`` (lock held): hit counts, selective backups."""

@@ -26,12 +26,14 @@ from .sides import HOLE, lowest, resumable
 class Probe:
     """What a hybrid match found resident, for the storage lookup after it: its
     resident full pages and per sliding group the pages held on the device or the
-    host (``held``, worked out from the path on first use, lock held)."""
+    host (``held``, worked out from the path on first use, lock held). ``windows``:
+    where every window before ``pages`` was found on the device, the pieces of it
+    (:meth:`HybridState.side_slots` takes them, rather than walk the path again)."""
 
-    __slots__ = ("pages", "_held", "_make")
+    __slots__ = ("pages", "_held", "_make", "windows")
 
-    def __init__(self, pages: int, held: dict[str, np.ndarray] | None, make=None) -> None:
-        self.pages, self._held, self._make = pages, held, make
+    def __init__(self, pages: int, held: dict[str, np.ndarray] | None, make=None, windows=None) -> None:
+        self.pages, self._held, self._make, self.windows = pages, held, make, windows
 
     @property
     def held(self) -> dict[str, np.ndarray]:
@@ -56,25 +58,30 @@ class HybridState:
         cat = (lambda parts: np.concatenate(parts)[:pages] if parts else np.zeros(0, dtype=bool))
         return {g: cat(v) for g, v in dev.items()}, {g: cat(v) for g, v in host.items()}
 
-    def _window_on_device(self, path, pages: int) -> bool:
-        """Whether every sliding group's window before ``pages`` pages of ``path`` is on
-        the device (the common full hit: checked from the path's end, no arrays built)."""
-        ps = self.page_size
+    def _window_on_device(self, path, pages: int) -> dict[str, list] | None:
+        """Where every sliding group's window before ``pages`` pages of ``path`` is on the
+        device (the common full hit: checked from the path's end, no arrays built), per
+        group its pieces ``(first page, the device's page numbers from there)``; else
+        ``None``."""
+        ps, out = self.page_size, {}
         for g in self.sides.names:
             w = self.sides.window_pages(g, pages * ps)
-            end = pages
+            end, pieces = pages, out.setdefault(g, [])
             for node in reversed(path):
                 n = len(node.key) // ps
                 start = end - n
                 if end <= w.start:
                     break
                 if node.device is None:
-                    return False
-                lo, hi = max(w.start, start) - start, min(w.stop, end) - start
-                if lo < hi and lowest(node.device.side[g][lo:hi]) < 0:
-                    return False
+                    return None
+                lo, hi = max(w.start, start), min(w.stop, end)
+                if lo < hi:
+                    held = node.device.side[g][lo - start:hi - start]
+                    if lowest(held) < 0:
+                        return None
+                    pieces.append((lo, held))
                 end = start
-        return True
+        return out
 
     def _hybrid_lens(self, path, device_len: int, host_len: int) -> tuple[int, int, Probe]:
         """The hybrid reuse rule (docs/hybrid.md) on a walked path: ``(device_len, host_len, probe)``, the device hit
@@ -82,15 +89,16 @@ class HybridState:
         what device and host hold together beyond it."""
         ps, windows = self.page_size, self.sides.windows
         pages = (device_len + host_len) // ps
-        if not host_len and self._window_on_device(path, pages):
+        on_device = None if host_len else self._window_on_device(path, pages)
+        if on_device is not None:
             if not self.has_storage:  # nothing will ask what is held
-                return device_len, 0, Probe(pages, {})
+                return device_len, 0, Probe(pages, {}, windows=on_device)
             snapshot = list(path)
 
             def held():
                 dev, host = self._side_held(snapshot, pages)
                 return {g: dev[g] | host[g] for g in dev}
-            return device_len, 0, Probe(pages, None, held)
+            return device_len, 0, Probe(pages, None, held, on_device)
         dev, host = self._side_held(path, pages)
         both = {g: dev[g] | host[g] for g in dev}
         p_dev = resumable(windows, dev, device_len // ps, ps)
@@ -117,40 +125,54 @@ class HybridState:
             path[-1] = top
         return tokens - start
 
-    def side_slots(self, path, prefix: int) -> dict[str, torch.Tensor]:
+    def side_slots(self, path, prefix: int, probe: Probe | None = None) -> dict[str, torch.Tensor]:
         """Per sliding group, the device slots of ``prefix`` tokens of ``path``: the
-        window before ``prefix``, ``-1`` elsewhere (and where the device lacks a page)."""
+        window before ``prefix``, ``-1`` elsewhere (and where the device lacks a page).
+        ``probe``: the match's, whose windows are taken when they end at ``prefix``
+        (the tree unchanged since, lock held)."""
         ps, out = self.page_size, {}
         pages = prefix // ps
-        # NOTE: the compiled expansion called as is: page_token_slots' checks of its
-        # arguments took 0.45 us of a hybrid full hit's 4.4 in this call
         compiled = load(COMPILED)
+        found = probe.windows if probe is not None and probe.pages == pages else None
         for g in self.sides.names:
-            w = self.sides.window_pages(g, pages * ps)
-            slots = self.sides.holes(pages * ps)
-            # NOTE: from the path's end, by each node's depth: only the nodes past the
-            # prefix and those the window lies in are visited (a path of one node per
-            # page took 0.3 us a node from the root)
-            for node in reversed(path):
-                end = node.depth // ps
-                at = end - len(node.key) // ps
-                if end <= w.start:
-                    break
-                if at >= w.stop or node.device is None:  # past the prefix, or not on the device: holes
-                    continue
-                lo, hi = max(w.start, at), min(w.stop, end)
-                held = node.device.side[g][lo - at:hi - at]
-                if lowest(held) >= 0:  # in place: no array per piece
-                    if compiled is not None and held.flags.c_contiguous:
-                        compiled.expand_pages(held, ps, slots[lo * ps:hi * ps])
-                    else:
-                        page_token_slots(held, ps, out=slots[lo * ps:hi * ps])
-                else:
+            if found is not None:
+                pieces = found[g]
+            else:
+                pieces = self._window_pieces(path, g, pages)
+            if compiled is not None:
+                # NOTE: one call fills the -1s and expands every piece (holes kept): the
+                # copy of a kept array of -1s and a call per piece were 6 of a hybrid full
+                # hit's 17 us beyond a uniform one's
+                slots = np.empty(pages * ps, dtype=np.int64)
+                compiled.window_slots(slots, pieces, ps)
+            else:
+                slots = self.sides.holes(pages * ps)
+                for lo, held in pieces:
                     piece = page_token_slots(np.maximum(held, 0), ps)
                     piece[np.repeat(held < 0, ps)] = HOLE
-                    slots[lo * ps:hi * ps] = piece
+                    slots[lo * ps:lo * ps + piece.size] = piece
             out[g] = torch.from_numpy(slots)
         return out
+
+    def _window_pieces(self, path, g: str, pages: int) -> list:
+        """Group ``g``'s window before ``pages`` pages of ``path`` as pieces ``(first page,
+        the device's page numbers from there)``, holes included; pages not on the device
+        are left out."""
+        ps, pieces = self.page_size, []
+        w = self.sides.window_pages(g, pages * ps)
+        # NOTE: from the path's end, by each node's depth: only the nodes past the prefix
+        # and those the window lies in are visited (a path of one node per page took
+        # 0.3 us a node from the root)
+        for node in reversed(path):
+            end = node.depth // ps
+            at = end - len(node.key) // ps
+            if end <= w.start:
+                break
+            if at >= w.stop or node.device is None:  # past the prefix, or not on the device: holes
+                continue
+            lo, hi = max(w.start, at), min(w.stop, end)
+            pieces.append((lo, node.device.side[g][lo - at:hi - at]))
+        return pieces
 
     # -- side pages in and out ------------------------------------------------------------------
     def free_side(self, tier: str, g: str, pages: np.ndarray) -> None:

@@ -4,7 +4,8 @@
  * page's slots consecutive from an aligned start inside the pool) and writes the page
  * numbers, in one pass instead of about ten numpy calls; expand_pages writes the token
  * slots of page numbers (the inverse), expand_runs those of several runs of page numbers
- * into one output (a matched path's). All are optional: kvtier.pools.indices falls
+ * into one output (a matched path's), window_slots a sliding group's window among -1s.
+ * All are optional: kvtier.pools.indices falls
  * back to numpy where this module is missing or KVTIER_NATIVE=0, and words every error
  * itself (check_pages only reports where the first bad page is). Nothing is trusted:
  * every buffer must be C-contiguous and exactly the size its counts imply.
@@ -233,10 +234,88 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(window_slots_doc,
+"window_slots(out, pieces, page_size) -> None\n\n"
+"Fill ``out`` (a writable int64 buffer of token slots) with -1, then write the token\n"
+"slots of each piece ``(first, pages)`` from page ``first`` of ``out`` on: ``pages``\n"
+"holds int64 page numbers, a negative one (a hole) leaving its page's slots at -1.\n"
+"Every piece is checked to lie inside ``out`` before anything is written.");
+
+static PyObject *window_slots(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *out_obj, *pieces_obj;
+    Py_ssize_t page_size;
+    if (!PyArg_ParseTuple(args, "OOn:window_slots", &out_obj, &pieces_obj, &page_size))
+        return NULL;
+    if (page_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "window_slots: page_size %zd must be positive", page_size);
+        return NULL;
+    }
+    PyObject *pieces = PySequence_Fast(pieces_obj, "window_slots: pieces must be a tuple or list of (first, pages)");
+    if (pieces == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(pieces), got = 0;
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer)), out;
+    Py_ssize_t *firsts = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_ssize_t));
+    PyObject *result = NULL;
+    if (views == NULL || firsts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_int64s(out_obj, &out, 1, "out") < 0)
+        goto done;
+    Py_ssize_t slots = out.len / 8;
+    for (; got < n; got++) { /* every piece taken and checked before any slot is written */
+        PyObject *piece = PySequence_Fast_GET_ITEM(pieces, got);
+        if (!PyTuple_Check(piece) || PyTuple_GET_SIZE(piece) != 2) {
+            PyErr_SetString(PyExc_TypeError, "window_slots: each piece must be a tuple (first, pages)");
+            break;
+        }
+        firsts[got] = PyLong_AsSsize_t(PyTuple_GET_ITEM(piece, 0));
+        if (firsts[got] == -1 && PyErr_Occurred())
+            break;
+        if (get_int64s(PyTuple_GET_ITEM(piece, 1), &views[got], 0, "a piece's pages") < 0)
+            break;
+        Py_ssize_t first = firsts[got], count = views[got].len / 8;
+        if (first < 0 || first > slots / page_size || count > slots / page_size - first) {
+            PyErr_Format(PyExc_ValueError, "window_slots: pages %zd..%zd of %zd slots each lie outside the %zd "
+                         "slots given", first, first + count, page_size, slots);
+            PyBuffer_Release(&views[got]);
+            break;
+        }
+    }
+    if (got == n) {
+        int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size;
+        memset(o, 0xff, (size_t)slots * 8); /* -1 in every slot: all bits set */
+        for (Py_ssize_t r = 0; r < n; r++) {
+            const int64_t *s = (const int64_t *)views[r].buf;
+            int64_t *dst = o + firsts[r] * ps;
+            for (Py_ssize_t p = 0; p < views[r].len / 8; p++, dst += ps) {
+                if (s[p] < 0)
+                    continue; /* a hole: its slots stay -1 */
+                uint64_t first = (uint64_t)s[p] * (uint64_t)ps;
+                for (int64_t j = 0; j < ps; j++)
+                    dst[j] = (int64_t)(first + (uint64_t)j);
+            }
+        }
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&out);
+done:
+    for (Py_ssize_t r = 0; r < got; r++)
+        PyBuffer_Release(&views[r]);
+    PyMem_Free(views);
+    PyMem_Free(firsts);
+    Py_DECREF(pieces);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"check_pages", check_pages, METH_VARARGS, check_pages_doc},
     {"expand_pages", expand_pages, METH_VARARGS, expand_pages_doc},
     {"expand_runs", expand_runs, METH_VARARGS, expand_runs_doc},
+    {"window_slots", window_slots, METH_VARARGS, window_slots_doc},
     {NULL, NULL, 0, NULL},
 };
 
