@@ -351,3 +351,32 @@ def test_bench_transfer_reports_copy_path(monkeypatch, capsys, flag):
     assert json.loads(capsys.readouterr().out)["config"]["copy_path"] == want
     assert main(args) == 0
     assert f"CPU copy path {want}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("step", [256, 0, -256])
+def test_copy_jobs_take_page_numbers_with_where_pages_start(compiled, step):
+    """With ``pages_at`` the pages are page numbers, page p of a side at byte ``first +
+    p * step`` (a zero or negative stride too: a one-page or a reversed view): the same
+    bytes land as with the byte offsets worked out beforehand."""
+    rng = np.random.default_rng(step + 1000)
+    src = rng.integers(0, 256, 8 * 256, dtype=np.uint8)
+    s_first = 7 * 256 if step < 0 else 0
+    d_pages, s_pages = np.array([2, 0, 5], np.int64), np.array([1, 3, 0], np.int64) if step else np.zeros(3, np.int64)
+    got, want = np.zeros(8 * 256, np.uint8), np.zeros(8 * 256, np.uint8)
+    compiled.copy_jobs([(got, src, d_pages, s_pages, (4,), (64,), (64,), 64, True, (0, 256, s_first, step))], 2)
+    compiled.copy_jobs([(want, src, d_pages * 256, s_first + s_pages * step, (4,), (64,), (64,), 64)], 1)
+    assert np.array_equal(got, want) and got.any()
+
+
+@pytest.mark.parametrize("bad", [{"page": -1}, {"page": 1 << 60}, {"at": (0, 1 << 62, 0, 256)}, {"at": (0, 256)},
+                                 {"at": "four"}, {"page": 8}])
+def test_copy_jobs_check_page_numbers_before_any_copy(compiled, bad):
+    """A negative page number, one whose offset would overflow or lands past the buffer,
+    or a bad ``pages_at``: an error before any job's bytes move."""
+    src, dst, other = np.ones(8 * 256, np.uint8), np.zeros(8 * 256, np.uint8), np.zeros(8 * 256, np.uint8)
+    pages = np.array([0, bad.get("page", 1)], np.int64)
+    good = (other, src, np.array([0], np.int64), np.array([0], np.int64), (1,), (0,), (0,), 256, True, (0, 256, 0, 256))
+    job = (dst, src, pages, np.array([0, 1], np.int64), (1,), (0,), (0,), 256, True, bad.get("at", (0, 256, 0, 256)))
+    with pytest.raises((ValueError, TypeError)):
+        compiled.copy_jobs([good, job], 2)
+    assert not dst.any() and not other.any()

@@ -15,9 +15,11 @@ from ..transfer import CopyWorkers, check_io_backend, copy_pages
 from .allocator import PageAllocator
 from .common import carve, check_buffers, check_names, check_sizes, check_spec, layout_shapes, parse_device
 from .device import DeviceKVPool
-from .indices import page_numbers, page_starts
+from .indices import page_numbers
 from .meta import SpanTable, SpanTables
 from .views import PageViews
+
+_CPU = torch.device("cpu")
 
 
 def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
@@ -96,6 +98,7 @@ class HostKVPool:
     def _init(self, spec, page_size, layout, device, raw, buffers, copy_threads) -> None:
         self._layout = layout
         self.spec, self.page_size, self.device = spec, page_size, device
+        self._index_devices = (_CPU, device)  # where host_indices may live
         self.layout = layout.name
         self.num_pages = buffers[spec.names[0]].shape[layout.order.index("page")]
         self.size = self.num_pages * page_size
@@ -202,10 +205,12 @@ class HostKVPool:
                    io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
+        """``(host pages, device pages)``: the page numbers (int64 numpy) of both index
+        tensors, checked against both pools, before any byte moves."""
         check_io_backend(io_backend)
         if not isinstance(device_pool, DeviceKVPool):
             raise UsageError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
-        if device_pool.spec != self.spec:
+        if device_pool.spec is not self.spec and device_pool.spec != self.spec:
             raise UsageError(f"device pool spec {device_pool.spec.fingerprint()} differs from host pool spec "
                              f"{self.spec.fingerprint()}")
         if device_pool.page_size != self.page_size:
@@ -214,11 +219,11 @@ class HostKVPool:
                 and host_indices.numel() != device_indices.numel():
             raise UsageError(f"host_indices has {host_indices.numel()} slots, device_indices "
                              f"{device_indices.numel()}; they must match")
-        devices = (torch.device("cpu"), device_pool.device)
-        host_pages = page_starts(host_indices, page_size=self.page_size, size=self.size, what="host_indices",
-                                 allowed_devices=(torch.device("cpu"), self.device), unique=dst_is_host)
-        dev_pages = page_starts(device_indices, page_size=self.page_size, size=device_pool.size,
-                                what="device_indices", allowed_devices=devices, unique=not dst_is_host)
+        host_pages = page_numbers(host_indices, page_size=self.page_size, size=self.size, what="host_indices",
+                                  allowed_devices=self._index_devices, unique=dst_is_host)
+        dev_pages = page_numbers(device_indices, page_size=self.page_size, size=device_pool.size,
+                                 what="device_indices", allowed_devices=(_CPU, device_pool.device),
+                                 unique=not dst_is_host)
         return host_pages, dev_pages
 
     # -- single pages -------------------------------------------------------------

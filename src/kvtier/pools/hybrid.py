@@ -88,13 +88,16 @@ class _GroupPools:
     def available_size(self) -> dict[str, int]:
         return {name: pool.available_size() for name, pool in self.pools.items()}
 
-    def _indices(self, what: str, indices: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _indices(self, what: str, indices: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``indices`` itself, once it maps only this spec's group names."""
         if not isinstance(indices, Mapping):
             raise UsageError(f"{what} must map group names to slot tensors, got {type(indices).__name__}")
-        unknown = sorted(set(indices) - set(self.pools))
-        if unknown:
+        # NOTE: a keys view compared with the pools' (set-like, no set built): a sliding
+        # layer's per-layer load is a few pages, and each of its checks counts
+        if not indices.keys() <= self.pools.keys():
+            unknown = sorted(set(indices) - set(self.pools))
             raise UsageError(f"{what} names groups {unknown}; this spec has {list(self.spec.names)}")
-        return dict(indices)
+        return indices
 
 
 class HybridDevicePool(_GroupPools):
@@ -200,13 +203,14 @@ class HybridHostPool(_GroupPools):
 
     def _named(self, device_pool, host_indices, device_indices):
         """The per-group indices, after checking the pool and the group names."""
-        if not isinstance(device_pool, HybridDevicePool) or device_pool.spec != self.spec:
+        if not isinstance(device_pool, HybridDevicePool) or (device_pool.spec is not self.spec
+                                                             and device_pool.spec != self.spec):
             got = device_pool.spec.fingerprint() if isinstance(device_pool, HybridDevicePool) else \
                 type(device_pool).__name__
             raise UsageError(f"device_pool must be a HybridDevicePool of spec {self.spec.fingerprint()}, got {got}")
         host = self._indices("host_indices", host_indices)
         dev = self._indices("device_indices", device_indices)
-        if set(host) != set(dev):
+        if host.keys() != dev.keys():
             raise UsageError(f"host_indices names groups {sorted(host)}, device_indices {sorted(dev)}")
         return host, dev
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..errors import UsageError
@@ -111,26 +112,34 @@ def _copy_triton(views, dst_pages, src_pages, layer) -> None:
             kernel.copy_pages(arg(dst), arg(src), dst_pages, src_pages)
 
 
+def _tensor(pages: torch.Tensor | np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(pages) if isinstance(pages, np.ndarray) else pages
+
+
 def _mean_pair_bytes(views, runs: Runs, layer, nbytes) -> float:
     """Average bytes per copy call the direct engine would make."""
     pairs = len(runs.length) * sum(len(_view_pairs(d, s, layer)) for d, s in views)
     return nbytes / pairs
 
 
-def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor, src_pages: torch.Tensor, *, layer: int | range | None,
-               nbytes: int, io_backend: str, threads: int, workers: CopyWorkers | None = None) -> None:
+def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.ndarray,
+               *, layer: int | range | None, nbytes: int, io_backend: str, threads: int,
+               workers: CopyWorkers | None = None) -> None:
     """Copy pages ``src_pages[i] -> dst_pages[i]`` for every ``(dst, src)`` pair of
     ``PageViews`` in ``views`` (one per component). ``layer=None`` copies every layer,
     else only ``layer`` (an index, or a range of layers with step 1). ``nbytes`` is the
-    total to move (sizes threads and runs).
+    total to move (sizes threads and runs). The page numbers are int64 CPU tensors or
+    numpy arrays (what the pools' checks give: the CPU copy takes them as they are).
     ``workers``: kept threads for the CPU engine's split (else threads per call)."""
     check_io_backend(io_backend)
-    if dst_pages.numel() == 0:
+    if len(dst_pages) == 0:
         return
     d0, s0 = views[0]
     d_dev, s_dev = d0.layers[0].device, s0.layers[0].device
     if "meta" in (d_dev.type, s_dev.type):
         return  # shapes without memory (the simulator's pools): validated by the caller, nothing to move
+    if d_dev.type != "cpu" or s_dev.type != "cpu" or io_backend != "direct":  # the engines that take tensors
+        dst_pages, src_pages = _tensor(dst_pages), _tensor(src_pages)
     runs = None  # NOTE: only for picking an engine and for numpy's copies: the compiled copy takes pages
     if io_backend != "direct":
         runs = coalesce(dst_pages, src_pages)

@@ -294,6 +294,7 @@ static int get_int64_tuple(PyObject *seq, int64_t *out, Py_ssize_t n, const char
 typedef struct {
     Plan plan;
     Py_buffer dst, src, dpage, spage;
+    int64_t *offsets; /* page numbers given: both sides' byte offsets, worked out here */
     size_t block;
     int stream;
 } Job;
@@ -303,12 +304,38 @@ static void job_release(Job *job) {
     PyBuffer_Release(&job->src);
     PyBuffer_Release(&job->dpage);
     PyBuffer_Release(&job->spage);
+    PyMem_Free(job->offsets);
+    job->offsets = NULL;
+}
+
+/* Page numbers ``page[0..n)`` as byte offsets ``first + page * step`` into ``out``; -1
+ * (ValueError set) where a number is negative or an offset would leave the range that
+ * check_side accepts (a view's page stride may be 0 or negative: a one-page or a
+ * reversed view). */
+static int page_offsets(const int64_t *page, Py_ssize_t n, int64_t first, int64_t step, int64_t *out,
+                        const char *side) {
+    const int64_t limit = INT64_MAX / 4;
+    if (first < -limit || first > limit || step < -limit || step > limit) {
+        PyErr_Format(PyExc_ValueError, "%s: page 0 at byte %lld with a page stride of %lld bytes is out of range",
+                     side, (long long)first, (long long)step);
+        return -1;
+    }
+    int64_t most = step ? limit / (step < 0 ? -step : step) : INT64_MAX;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (page[i] < 0 || page[i] > most) {
+            PyErr_Format(PyExc_ValueError, "%s page number %lld at %zd is out of range", side, (long long)page[i],
+                         i);
+            return -1;
+        }
+        out[i] = first + page[i] * step; /* |first| and |page * step| at most INT64_MAX / 4 */
+    }
+    return 0;
 }
 
 /* Parse and check one job; on success it holds its four
  * buffers (job_release), on failure none and an exception is set. */
 static int job_parse(PyObject *args, Job *job) {
-    PyObject *dst_obj, *src_obj, *dpage_obj, *spage_obj, *shape_obj, *dstr_obj, *sstr_obj;
+    PyObject *dst_obj, *src_obj, *dpage_obj, *spage_obj, *shape_obj, *dstr_obj, *sstr_obj, *at_obj = NULL;
     Py_ssize_t block;
     int allow_stream = 1;
     memset(job, 0, sizeof *job);
@@ -316,9 +343,13 @@ static int job_parse(PyObject *args, Job *job) {
         PyErr_Format(PyExc_TypeError, "a copy job must be a tuple, got %s", Py_TYPE(args)->tp_name);
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOOOOOOn|p:copy_jobs", &dst_obj, &src_obj, &dpage_obj, &spage_obj, &shape_obj,
-                          &dstr_obj, &sstr_obj, &block, &allow_stream))
+    if (!PyArg_ParseTuple(args, "OOOOOOOn|pO:copy_jobs", &dst_obj, &src_obj, &dpage_obj, &spage_obj, &shape_obj,
+                          &dstr_obj, &sstr_obj, &block, &allow_stream, &at_obj))
         return -1;
+    int64_t at[4] = {0, 0, 0, 0}; /* page numbers given: dst_first, dst_step, src_first, src_step */
+    if (at_obj != NULL && at_obj != Py_None && get_int64_tuple(at_obj, at, 4, "pages_at") < 0)
+        return -1;
+    int numbers = at_obj != NULL && at_obj != Py_None;
     Plan *plan = &job->plan;
     Py_ssize_t ndim = PySequence_Size(shape_obj);
     if (ndim < 0)
@@ -358,6 +389,22 @@ static int job_parse(PyObject *args, Job *job) {
     plan->pages = empty ? 0 : job->dpage.len / 8; /* an empty page shape: nothing to copy */
     plan->dst_page = (const int64_t *)job->dpage.buf;
     plan->src_page = (const int64_t *)job->spage.buf;
+    if (numbers) {
+        Py_ssize_t n = job->dpage.len / 8;
+        job->offsets = PyMem_Malloc(2 * (size_t)(n ? n : 1) * sizeof(int64_t));
+        if (job->offsets == NULL) {
+            job_release(job);
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (page_offsets(plan->dst_page, n, at[0], at[1], job->offsets, "dst") < 0 ||
+            page_offsets(plan->src_page, n, at[2], at[3], job->offsets + n, "src") < 0) {
+            job_release(job);
+            return -1;
+        }
+        plan->dst_page = job->offsets;
+        plan->src_page = job->offsets + n;
+    }
     job->block = (size_t)block;
     if (plan->pages > 0) {
         if (check_side(plan, plan->dst_page, plan->dst_stride, block, (int64_t)job->dst.len, "dst") < 0 ||
@@ -425,8 +472,8 @@ static void copy_jobs_split(const Job *jobs, Py_ssize_t count, Py_ssize_t parts)
 
 PyDoc_STRVAR(copy_jobs_doc,
 "copy_jobs(jobs, threads=1)\n\n"
-"Run copy jobs, each a tuple\n"
-"``(dst, src, dst_pages, src_pages, shape, dst_strides, src_strides, block_bytes[, stream])``:\n"
+"Run copy jobs, each a tuple ``(dst, src, dst_pages, src_pages, shape, dst_strides,\n"
+"src_strides, block_bytes[, stream[, pages_at]])``:\n"
 "copy ``block_bytes`` at every index of ``shape`` of every page pair: page i's block\n"
 "``idx`` goes from ``src`` byte ``src_pages[i] + sum(idx * src_strides)`` to ``dst`` byte\n"
 "``dst_pages[i] + sum(idx * dst_strides)``. ``dst`` is a writable buffer, ``src`` a\n"
@@ -437,7 +484,9 @@ PyDoc_STRVAR(copy_jobs_doc,
 "started for the call (at most " Py_STRINGIFY(MAX_THREADS) "), with the GIL released. With ``stream``\n"
 "(default; and SSE2, and every destination block made of whole 64-byte lines) the\n"
 "destination is written with streaming stores. Jobs must not write memory that another\n"
-"job, or their own source, holds.");
+"job, or their own source, holds. With ``pages_at``, ``(dst_first, dst_step, src_first,\n"
+"src_step)``, the pages are page numbers instead: page p of a side starts at byte\n"
+"``first + p * step`` (a negative number, or one whose offset overflows, is refused).");
 
 static PyObject *copy_jobs(PyObject *self, PyObject *args) {
     (void)self;

@@ -191,10 +191,11 @@ def run_tasks(tasks: Sequence[Task]) -> None:
             _BUFFERS.give(buf)
 
 
-def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_pages: torch.Tensor, src_pages: torch.Tensor,
-         nbytes: int, threads: int, workers: _copy.CopyWorkers | None = None, runs: Runs | None = None) -> None:
+def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_pages: torch.Tensor | np.ndarray,
+         src_pages: torch.Tensor | np.ndarray, nbytes: int, threads: int, workers: _copy.CopyWorkers | None = None,
+         runs: Runs | None = None) -> None:
     """``dst[dst_pages[i]] <- src[src_pages[i]]`` for every page-major ``(dst, src)`` numpy
-    view pair (page numbers as tensors), split across ``threads`` threads when there are
+    view pair (page numbers as tensors or int64 numpy arrays), split across ``threads`` threads when there are
     enough bytes to move: in one compiled call where every pair may take it, else with
     numpy on ``workers``' threads (when given) over ``runs`` (coalesced here when not given)."""
     parallel = _copy.thread_count(nbytes, threads, workers)
@@ -206,5 +207,7 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_pages: torch.Tensor
     _copy.split_threads(tasks, nbytes, parallel, run_tasks, workers)
 
 
-def _numbers(pages: torch.Tensor) -> np.ndarray:
+def _numbers(pages: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(pages, np.ndarray):
+        return pages if pages.dtype == np.int64 else pages.astype(np.int64)
     return np.asarray(pages.cpu().numpy(), dtype=np.int64)

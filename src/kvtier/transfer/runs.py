@@ -16,23 +16,28 @@ class Runs(NamedTuple):
     length: list[int]
 
 
-def coalesce(dst_pages: torch.Tensor, src_pages: torch.Tensor) -> Runs:
+def coalesce(dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.ndarray) -> Runs:
     """Merge neighbouring page pairs ``(d, s), (d + 1, s + 1)`` into one run.
 
-    Both inputs are ``(n,)`` int64 page numbers of equal length; the order of
+    Both inputs are ``(n,)`` int64 page numbers of equal length (tensors or numpy
+    arrays); the order of
     pairs is kept. Allocators hand out consecutive pages, so real transfers
     often collapse to a few runs; a random permutation stays one run per page.
     """
-    n = dst_pages.numel()
+    # numpy: a few µs for what costs ~50 µs in small torch ops, once per per-layer load
+    d, s = _host(dst_pages), _host(src_pages)
+    n = len(d)
     if n == 0:
         return Runs([], [], [])
-    # numpy: a few µs for what costs ~50 µs in small torch ops, once per per-layer load
-    d, s = dst_pages.cpu().numpy(), src_pages.cpu().numpy()
     if n <= _SMALL_PAGES:  # NOTE: a plain loop: numpy's five calls cost ~15 µs whatever n is
         return _coalesce_small(d.tolist(), s.tolist())
     starts = np.flatnonzero(np.concatenate(([True], (np.diff(d) != 1) | (np.diff(s) != 1))))
     lengths = np.diff(starts, append=n)
     return Runs(d[starts].tolist(), s[starts].tolist(), lengths.tolist())
+
+
+def _host(pages: torch.Tensor | np.ndarray) -> np.ndarray:
+    return pages if isinstance(pages, np.ndarray) else pages.cpu().numpy()
 
 
 #: Page pairs up to which :func:`coalesce` walks Python lists (a sliding window's few pages)
