@@ -41,19 +41,20 @@ def test_hybrid_bench_json_has_ratios_and_the_spec_bytes(capsys):
         ("full", "full", None, "1,3", 64), ("swa", "sliding", 8, "0,2", 96)]
     # full groups: every page of the prefix; sliding: the pages of the 8 tokens before the resume point
     assert data["pages_moved"] == {"p2": {"full": 16, "swa": 4}, "p4": {"full": 8, "swa": 2}}
-    assert len(data["transfer"]) == 2 * 4 * 2 * 2  # page sizes x layouts x backends x directions
+    assert len(data["transfer"]) == 2 * 4 * 2 * 3  # page sizes x layouts x backends x directions
     for row in data["transfer"]:
         best = data["memcpy_gbps"][f"p{row['page_size']}"][row["direction"]]
         assert row["gbytes"] == pytest.approx(TINY_BYTES["hybrid_bytes"] / 1e9)
         assert row["gbps"] > 0 and 0 < row["memcpy_gbps"] <= best
         assert row["ratio"] > 0 and row["ratio"] == pytest.approx(row["gbps"] / row["memcpy_gbps"])
     for key, limit in data["memcpy_gbps"].items():
-        for direction in ("backup", "load"):
+        for direction in ("backup", "load", "load runs"):
             assert limit[direction] == max(r["memcpy_gbps"] for r in data["transfer"]
                                            if f"p{r['page_size']}" == key and r["direction"] == direction)
     b = data["bytes"]
     assert {k: b[k] for k in TINY_BYTES} == TINY_BYTES
-    assert b["copied"] == {key: {"backup": 2816, "load": 2816} for key in ("p2", "p4")} and b["copied_equal"]
+    assert b["copied"] == {key: {"backup": 2816, "load": 2816, "load runs": 2816} for key in ("p2", "p4")}
+    assert b["copied_equal"]
 
 
 @pytest.mark.parametrize("name, spec, hybrid_bytes", [
@@ -68,8 +69,9 @@ def test_presets_copy_what_bytes_for_counts(capsys, name, spec, hybrid_bytes):
     assert b["hybrid_bytes"] == hybrid_bytes == spec.bytes_for(256, 1)
     assert b["window_blind_bytes"] == 256 * spec.uniform_bytes_per_token
     assert b["window_blind_ratio"] == pytest.approx(256 * spec.uniform_bytes_per_token / hybrid_bytes)
-    assert b["copied"] == {"p64": {"backup": hybrid_bytes, "load": hybrid_bytes}} and b["copied_equal"]
-    assert {(r["direction"], r["ratio"] > 0) for r in data["transfer"]} == {("backup", True), ("load", True)}
+    assert b["copied"] == {"p64": dict.fromkeys(("backup", "load", "load runs"), hybrid_bytes)} and b["copied_equal"]
+    directions = ("backup", "load", "load runs")
+    assert {(r["direction"], r["ratio"] > 0) for r in data["transfer"]} == {(d, True) for d in directions}
 
 
 def test_hybrid_bench_text_reports_bytes_per_token_and_per_resume_point(capsys):
@@ -80,8 +82,8 @@ def test_hybrid_bench_text_reports_bytes_per_token_and_per_resume_point(capsys):
     assert ("bytes: 64 B per cached token (full groups) + 768 B per resume point (sliding windows); at 32 tokens a "
             "hybrid-aware transfer moves 2,816 B (88 B per token), a window-blind one 5,120 B (160 B per token), "
             "1.82x as many") in out
-    assert ("bytes copied (counted in the pools): p2 backup 2,816 B, load 2,816 B; p4 backup 2,816 B, load 2,816 B; "
-            "equal to HybridSpec.bytes_for(32, 1) = 2,816 B") in out
+    assert ("bytes copied (counted in the pools): p2 backup 2,816 B, load 2,816 B, load runs 2,816 B; p4 backup "
+            "2,816 B, load 2,816 B, load runs 2,816 B; equal to HybridSpec.bytes_for(32, 1) = 2,816 B") in out
 
 
 def test_copied_bytes_are_counted_in_the_pools(capsys, monkeypatch):
@@ -97,9 +99,25 @@ def test_copied_bytes_are_counted_in_the_pools(capsys, monkeypatch):
             "--backends", "direct"]
     code, data = bench_json(capsys, *argv)
     assert code == 1 and not data["bytes"]["copied_equal"]
-    assert data["bytes"]["copied"] == {"p4": {"backup": 2816, "load": 2816 - 8 * 48}}  # swa layer 0: 8 tokens x 48 B
+    # swa layer 0: 8 tokens x 48 B
+    assert data["bytes"]["copied"] == {"p4": {"backup": 2816, "load": 2816 - 8 * 48, "load runs": 2816}}
     code, out, _ = run(capsys, "bench", "transfer", *argv)
-    assert code == 1 and "load 2,432 B; MISMATCH: not equal to HybridSpec.bytes_for(32, 1) = 2,816 B" in out
+    assert code == 1 and "load 2,432 B, load runs 2,816 B; MISMATCH: not equal to HybridSpec.bytes_for(32, 1)" in out
+
+
+def test_runs_that_skip_a_layer_are_caught_too(capsys, monkeypatch):
+    """The load in runs is counted in the pools as well: a run one layer short fails the check."""
+    load = HybridHostPool.load_to_device_layers
+
+    def short(self, device_pool, host_indices, device_indices, layers, io_backend="direct"):
+        load(self, device_pool, host_indices, device_indices, layers if len(layers) == 1 else layers[:-1], io_backend)
+
+    monkeypatch.setattr(HybridHostPool, "load_to_device_layers", short)
+    code, data = bench_json(capsys, "--spec", TINY, "--page-size", "4", "--pages", "8", "--repeat", "1",
+                            "--layouts", "page_head", "--backends", "direct")
+    copied = data["bytes"]["copied"]["p4"]
+    assert code == 1 and not data["bytes"]["copied_equal"]
+    assert copied["backup"] == copied["load"] == 2816 and copied["load runs"] < 2816
 
 
 def test_window_blind_copies_fail_the_check(capsys, monkeypatch):
@@ -107,7 +125,7 @@ def test_window_blind_copies_fail_the_check(capsys, monkeypatch):
     monkeypatch.setattr("kvtier.bench.transfer_hybrid.resume_pages", every_page)
     code, data = bench_json(capsys, "--spec", TINY, "--page-size", "4", "--pages", "8", "--repeat", "1",
                             "--layouts", "layer_first", "--backends", "kernel")
-    assert code == 1 and data["bytes"]["copied"] == {"p4": {"backup": 5120, "load": 5120}}
+    assert code == 1 and data["bytes"]["copied"] == {"p4": dict.fromkeys(("backup", "load", "load runs"), 5120)}
 
 
 def test_each_row_is_judged_by_each_groups_memcpy(capsys, monkeypatch):
@@ -123,7 +141,7 @@ def test_each_row_is_judged_by_each_groups_memcpy(capsys, monkeypatch):
                             "--layouts", "page_first_direct", "--backends", "direct")
     assert code == 0 and sorted(seen) == [768, 768, 2048, 2048]
     limit = 2816 / (2048 / 1.0 + 768 / 4.0)
-    assert data["memcpy_gbps"] == {"p4": {"backup": pytest.approx(limit), "load": pytest.approx(limit)}}
+    assert data["memcpy_gbps"] == {"p4": dict.fromkeys(("backup", "load", "load runs"), pytest.approx(limit))}
     assert all(r["memcpy_gbps"] == pytest.approx(limit) for r in data["transfer"])
 
 

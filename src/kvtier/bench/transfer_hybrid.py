@@ -4,7 +4,8 @@ Each layer group has its own device and host pool (:mod:`kvtier.pools.hybrid`). 
 prefix of ``tokens`` tokens, a full group moves every page of it and a sliding group
 only the pages of its window before the resume point (docs/hybrid.md), each group's pages
 in random order on both sides. Backup copies every group in one call; load copies one
-model layer per call, across groups, for every layer. Each GB/s figure is a ratio to a
+model layer per call, across groups, for every layer; ``load runs`` copies the runs of
+layers the cache's own loads take off a CUDA stream. Each GB/s figure is a ratio to a
 memcpy of each group's bytes between that group's two pools, same direction, same run.
 
 The bench checks itself: the bytes its copies wrote, counted in the pools, must equal
@@ -26,8 +27,8 @@ from ..layout import LAYOUTS
 from ..pools.common import check_device
 from ..pools.hybrid import HybridDevicePool, HybridHostPool
 from ..pools.indices import page_slots
-from .timing import memcpy_gbps
-from .transfer import TransferRow, copies, run_fields, time_copies
+from .timing import best_seconds, memcpy_gbps
+from .transfer import TransferRow, copies, load_runs, run_fields, time_copies
 
 
 @dataclass(frozen=True)
@@ -109,34 +110,38 @@ def _nonzero(pools) -> int:
     return sum(int(pool.raw.count_nonzero()) for _, pool in pools)
 
 
-def _copied_bytes(dev: HybridDevicePool, host: HybridHostPool, backup, load, cuda: bool) -> dict[str, int]:
-    """The bytes one ``backup`` and one ``load`` wrote, counted in the pools themselves.
+def _copied_bytes(dev: HybridDevicePool, host: HybridHostPool, backup, load, runs, cuda: bool) -> dict[str, int]:
+    """The bytes one ``backup``, one ``load`` and one load in ``runs`` wrote, counted in the
+    pools themselves.
 
     NOTE: needs the device pools all ones (bytes 0x01) and the host pools all zeros: the
-    backup's writes are then the host's nonzero bytes; the device is zeroed before the
+    backup's writes are then the host's nonzero bytes; the device is zeroed before each
     load, which reads the backed-up pages, so its writes are the device's nonzero bytes."""
     backup()
     if cuda:
         torch.cuda.synchronize()
     written = {"backup": _nonzero(host)}
-    for _, pool in dev:
-        pool.raw.zero_()
-    load()
-    if cuda:
-        torch.cuda.synchronize()
-    written["load"] = _nonzero(dev)
+    for direction, fn in (("load", load), ("load runs", runs)):
+        for _, pool in dev:
+            pool.raw.zero_()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        written[direction] = _nonzero(dev)
     return written
 
 
 def bench_hybrid(spec: HybridSpec, *, tokens: int, page_size: int, layouts, backends, repeat: int, seed: int,
                  device: str = "cpu") -> tuple[list[TransferRow], dict[str, float], dict[str, int]]:
     """Rows of one resume point after ``tokens`` tokens, the best memcpy GB/s per direction,
-    and the bytes one backup and one load wrote (counted once, in the first layout).
+    and the bytes one backup, one load and one load in runs wrote (counted once, in the
+    first layout).
 
     Every group's pools hold the prefix's tokens, each group's prefix pages at random pool
     pages on both sides; only :func:`resume_pages` move. Backup copies every group in one
-    call; load copies one model layer per call, every layer. A row's limit is a memcpy of
-    each group's bytes between that group's two pools."""
+    call; load copies one model layer per call, every layer; ``load runs`` copies the runs
+    of layers the cache's loads take off a CUDA stream (a copy per group in each run). A
+    row's limit is a memcpy of each group's bytes between that group's two pools."""
     gen = torch.Generator().manual_seed(seed)
     dev = HybridDevicePool(spec, tokens, page_size, device=device)
     for _, pool in dev:
@@ -148,18 +153,22 @@ def bench_hybrid(spec: HybridSpec, *, tokens: int, page_size: int, layouts, back
     nbytes = {n: len(p) * page_size * spec.group(n).bytes_per_token for n, p in moved.items()}
     total = sum(nbytes.values())
     cuda = dev[spec.names[0]].device.type == "cuda"
-    timed, limit, copied = [], {"backup": 0.0, "load": 0.0}, None
+    timed, limit, copied = [], {"backup": 0.0, "load": 0.0, "load runs": 0.0}, None
     for layout in layouts:
         host = HybridHostPool(spec, tokens, page_size, layout=layout, pin_memory=cuda)
         for _, pool in host:
             pool.raw.fill_(0)
         if copied is None:  # before the memcpys below write into the pools
-            copied = _copied_bytes(dev, host, *copies(host, dev, host_idx, dev_idx, spec.layer_num, backends[0]), cuda)
+            copied = _copied_bytes(dev, host, *copies(host, dev, host_idx, dev_idx, spec.layer_num, backends[0]),
+                                   load_runs(host, dev, host_idx, dev_idx, spec.layer_num, backends[0]), cuda)
         own = _memcpy_limits(host, dev, nbytes, repeat)
+        own["load runs"] = own["load"]  # the same bytes the same way
         limit = {d: max(limit[d], own[d]) for d in limit}
         for backend in backends:
             t_backup, t_load = time_copies(*copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
-            timed += [(layout, backend, d, t, own[d]) for d, t in (("backup", t_backup), ("load", t_load))]
+            t_runs = best_seconds(load_runs(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda=cuda)
+            timed += [(layout, backend, d, t, own[d])
+                      for d, t in (("backup", t_backup), ("load", t_load), ("load runs", t_runs))]
         del host  # free this layout's pools before the next ones are allocated (no copy closes over them now)
     fp = spec.fingerprint()
     rows = [TransferRow(fp, page_size, lay, be, d, total / 1e9, total / t / 1e9, memcpy, total / t / 1e9 / memcpy)

@@ -177,7 +177,8 @@ def _hybrid(result: dict, as_json: bool) -> int:
           f"resume point (sliding windows); at {tokens:,} tokens a hybrid-aware transfer moves {b['hybrid_bytes']:,} B "
           f"({b['hybrid_bytes_per_token']:,.0f} B per token), a window-blind one {b['window_blind_bytes']:,} B "
           f"({b['window_blind_bytes_per_token']:,} B per token), {b['window_blind_ratio']:.2f}x as many")
-    copied = "; ".join(f"{key} backup {c['backup']:,} B, load {c['load']:,} B" for key, c in b["copied"].items())
+    copied = "; ".join(f"{key} backup {c['backup']:,} B, load {c['load']:,} B, load runs {c['load runs']:,} B"
+                       for key, c in b["copied"].items())
     verdict = "equal" if not failed else "MISMATCH: not equal"
     print(f"bytes copied (counted in the pools): {copied}; {verdict} to HybridSpec.bytes_for({tokens}, 1) = "
           f"{b['hybrid_bytes']:,} B")
