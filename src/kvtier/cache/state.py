@@ -352,8 +352,7 @@ class CacheState(HybridState):
             pages.append(node.device.pages)
         if reserved is not None and reserved.numel():
             self.allocator.free(reserved)
-        handle = LoadHandle(self.slots_of(pages), layer_num,
-                            tuple(depends.values()))
+        handle = LoadHandle(self.slots_of(pages), layer_num, tuple(depends.values()))
         if not nodes:
             self.unlock_node(pin)
             handle._finish()
