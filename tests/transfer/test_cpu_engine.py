@@ -265,3 +265,38 @@ def test_coalesce_matches_a_loop(pairs):
     for small in (0, 10**6):  # numpy's calls, and the loop over Python lists of few pages
         with mock.patch.object(runs_module, "_SMALL_PAGES", small):
             assert coalesce(dst, src) == runs
+
+
+@pytest.mark.parametrize("page_size, coalesced, gathered", [(64, 0, 0), (2, 1, 1)])
+def test_kernel_coalesces_only_where_a_page_could_be_under_the_threshold(monkeypatch, page_size, coalesced,
+                                                                          gathered):
+    """``kernel`` on the CPU picks gather/scatter only for runs under ``KERNEL_MIN_RUN_BYTES``:
+    where one page pair of one layer already reaches it, no coalescing is done to know
+    (64-token pages: 128 KiB a layer); where it does not, the runs decide (2-token pages of
+    random order: 4 KiB runs go to gather). The bytes are exact either way."""
+    import kvtier.transfer as transfer
+
+    calls = {"coalesce": 0, "gather": 0}
+    real_coalesce, real_gather = transfer.coalesce, transfer._copy_gather
+
+    def count(name, real):
+        def spy(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return spy
+
+    monkeypatch.setattr(transfer, "coalesce", count("coalesce", real_coalesce))
+    monkeypatch.setattr(transfer, "_copy_gather", count("gather", real_gather))
+    spec = KVSpec.mha(2, 8, 128)
+    dev = random_device_pool(spec, 8 * page_size, page_size, seed=3)
+    host = HostKVPool(spec, 8 * page_size, page_size, layout="page_first")
+    rng = np.random.default_rng(page_size)
+    h, d = slots(rng.permutation(8)[:6].tolist(), page_size), slots(rng.permutation(8)[:6].tolist(), page_size)
+    host.backup_from_device_all_layer(dev, h, d, "direct")
+    back = DeviceKVPool(spec, 8 * page_size, page_size)
+    back.raw.zero_()
+    host.load_to_device_per_layer(back, h, d, 1, "kernel")
+    assert calls == {"coalesce": coalesced, "gather": gathered}
+    for name in spec.names:  # layer 1 of every page moved is the device pool's, layer 0 untouched
+        assert torch.equal(bits(back.buffer(name, 1)[d]), bits(dev.buffer(name, 1)[d]))
+        assert not bits(back.buffer(name, 0)).any() and bits(back.buffer(name, 1)[d]).any()

@@ -116,12 +116,6 @@ def _tensor(pages: torch.Tensor | np.ndarray) -> torch.Tensor:
     return torch.from_numpy(pages) if isinstance(pages, np.ndarray) else pages
 
 
-def _mean_pair_bytes(views, runs: Runs, layer, nbytes) -> float:
-    """Average bytes per copy call the direct engine would make."""
-    pairs = len(runs.length) * sum(len(_view_pairs(d, s, layer)) for d, s in views)
-    return nbytes / pairs
-
-
 def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.ndarray,
                *, layer: int | range | None, nbytes: int, io_backend: str, threads: int,
                workers: CopyWorkers | None = None) -> None:
@@ -138,12 +132,18 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor | np.ndarray, src
     d_dev, s_dev = d0.layers[0].device, s0.layers[0].device
     if "meta" in (d_dev.type, s_dev.type):
         return  # shapes without memory (the simulator's pools): validated by the caller, nothing to move
-    if d_dev.type != "cpu" or s_dev.type != "cpu" or io_backend != "direct":  # the engines that take tensors
+    if d_dev.type != "cpu" or s_dev.type != "cpu":  # the engines off the CPU take tensors
         dst_pages, src_pages = _tensor(dst_pages), _tensor(src_pages)
     runs = None  # NOTE: only for picking an engine and for numpy's copies: the compiled copy takes pages
+    small = False  # whether the direct engine's average copy call would move under KERNEL_MIN_RUN_BYTES
     if io_backend != "direct":
-        runs = coalesce(dst_pages, src_pages)
-        small = _mean_pair_bytes(views, runs, layer, nbytes) < KERNEL_MIN_RUN_BYTES
+        calls = sum(len(_view_pairs(d, s, layer)) for d, s in views)  # the direct engine's calls per run
+        # NOTE: a run holds at least a page: where one page pair reaches the threshold,
+        # coalescing cannot change the answer (a full layer's 256 random pages took
+        # tens of us a call to coalesce, for nothing)
+        if nbytes / (len(dst_pages) * calls) < KERNEL_MIN_RUN_BYTES:
+            runs = coalesce(dst_pages, src_pages)
+            small = nbytes / (len(runs.length) * calls) < KERNEL_MIN_RUN_BYTES
         if io_backend == "auto":
             io_backend = "kernel" if small else "direct"
     if io_backend == "kernel":
@@ -151,7 +151,7 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor | np.ndarray, src
             _copy_triton(views, dst_pages, src_pages, layer)
             return
         if d_dev == s_dev and (d_dev.type != "cpu" or small):
-            _copy_gather(views, dst_pages, src_pages, layer)
+            _copy_gather(views, _tensor(dst_pages), _tensor(src_pages), layer)
             return
     _copy_direct(views, dst_pages, src_pages, runs, layer, nbytes, threads, workers)
 
