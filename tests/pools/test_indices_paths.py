@@ -219,9 +219,9 @@ def test_window_slots_fills_holes_and_expands_each_piece_after_checking_them_all
     if compiled is None:
         pytest.skip("the compiled indices module is not built")
     got = np.zeros(12, dtype=np.int64)
-    compiled.window_slots(got, [(1, np.array([7, -1], dtype=np.int64)), (3, np.array([0], dtype=np.int64))], 3)
+    compiled.window_slots([(1, np.array([7, -1], dtype=np.int64)), (3, np.array([0], dtype=np.int64))], 3, got)
     assert got.tolist() == [-1, -1, -1, 21, 22, 23, -1, -1, -1, 0, 1, 2]
-    compiled.window_slots(got, [], 3)
+    compiled.window_slots([], 3, got)
     assert got.tolist() == [-1] * 12
     for pieces, error in (([(3, np.array([1, 2], dtype=np.int64))], ValueError),  # past the end
                           ([(-1, np.array([1], dtype=np.int64))], ValueError),
@@ -231,10 +231,10 @@ def test_window_slots_fills_holes_and_expands_each_piece_after_checking_them_all
                           (5, TypeError)):
         out = np.full(12, 9, dtype=np.int64)
         with pytest.raises(error):
-            compiled.window_slots(out, pieces, 3)
+            compiled.window_slots(pieces, 3, out)
         assert (out == 9).all()  # nothing written before every piece checked out
     with pytest.raises(ValueError, match="positive"):
-        compiled.window_slots(got, [], 0)
+        compiled.window_slots([], 0, got)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])

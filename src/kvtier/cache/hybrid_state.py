@@ -144,7 +144,7 @@ class HybridState:
                 # copy of a kept array of -1s and a call per piece, this method took 6.1 us
                 # of a MiMo full hit's 17 beyond a uniform one's (page 64), 4.4 with it
                 slots = np.empty(pages * ps, dtype=np.int64)
-                compiled.window_slots(slots, pieces, ps)
+                compiled.window_slots(pieces, ps, slots)
             else:
                 slots = self.sides.holes(pages * ps)
                 for lo, held in pieces:

@@ -123,6 +123,124 @@ static PyObject *check_pages(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(repeated ? -2 : bad);
 }
 
+/* The token slots of ``n`` page numbers to ``dst``: page p becomes p * ps .. p * ps + ps - 1.
+ * With ``holes``, a negative number (no page) leaves its ps slots as they are. */
+static void expand_into(int64_t *dst, const int64_t *pages, Py_ssize_t n, int64_t ps, int holes) {
+    for (Py_ssize_t p = 0; p < n; p++, dst += ps) {
+        if (holes && pages[p] < 0)
+            continue;
+        /* NOTE: unsigned, so no page number overflows into undefined behaviour */
+        uint64_t first = (uint64_t)pages[p] * (uint64_t)ps;
+        for (int64_t j = 0; j < ps; j++)
+            dst[j] = (int64_t)(first + (uint64_t)j);
+    }
+}
+
+/* What the expansions take: ``(pages, page_size, out)``, ``pages`` one buffer or (with
+ * ``many``) a tuple or list of items, each a buffer or (with ``placed``) a tuple
+ * ``(first page, buffer)``. Every item's buffer is taken before any slot is written. */
+typedef struct {
+    PyObject *seq;      /* many: the items as a fast sequence */
+    Py_ssize_t count;   /* buffers taken */
+    Py_buffer *views;   /* count of them */
+    Py_ssize_t *firsts; /* placed: each item's first page */
+    Py_buffer out;
+    int has_out;
+    int64_t page_size;
+} expansion_t;
+
+static void expansion_release(expansion_t *e) {
+    for (Py_ssize_t i = 0; i < e->count; i++)
+        PyBuffer_Release(&e->views[i]);
+    if (e->has_out)
+        PyBuffer_Release(&e->out);
+    PyMem_Free(e->views);
+    PyMem_Free(e->firsts);
+    Py_XDECREF(e->seq);
+}
+
+/* 0 with every buffer taken (expansion_release gives them back), or -1 with an exception
+ * set and nothing held. */
+static int expansion_parse(PyObject *args, const char *name, int many, int placed, expansion_t *e) {
+    PyObject *pages_obj, *out_obj;
+    Py_ssize_t page_size;
+    memset(e, 0, sizeof *e);
+    if (!PyArg_ParseTuple(args, "OnO", &pages_obj, &page_size, &out_obj))
+        return -1;
+    if (page_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: page_size %zd must be positive", name, page_size);
+        return -1;
+    }
+    e->page_size = (int64_t)page_size;
+    Py_ssize_t n = 1;
+    if (many) {
+        if (!(e->seq = PySequence_Fast(pages_obj, "the pages must be a tuple or list")))
+            return -1;
+        n = PySequence_Fast_GET_SIZE(e->seq);
+    }
+    e->views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    e->firsts = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_ssize_t));
+    if (e->views == NULL || e->firsts == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (; e->count < n; e->count++) {
+        PyObject *item = many ? PySequence_Fast_GET_ITEM(e->seq, e->count) : pages_obj;
+        if (placed) {
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+                PyErr_Format(PyExc_TypeError, "%s: each piece must be a tuple (first, pages)", name);
+                goto fail;
+            }
+            e->firsts[e->count] = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
+            if (e->firsts[e->count] == -1 && PyErr_Occurred())
+                goto fail;
+            item = PyTuple_GET_ITEM(item, 1);
+        }
+        if (get_int64s(item, &e->views[e->count], 0, "pages") < 0)
+            goto fail;
+    }
+    if (get_int64s(out_obj, &e->out, 1, "out") < 0)
+        goto fail;
+    e->has_out = 1;
+    return 0;
+fail:
+    expansion_release(e);
+    return -1;
+}
+
+/* Pages of every buffer taken, in all. */
+static Py_ssize_t expansion_pages(const expansion_t *e) {
+    Py_ssize_t pages = 0;
+    for (Py_ssize_t i = 0; i < e->count; i++)
+        pages += e->views[i].len / 8;
+    return pages;
+}
+
+/* expand_pages and expand_runs: every page's slots, one buffer after another, filling
+ * ``out`` exactly. */
+static PyObject *expand_all(PyObject *args, const char *name, int many) {
+    expansion_t e;
+    if (expansion_parse(args, name, many, 0, &e) < 0)
+        return NULL;
+    Py_ssize_t pages = expansion_pages(&e), slots = e.out.len / 8;
+    if (slots != pages * e.page_size) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd pages of %lld slots need %zd, the output holds %zd", name, pages,
+                     (long long)e.page_size, pages * (Py_ssize_t)e.page_size, slots);
+        expansion_release(&e);
+        return NULL;
+    }
+    int64_t *o = (int64_t *)e.out.buf;
+    PyThreadState *save = slots >= RELEASE_GIL_SLOTS ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < e.count; i++) {
+        expand_into(o, (const int64_t *)e.views[i].buf, e.views[i].len / 8, e.page_size, 0);
+        o += (e.views[i].len / 8) * e.page_size;
+    }
+    if (save)
+        PyEval_RestoreThread(save);
+    expansion_release(&e);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(expand_pages_doc,
 "expand_pages(pages, page_size, out) -> None\n\n"
 "Write the token slots of ``pages`` (int64 page numbers) to ``out`` (a writable int64\n"
@@ -131,43 +249,7 @@ PyDoc_STRVAR(expand_pages_doc,
 
 static PyObject *expand_pages(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *src_obj, *out_obj;
-    Py_ssize_t page_size;
-    if (!PyArg_ParseTuple(args, "OnO:expand_pages", &src_obj, &page_size, &out_obj))
-        return NULL;
-    if (page_size <= 0) {
-        PyErr_Format(PyExc_ValueError, "expand_pages: page_size %zd must be positive", page_size);
-        return NULL;
-    }
-    Py_buffer src, out;
-    if (get_int64s(src_obj, &src, 0, "pages") < 0)
-        return NULL;
-    if (get_int64s(out_obj, &out, 1, "out") < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    Py_ssize_t pages = src.len / 8;
-    if (out.len / 8 != pages * page_size) {
-        PyErr_Format(PyExc_ValueError, "expand_pages: %zd pages of %zd slots need %zd, the output holds %zd", pages,
-                     page_size, pages * page_size, out.len / 8);
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&out);
-        return NULL;
-    }
-    const int64_t *s = (const int64_t *)src.buf;
-    int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size;
-    PyThreadState *save = pages * page_size >= RELEASE_GIL_SLOTS ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t p = 0; p < pages; p++) {
-        /* NOTE: unsigned, so no page number overflows into undefined behaviour */
-        int64_t first = (int64_t)((uint64_t)s[p] * (uint64_t)ps), *dst = o + p * page_size;
-        for (int64_t j = 0; j < ps; j++)
-            dst[j] = (int64_t)((uint64_t)first + (uint64_t)j);
-    }
-    if (save)
-        PyEval_RestoreThread(save);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&out);
-    Py_RETURN_NONE;
+    return expand_all(args, "expand_pages", 0);
 }
 
 PyDoc_STRVAR(expand_runs_doc,
@@ -179,63 +261,11 @@ PyDoc_STRVAR(expand_runs_doc,
 
 static PyObject *expand_runs(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *runs_obj, *out_obj;
-    Py_ssize_t page_size;
-    if (!PyArg_ParseTuple(args, "OnO:expand_runs", &runs_obj, &page_size, &out_obj))
-        return NULL;
-    if (page_size <= 0) {
-        PyErr_Format(PyExc_ValueError, "expand_runs: page_size %zd must be positive", page_size);
-        return NULL;
-    }
-    PyObject *runs = PySequence_Fast(runs_obj, "expand_runs: runs must be a tuple or list of int64 buffers");
-    if (runs == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(runs), got = 0, pages = 0;
-    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer)), out;
-    PyObject *result = NULL;
-    if (views == NULL) {
-        Py_DECREF(runs);
-        return PyErr_NoMemory();
-    }
-    for (; got < n; got++) { /* every run taken (and checked) before any slot is written */
-        if (get_int64s(PySequence_Fast_GET_ITEM(runs, got), &views[got], 0, "a run") < 0)
-            goto done;
-        pages += views[got].len / 8;
-    }
-    if (get_int64s(out_obj, &out, 1, "out") < 0)
-        goto done;
-    if (out.len / 8 != pages * page_size) {
-        PyErr_Format(PyExc_ValueError, "expand_runs: %zd pages of %zd slots need %zd, the output holds %zd", pages,
-                     page_size, pages * page_size, out.len / 8);
-        PyBuffer_Release(&out);
-        goto done;
-    }
-    int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size;
-    PyThreadState *save = pages * page_size >= RELEASE_GIL_SLOTS ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t r = 0; r < n; r++) {
-        const int64_t *s = (const int64_t *)views[r].buf;
-        for (Py_ssize_t p = 0; p < views[r].len / 8; p++, o += ps) {
-            /* NOTE: unsigned, so no page number overflows into undefined behaviour */
-            uint64_t first = (uint64_t)s[p] * (uint64_t)ps;
-            for (int64_t j = 0; j < ps; j++)
-                o[j] = (int64_t)(first + (uint64_t)j);
-        }
-    }
-    if (save)
-        PyEval_RestoreThread(save);
-    PyBuffer_Release(&out);
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    for (Py_ssize_t r = 0; r < got; r++)
-        PyBuffer_Release(&views[r]);
-    PyMem_Free(views);
-    Py_DECREF(runs);
-    return result;
+    return expand_all(args, "expand_runs", 1);
 }
 
 PyDoc_STRVAR(window_slots_doc,
-"window_slots(out, pieces, page_size) -> None\n\n"
+"window_slots(pieces, page_size, out) -> None\n\n"
 "Fill ``out`` (a writable int64 buffer of token slots) with -1, then write the token\n"
 "slots of each piece ``(first, pages)`` from page ``first`` of ``out`` on: ``pages``\n"
 "holds int64 page numbers, a negative one (a hole) leaving its page's slots at -1.\n"
@@ -243,72 +273,25 @@ PyDoc_STRVAR(window_slots_doc,
 
 static PyObject *window_slots(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *out_obj, *pieces_obj;
-    Py_ssize_t page_size;
-    if (!PyArg_ParseTuple(args, "OOn:window_slots", &out_obj, &pieces_obj, &page_size))
+    expansion_t e;
+    if (expansion_parse(args, "window_slots", 1, 1, &e) < 0)
         return NULL;
-    if (page_size <= 0) {
-        PyErr_Format(PyExc_ValueError, "window_slots: page_size %zd must be positive", page_size);
-        return NULL;
-    }
-    PyObject *pieces = PySequence_Fast(pieces_obj, "window_slots: pieces must be a tuple or list of (first, pages)");
-    if (pieces == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(pieces), got = 0;
-    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer)), out;
-    Py_ssize_t *firsts = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_ssize_t));
-    PyObject *result = NULL;
-    if (views == NULL || firsts == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (get_int64s(out_obj, &out, 1, "out") < 0)
-        goto done;
-    Py_ssize_t slots = out.len / 8;
-    for (; got < n; got++) { /* every piece taken and checked before any slot is written */
-        PyObject *piece = PySequence_Fast_GET_ITEM(pieces, got);
-        if (!PyTuple_Check(piece) || PyTuple_GET_SIZE(piece) != 2) {
-            PyErr_SetString(PyExc_TypeError, "window_slots: each piece must be a tuple (first, pages)");
-            break;
-        }
-        firsts[got] = PyLong_AsSsize_t(PyTuple_GET_ITEM(piece, 0));
-        if (firsts[got] == -1 && PyErr_Occurred())
-            break;
-        if (get_int64s(PyTuple_GET_ITEM(piece, 1), &views[got], 0, "a piece's pages") < 0)
-            break;
-        Py_ssize_t first = firsts[got], count = views[got].len / 8;
-        if (first < 0 || first > slots / page_size || count > slots / page_size - first) {
-            PyErr_Format(PyExc_ValueError, "window_slots: pages %zd..%zd of %zd slots each lie outside the %zd "
-                         "slots given", first, first + count, page_size, slots);
-            PyBuffer_Release(&views[got]);
-            break;
+    Py_ssize_t room = e.out.len / 8 / (Py_ssize_t)e.page_size; /* whole pages of out */
+    for (Py_ssize_t i = 0; i < e.count; i++) {
+        Py_ssize_t first = e.firsts[i], count = e.views[i].len / 8;
+        if (first < 0 || first > room || count > room - first) {
+            PyErr_Format(PyExc_ValueError, "window_slots: pages %zd..%zd of %lld slots each lie outside the %zd "
+                         "slots given", first, first + count, (long long)e.page_size, e.out.len / 8);
+            expansion_release(&e);
+            return NULL;
         }
     }
-    if (got == n) {
-        int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size;
-        memset(o, 0xff, (size_t)slots * 8); /* -1 in every slot: all bits set */
-        for (Py_ssize_t r = 0; r < n; r++) {
-            const int64_t *s = (const int64_t *)views[r].buf;
-            int64_t *dst = o + firsts[r] * ps;
-            for (Py_ssize_t p = 0; p < views[r].len / 8; p++, dst += ps) {
-                if (s[p] < 0)
-                    continue; /* a hole: its slots stay -1 */
-                uint64_t first = (uint64_t)s[p] * (uint64_t)ps;
-                for (int64_t j = 0; j < ps; j++)
-                    dst[j] = (int64_t)(first + (uint64_t)j);
-            }
-        }
-        result = Py_None;
-        Py_INCREF(result);
-    }
-    PyBuffer_Release(&out);
-done:
-    for (Py_ssize_t r = 0; r < got; r++)
-        PyBuffer_Release(&views[r]);
-    PyMem_Free(views);
-    PyMem_Free(firsts);
-    Py_DECREF(pieces);
-    return result;
+    memset(e.out.buf, 0xff, (size_t)e.out.len); /* -1 in every slot: all bits set */
+    for (Py_ssize_t i = 0; i < e.count; i++)
+        expand_into((int64_t *)e.out.buf + e.firsts[i] * e.page_size, (const int64_t *)e.views[i].buf,
+                    e.views[i].len / 8, e.page_size, 1);
+    expansion_release(&e);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
