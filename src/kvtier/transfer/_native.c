@@ -332,8 +332,8 @@ static int page_offsets(const int64_t *page, Py_ssize_t n, int64_t first, int64_
     return 0;
 }
 
-/* Parse and check one job; on success it holds its four
- * buffers (job_release), on failure none and an exception is set. */
+/* Parse and check one job; on success it holds its four buffers and, given page
+ * numbers, their byte offsets (job_release), on failure none and an exception is set. */
 static int job_parse(PyObject *args, Job *job) {
     PyObject *dst_obj, *src_obj, *dpage_obj, *spage_obj, *shape_obj, *dstr_obj, *sstr_obj, *at_obj = NULL;
     Py_ssize_t block;
