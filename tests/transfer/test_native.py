@@ -380,3 +380,15 @@ def test_copy_jobs_check_page_numbers_before_any_copy(compiled, bad):
     with pytest.raises((ValueError, TypeError)):
         compiled.copy_jobs([good, job], 2)
     assert not dst.any() and not other.any()
+
+
+def test_blocks_loop_over_the_axis_far_apart_on_both_sides_outermost():
+    """A page_head backup's page, (layer, slot, head) blocks of 256 bytes: the slots (2 KiB
+    apart in the source, 8 KiB in the destination) outermost, then the heads, then the
+    layers (32 MiB apart in the source, a run in the destination); the contiguous
+    trailing axes merge into one block whatever the order."""
+    b = native.Blocks((32, 64, 8, 128), (256, 8192, 524288, 2), (33554432, 2048, 256, 2), 2)
+    assert (b.block, b.shape, b.src_strides, b.dst_strides) == (256, (64, 8, 32), (2048, 256, 33554432),
+                                                                (8192, 524288, 256))
+    tie = native.Blocks((32, 64, 1024), (2048, 65536, 2), (33554432, 2048, 2), 2)  # page_first's backup
+    assert (tie.block, tie.shape, tie.src_strides) == (2048, (64, 32), (2048, 33554432))
