@@ -18,7 +18,8 @@ Memory is then read and written in long runs only; the transpose happens in cach
 
 Where the compiled module is built (``kvtier.transfer.native``; ``KVTIER_NATIVE=0`` turns
 it off), it replaces both: one C call per copy takes every view pair, copies every block
-in the source's order, prefetching the source and streaming whole destination lines
+in an order that keeps both sides to a few runs at a time (``native.Blocks``),
+prefetching the source and streaming whole destination lines
 (faster for every layout and direction measured), and splits each pair's pages over
 threads it starts itself. numpy stays the fallback, complete: there the trailing axes
 contiguous on both sides (at least ``dim``) are seen as one opaque element

@@ -1,7 +1,9 @@
 """The optional compiled copy path (``kvtier.transfer._native``) and its fallback switch.
 
-``_native.copy_jobs`` copies a page's blocks in the source's memory order, prefetching
-the source some blocks ahead and writing whole destination lines with streaming stores:
+``_native.copy_jobs`` copies a page's blocks in the order :class:`Blocks` picks (outermost
+the axis far apart on both sides, so that the inner loops copy a tile lying in a few runs
+of each), prefetching the source some blocks ahead and writing whole destination lines
+with streaming stores:
 that hides the memory latency of short scattered reads (page_head's per-layer load
 reads 256-byte blocks 8 KiB apart) and saves reading the destination before writing
 it, which numpy cannot. One call takes every component's view pair and splits their
