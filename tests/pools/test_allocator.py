@@ -1,5 +1,6 @@
 """Property tests of the page allocator against a set-of-pages reference model."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -107,6 +108,7 @@ def test_exact_order_lowest_first_then_freed_order():
     assert a.alloc(2) is None
     a.free(torch.tensor([0, 1]))
     assert a.allocated(torch.tensor([0, 1, 2, 7])).tolist() == [False, True, True, True]
+    assert a.allocated(np.array([7, 0], dtype=np.int64)).tolist() == [True, False]  # numpy page numbers too
     assert a.alloc(2).tolist() == [0, 1]
 
 

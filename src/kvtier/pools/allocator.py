@@ -70,8 +70,9 @@ class PageAllocator:
         self._in_use[pages] = False
         self._put(pages)
 
-    def allocated(self, page_ids: torch.Tensor) -> torch.Tensor:
-        """``(n,)`` bool: which of the (valid) ``page_ids`` are handed out."""
+    def allocated(self, page_ids: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """``(n,)`` bool: which of the (valid) ``page_ids`` (a tensor or numpy array) are
+        handed out."""
         return torch.from_numpy(self._in_use[np.asarray(page_ids, dtype=np.int64)])
 
     def free(self, indices: torch.Tensor) -> None:
