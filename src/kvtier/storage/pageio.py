@@ -36,7 +36,9 @@ CHUNK = 256 << 10
 #: (32 new 8 MiB page files a round, two I/O threads, ext4, 12 rounds of each): 1 MiB
 #: calls put at 7.3-7.5 GB/s best, 7.1-7.3 median, against 6.9-7.0 and 5.5-5.9 for 2 MiB
 #: calls (a call's bytes then overflow L2, and more rounds stalled); warm gets level
-#: (10.3-10.6 against 10.1-10.9)
+#: (10.3-10.6 against 10.1-10.9). Smaller calls gained nothing (the same way, 10 rounds,
+#: medians: page_first 7.42 for 1 MiB, 7.39 for 512 KiB, 7.29 for 256 KiB; page_head
+#: 7.30, 7.29, 7.12 GB/s)
 WRITE_CHUNK = 1 << 20
 #: A file no longer than this is written in one call from offset 0, header first (its
 #: parts hashed before): a MiMo page (1.4 MiB) read back warm 5% slower from files
