@@ -58,9 +58,15 @@ def _permuted_slots(pages: int, page_size: int, gen: torch.Generator) -> torch.T
     return page_slots(torch.randperm(pages, generator=gen), page_size)
 
 
+#: The copies every row times, in order (keys of :func:`copies`' and :func:`time_copies`' tuples)
+DIRECTIONS = ("backup", "load", "load runs")
+
+
 def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
-    """``(backup, load)`` between a host and a device pool (plain or hybrid): every layer of
-    the pages device -> host in one call; host -> device one layer per call, ``layers`` calls."""
+    """``(backup, load, load runs)`` between a host and a device pool (plain or hybrid):
+    every layer of the pages device -> host in one call; host -> device one layer per
+    call, ``layers`` calls; host -> device in the runs of layers the cache's loads copy
+    off a CUDA stream (``mover.layer_runs``: layer 0 alone, then longer runs), a call a run."""
     def backup():
         host.backup_from_device_all_layer(dev, host_idx, dev_idx, backend)
 
@@ -68,22 +74,16 @@ def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
         for layer in range(layers):
             host.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
 
-    return backup, load
-
-
-def load_runs(host, dev, host_idx, dev_idx, layers: int, backend: str):
-    """Host -> device of every layer in the runs the cache's loads copy off a CUDA stream
-    (``mover.layer_runs``: layer 0 alone, then longer runs), one call a run."""
-    def load():
+    def load_runs():
         for run in layer_runs(layers):
             host.load_to_device_layers(dev, host_idx, dev_idx, run, backend)
 
-    return load
+    return backup, load, load_runs
 
 
-def time_copies(backup, load, repeat: int, cuda: bool) -> tuple[float, float]:
-    """Best seconds of ``backup``, then of ``load``."""
-    return best_seconds(backup, repeat, cuda=cuda), best_seconds(load, repeat, cuda=cuda)
+def time_copies(fns, repeat: int, cuda: bool) -> tuple[float, ...]:
+    """Best seconds of each of ``fns`` (:func:`copies`), in turn."""
+    return tuple(best_seconds(fn, repeat, cuda=cuda) for fn in fns)
 
 
 def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, repeat: int,
@@ -103,7 +103,7 @@ def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, r
     host_idx, dev_idx = _permuted_slots(pages, page_size, gen), _permuted_slots(pages, page_size, gen)
     dev_idx = dev_idx.to(dev.index_device)
     cuda = dev.device.type == "cuda"
-    timed, limit = [], {"backup": 0.0, "load": 0.0, "load runs": 0.0}
+    timed, limit = [], dict.fromkeys(DIRECTIONS, 0.0)
     for layout in layouts:
         host = HostKVPool(spec, size, page_size, layout=layout, pin_memory=cuda)
         host.raw.fill_(0)
@@ -112,10 +112,8 @@ def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, r
         own["load runs"] = own["load"]  # the same bytes the same way
         limit = {d: max(limit[d], own[d]) for d in limit}
         for backend in backends:
-            t_backup, t_load = time_copies(*copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
-            t_runs = best_seconds(load_runs(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda=cuda)
-            timed += [(layout, backend, d, t, own[d])
-                      for d, t in (("backup", t_backup), ("load", t_load), ("load runs", t_runs))]
+            times = time_copies(copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
+            timed += [(layout, backend, d, t, own[d]) for d, t in zip(DIRECTIONS, times)]
         # NOTE: the copies close over ``host`` only inside time_copies' call, so this frees
         # the layout's pool before the next one is allocated
         del host

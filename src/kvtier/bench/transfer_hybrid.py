@@ -27,8 +27,8 @@ from ..layout import LAYOUTS
 from ..pools.common import check_device
 from ..pools.hybrid import HybridDevicePool, HybridHostPool
 from ..pools.indices import page_slots
-from .timing import best_seconds, memcpy_gbps
-from .transfer import TransferRow, copies, load_runs, run_fields, time_copies
+from .timing import memcpy_gbps
+from .transfer import DIRECTIONS, TransferRow, copies, run_fields, time_copies
 
 
 @dataclass(frozen=True)
@@ -110,18 +110,19 @@ def _nonzero(pools) -> int:
     return sum(int(pool.raw.count_nonzero()) for _, pool in pools)
 
 
-def _copied_bytes(dev: HybridDevicePool, host: HybridHostPool, backup, load, runs, cuda: bool) -> dict[str, int]:
-    """The bytes one ``backup``, one ``load`` and one load in ``runs`` wrote, counted in the
-    pools themselves.
+def _copied_bytes(dev: HybridDevicePool, host: HybridHostPool, fns, cuda: bool) -> dict[str, int]:
+    """The bytes one run of each of ``fns`` (:func:`copies`: a backup, then the loads)
+    wrote, counted in the pools themselves.
 
     NOTE: needs the device pools all ones (bytes 0x01) and the host pools all zeros: the
     backup's writes are then the host's nonzero bytes; the device is zeroed before each
     load, which reads the backed-up pages, so its writes are the device's nonzero bytes."""
+    backup, *loads = fns
     backup()
     if cuda:
         torch.cuda.synchronize()
-    written = {"backup": _nonzero(host)}
-    for direction, fn in (("load", load), ("load runs", runs)):
+    written = {DIRECTIONS[0]: _nonzero(host)}
+    for direction, fn in zip(DIRECTIONS[1:], loads):
         for _, pool in dev:
             pool.raw.zero_()
         fn()
@@ -153,22 +154,19 @@ def bench_hybrid(spec: HybridSpec, *, tokens: int, page_size: int, layouts, back
     nbytes = {n: len(p) * page_size * spec.group(n).bytes_per_token for n, p in moved.items()}
     total = sum(nbytes.values())
     cuda = dev[spec.names[0]].device.type == "cuda"
-    timed, limit, copied = [], {"backup": 0.0, "load": 0.0, "load runs": 0.0}, None
+    timed, limit, copied = [], dict.fromkeys(DIRECTIONS, 0.0), None
     for layout in layouts:
         host = HybridHostPool(spec, tokens, page_size, layout=layout, pin_memory=cuda)
         for _, pool in host:
             pool.raw.fill_(0)
         if copied is None:  # before the memcpys below write into the pools
-            copied = _copied_bytes(dev, host, *copies(host, dev, host_idx, dev_idx, spec.layer_num, backends[0]),
-                                   load_runs(host, dev, host_idx, dev_idx, spec.layer_num, backends[0]), cuda)
+            copied = _copied_bytes(dev, host, copies(host, dev, host_idx, dev_idx, spec.layer_num, backends[0]), cuda)
         own = _memcpy_limits(host, dev, nbytes, repeat)
         own["load runs"] = own["load"]  # the same bytes the same way
         limit = {d: max(limit[d], own[d]) for d in limit}
         for backend in backends:
-            t_backup, t_load = time_copies(*copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
-            t_runs = best_seconds(load_runs(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda=cuda)
-            timed += [(layout, backend, d, t, own[d])
-                      for d, t in (("backup", t_backup), ("load", t_load), ("load runs", t_runs))]
+            times = time_copies(copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
+            timed += [(layout, backend, d, t, own[d]) for d, t in zip(DIRECTIONS, times)]
         del host  # free this layout's pools before the next ones are allocated (no copy closes over them now)
     fp = spec.fingerprint()
     rows = [TransferRow(fp, page_size, lay, be, d, total / 1e9, total / t / 1e9, memcpy, total / t / 1e9 / memcpy)
