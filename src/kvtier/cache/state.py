@@ -168,17 +168,17 @@ class CacheState(HybridState):
         taken one after another), a new tensor on the pool's index device."""
         if self._offsets is None:
             compiled = load(COMPILED)
-            if compiled is None:
-                return torch.from_numpy(page_token_slots(_joined(pages), self.page_size))
-            # NOTE: called as is (it checks its arguments), one call for every run: the
-            # checks and concatenation around it were 2.5 of a full hit's 6 us of slots
-            runs, n = (pages, sum([len(r) for r in pages])) if isinstance(pages, list) else ((pages,), len(pages))
-            out = np.empty(n * self.page_size, dtype=np.int64)
-            try:
-                compiled.expand_runs(runs, self.page_size, out)
-            except (TypeError, ValueError):  # a run not of contiguous int64: numpy's way
-                return torch.from_numpy(page_token_slots(_joined(pages), self.page_size))
-            return torch.from_numpy(out)
+            if compiled is not None:
+                # NOTE: called as is (it checks its arguments), one call for every run: the
+                # checks and concatenation around it were 2.5 of a full hit's 6 us of slots
+                runs, n = (pages, sum([len(r) for r in pages])) if isinstance(pages, list) else ((pages,), len(pages))
+                out = np.empty(n * self.page_size, dtype=np.int64)
+                try:
+                    compiled.expand_runs(runs, self.page_size, out)
+                    return torch.from_numpy(out)
+                except (TypeError, ValueError):  # a run not of contiguous int64: numpy's way below
+                    pass
+            return torch.from_numpy(page_token_slots(_joined(pages), self.page_size))
         # NOTE: on an accelerator only the page numbers cross (1/page_size of the slots'
         # bytes), and the expansion runs there, queued like any kernel
         on = torch.from_numpy(_joined(pages)).to(self._offsets.device)

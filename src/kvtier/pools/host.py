@@ -98,7 +98,6 @@ class HostKVPool:
     def _init(self, spec, page_size, layout, device, raw, buffers, copy_threads) -> None:
         self._layout = layout
         self.spec, self.page_size, self.device = spec, page_size, device
-        self._index_devices = (_CPU, device)  # where host_indices may live
         self.layout = layout.name
         self.num_pages = buffers[spec.names[0]].shape[layout.order.index("page")]
         self.size = self.num_pages * page_size
@@ -220,7 +219,7 @@ class HostKVPool:
             raise UsageError(f"host_indices has {host_indices.numel()} slots, device_indices "
                              f"{device_indices.numel()}; they must match")
         host_pages = page_numbers(host_indices, page_size=self.page_size, size=self.size, what="host_indices",
-                                  allowed_devices=self._index_devices, unique=dst_is_host)
+                                  allowed_devices=(_CPU, self.device), unique=dst_is_host)
         dev_pages = page_numbers(device_indices, page_size=self.page_size, size=device_pool.size,
                                  what="device_indices", allowed_devices=(_CPU, device_pool.device),
                                  unique=not dst_is_host)

@@ -39,7 +39,7 @@ import torch
 
 from . import copy as _copy
 from . import native
-from .runs import Runs, coalesce
+from .runs import Runs, coalesce, host_pages
 
 #: A page is staged when the block both sides share is shorter than ``STAGE_BELOW_BYTES``
 #: while the source's own blocks are at least ``STAGE_SOURCE_BYTES`` long. (Measured on the
@@ -196,19 +196,14 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_pages: torch.Tensor
          src_pages: torch.Tensor | np.ndarray, nbytes: int, threads: int, workers: _copy.CopyWorkers | None = None,
          runs: Runs | None = None) -> None:
     """``dst[dst_pages[i]] <- src[src_pages[i]]`` for every page-major ``(dst, src)`` numpy
-    view pair (page numbers as tensors or int64 numpy arrays), split across ``threads`` threads when there are
-    enough bytes to move: in one compiled call where every pair may take it, else with
-    numpy on ``workers``' threads (when given) over ``runs`` (coalesced here when not given)."""
+    view pair (page numbers as tensors or int64 numpy arrays), split across ``threads``
+    threads when there are enough bytes to move: in one compiled call where every pair
+    may take it, else with numpy on ``workers``' threads (when given) over ``runs``
+    (coalesced here when not given)."""
     parallel = _copy.thread_count(nbytes, threads, workers)
     if all(native.takes(d, s) for d, s in pairs):
-        native.copy_pages(pairs, _numbers(dst_pages), _numbers(src_pages), parallel)
+        native.copy_pages(pairs, host_pages(dst_pages), host_pages(src_pages), parallel)
         return
     tasks = plan(pairs, runs or coalesce(dst_pages, src_pages), parts=parallel)
     # NOTE: split_threads deals tasks[i::parallel] to thread i: part i of every pair
     _copy.split_threads(tasks, nbytes, parallel, run_tasks, workers)
-
-
-def _numbers(pages: torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(pages, np.ndarray):
-        return pages if pages.dtype == np.int64 else pages.astype(np.int64)
-    return np.asarray(pages.cpu().numpy(), dtype=np.int64)

@@ -25,7 +25,7 @@ def coalesce(dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.
     often collapse to a few runs; a random permutation stays one run per page.
     """
     # numpy: a few µs for what costs ~50 µs in small torch ops, once per per-layer load
-    d, s = _host(dst_pages), _host(src_pages)
+    d, s = host_pages(dst_pages), host_pages(src_pages)
     n = len(d)
     if n == 0:
         return Runs([], [], [])
@@ -36,8 +36,12 @@ def coalesce(dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.
     return Runs(d[starts].tolist(), s[starts].tolist(), lengths.tolist())
 
 
-def _host(pages: torch.Tensor | np.ndarray) -> np.ndarray:
-    return pages if isinstance(pages, np.ndarray) else pages.cpu().numpy()
+def host_pages(pages: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Page numbers (a tensor on any device, or a numpy array) as an int64 numpy array,
+    the array itself where it is one already."""
+    if isinstance(pages, np.ndarray):
+        return pages if pages.dtype == np.int64 else pages.astype(np.int64)
+    return np.asarray(pages.cpu().numpy(), dtype=np.int64)
 
 
 #: Page pairs up to which :func:`coalesce` walks Python lists (a sliding window's few pages)
