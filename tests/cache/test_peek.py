@@ -120,3 +120,29 @@ def test_a_peek_result_cannot_be_locked_or_loaded():
     cache.close()
     with pytest.raises(CacheClosedError):
         cache.peek(A)
+
+
+@pytest.mark.parametrize("name", ["mimo", "long_window"])
+def test_a_hybrid_peek_inside_a_node_gives_what_a_match_would(name):
+    """A peek does not split the node its prefix ends inside, so that node reaches past
+    the prefix: each sliding window must be looked up by where the path's nodes sit, not
+    from the node's end. Prefixes ending inside a cached prompt's node (not resume points:
+    their windows are freed) and at its end: peek and match give the same lengths."""
+    import random
+
+    from tests.support.cache_hybrid_engine import HybridEngine
+    from tests.support.cache_hybrid_engine import make_cache as make_hybrid
+    from tests.support.pools import HYBRID_SPECS
+
+    spec = HYBRID_SPECS[name]
+    sizes = {g.name: 1024 for g in spec.groups}
+    rng = random.Random(1)
+    a = [rng.randrange(10_000) for _ in range(64)]
+    for cut in (8, 20, 36, 48, 60, 64):
+        cache = make_hybrid(spec, 4, sizes, sizes)
+        HybridEngine(cache).serve(a)
+        tokens = a[:cut] + [rng.randrange(10_000, 20_000) for _ in range(4)]
+        peeked, matched = peek_then_match(cache, tokens)
+        assert peeked == matched, (cut, peeked, matched)
+        assert (matched[0] == 64) == (cut == 64)  # only the cached prompt's end resumes here
+        cache.close()

@@ -61,26 +61,19 @@ class HybridState:
     def _device_windows(self, path, pages: int) -> dict[str, list] | None:
         """Per sliding group, its window before ``pages`` pages of ``path`` as pieces
         ``(first page, the device's page numbers from there)``, where every group's window
-        is wholly on the device (the common full hit: checked from the path's end, no
-        arrays built); else ``None``."""
+        is wholly on the device (the common full hit: found from the path's end, no arrays
+        built); else ``None``. The path's last node may reach past ``pages`` (a peek's)."""
         ps, out = self.page_size, {}
         for g in self.sides.names:
             w = self.sides.window_pages(g, pages * ps)
-            end, pieces = pages, out.setdefault(g, [])
-            for node in reversed(path):
-                n = len(node.key) // ps
-                start = end - n
-                if end <= w.start:
-                    break
-                if node.device is None:
-                    return None
-                lo, hi = max(w.start, start), min(w.stop, end)
-                if lo < hi:
-                    held = node.device.side[g][lo - start:hi - start]
-                    if lowest(held) < 0:
-                        return None
-                    pieces.append((lo, held))
-                end = start
+            pieces, held_pages = self._window_pieces(path, g, w), 0
+            for _, held in pieces:
+                if lowest(held) < 0:
+                    return None  # a hole: the device lacks that page of the window
+                held_pages += len(held)
+            if held_pages < len(w):
+                return None  # a node of the window not on the device
+            out[g] = pieces
         return out
 
     def _hybrid_lens(self, path, device_len: int, host_len: int) -> tuple[int, int, Probe]:
@@ -138,7 +131,7 @@ class HybridState:
             if found is not None:
                 pieces = found[g]
             else:
-                pieces = self._window_pieces(path, g, pages)
+                pieces = self._window_pieces(path, g, self.sides.window_pages(g, pages * ps))
             if compiled is not None:
                 # NOTE: one call fills the -1s and expands every piece (holes kept): with a
                 # copy of a kept array of -1s and a call per piece, this method took 6.1 us
@@ -154,12 +147,11 @@ class HybridState:
             out[g] = torch.from_numpy(slots)
         return out
 
-    def _window_pieces(self, path, g: str, pages: int) -> list:
-        """Group ``g``'s window before ``pages`` pages of ``path`` as pieces ``(first page,
+    def _window_pieces(self, path, g: str, w: range) -> list:
+        """Group ``g``'s window ``w`` (page indices) along ``path`` as pieces ``(first page,
         the device's page numbers from there)``, holes included; pages not on the device
         are left out."""
         ps, pieces = self.page_size, []
-        w = self.sides.window_pages(g, pages * ps)
         # NOTE: from the path's end, by each node's depth: only the nodes past the prefix
         # and those the window lies in are visited (a path of one node per page took
         # 0.3 us a node from the root)
