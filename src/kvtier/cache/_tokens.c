@@ -13,6 +13,19 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Ids ahead of the one read whose int objects are prefetched. A fresh prompt's list is
+ * not in the CPU's caches, and its ids' objects (32 bytes each, 256 KiB for 8K ids) are
+ * found through pointers, which the hardware's prefetchers do not follow. Converting
+ * 300 fresh lists of 8K random 30-bit ids, other memory touched between them (medians,
+ * two builds alternated): 32.5 us without, 31 with 8 ids ahead, 29.5 with 32, 28.6-29.0
+ * with 64; a list already in the caches takes 6. */
+#define OBJECTS_AHEAD 64
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+
 /* The value of an exact int of at most one digit (|v| < 2**30, every token id), read
  * straight from the object: 1 when read, 0 to take the general call instead. */
 static inline int compact_value(PyObject *item, int64_t *v) {
@@ -67,6 +80,8 @@ static PyObject *fill_int64(PyObject *self, PyObject *args) {
     int ok = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = items[i];
+        if (i + OBJECTS_AHEAD < n)
+            PREFETCH(items[i + OBJECTS_AHEAD]);
         if (!PyLong_CheckExact(item)) {
             ok = 0;
             break;
