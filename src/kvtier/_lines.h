@@ -46,6 +46,32 @@ static inline void copy_lines(char *dst, const char *src, size_t n) {
 #endif
 }
 
+/* The same copy a whole line per instruction (AVX-512), where the compiler can build it
+ * for x86-64: LINES_WIDE is then defined, LINES_WIDE_TARGET marks a function that may
+ * use it, and lines_wide() says whether this CPU (and its OS) runs it. Call it only from
+ * such a function, and only when lines_wide() is true. A line written by one streaming
+ * store leaves the write-combining buffer at once, where four 16-byte stores hold it
+ * until the last: gathers that write short blocks far apart went faster (see _native.c). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define LINES_WIDE 1
+#define LINES_WIDE_TARGET __attribute__((target("avx512f")))
+
+LINES_WIDE_TARGET __attribute__((always_inline)) static inline void copy_lines_wide(char *dst, const char *src, size_t n) {
+    for (size_t k = 0; k < n; k += LINE)
+        _mm512_stream_si512((void *)(dst + k), _mm512_loadu_si512((const void *)(src + k)));
+}
+
+static inline int lines_wide(void) {
+    static int known = -1; /* NOTE: a race here only repeats the same answer */
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") != 0;
+    }
+    return known;
+}
+#endif
+
 /* Streaming stores are weakly ordered: this makes the ones before it visible first. */
 static inline void lines_fence(void) {
 #if defined(__SSE2__)

@@ -160,7 +160,8 @@ def test_resume_arithmetic_of_mimo():
         check_hybrid(mimo, page_sizes=(64, 256), pages=1)
 
 
-UNIFORM_CONFIG = ["page_sizes", "pages", "repeat", "torch_threads", "dtype", "device", "device_name", "copy_path"]
+UNIFORM_CONFIG = ["page_sizes", "pages", "repeat", "torch_threads", "dtype", "device", "device_name", "copy_path",
+                  "store_bytes"]
 
 
 def test_uniform_json_keys_are_unchanged(capsys):

@@ -1,7 +1,8 @@
 """The compiled copy path (``kvtier.transfer._native``) against the pure numpy path.
 
 Every layout x geometry x direction is copied both ways and compared byte for byte,
-with the expected pages too. The C function's own checks (every block inside both
+with the expected pages too, and with each kind of streaming store (a line per store
+where the CPU has AVX-512, 16 bytes per store). The C function's own checks (every block inside both
 buffers, before any byte moves; argument types) are tested directly. Where the module
 is not built, its tests are skipped, or fail under KVTIER_REQUIRE_SERVICES=1 (CI).
 """
@@ -27,6 +28,14 @@ def compiled():
     if module is None:
         unavailable("kvtier.transfer._native is not built (no C compiler at install time?)")
     return module
+
+
+@pytest.fixture(params=["1", "0"], ids=["wide-stores", "16-byte-stores"])
+def stores(request, monkeypatch):
+    """Both kinds of streaming store: a line per store where the CPU has AVX-512 (the
+    default), and 16 bytes per store (``KVTIER_WIDE_STORES=0``, read per call)."""
+    monkeypatch.setenv("KVTIER_WIDE_STORES", request.param)
+    return request.param
 
 
 def test_native_module_is_built(compiled):
@@ -71,7 +80,7 @@ def _counted(fn, calls):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
 @pytest.mark.parametrize("spec_name", list(GEOMETRIES))
-def test_native_matches_pure_path(monkeypatch, compiled, spec_name, layout, threads):
+def test_native_matches_pure_path(monkeypatch, compiled, stores, spec_name, layout, threads):
     """Backups and per-layer loads give the same bytes with and without the compiled path
     (and the loads give back the source's pages); the switch really changes the path."""
     spec = GEOMETRIES[spec_name]
@@ -172,7 +181,7 @@ def _bufs():
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_copy_job_blocks(compiled, stream):
+def test_copy_job_blocks(compiled, stores, stream):
     """Each page's blocks land where the strides say, in any page order; both store kinds."""
     src = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
     dst = np.zeros(4096, dtype=np.uint8)
@@ -277,7 +286,7 @@ def _jobs(rng, count, pages, block=64):
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("pages", [1, 5, 64])
-def test_copy_jobs_splits_every_job_over_threads(compiled, threads, pages):
+def test_copy_jobs_splits_every_job_over_threads(compiled, stores, threads, pages):
     """Several jobs in one call, each job's pages shared out over 1 to 8 threads (more
     threads than pages included): every page of every job lands, nothing else changes."""
     jobs, dsts, wants = _jobs(np.random.default_rng(pages * 10 + threads), 3, pages)
@@ -288,7 +297,7 @@ def test_copy_jobs_splits_every_job_over_threads(compiled, threads, pages):
 
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("block", [4096, 4096 + 64, 8192, 3 * 4096 + 48, 5 * 4096 + 8])
-def test_copy_jobs_copies_long_blocks_whole(compiled, block, stream):
+def test_copy_jobs_copies_long_blocks_whole(compiled, stores, block, stream):
     """Blocks longer than the lines prefetched ahead of one (4 KiB) are copied a line at a
     time with prefetches further on, then their tail: whole lines and ragged ends,
     streaming and plain stores, every byte lands and nothing past a block changes."""
@@ -351,6 +360,39 @@ def test_bench_transfer_reports_copy_path(monkeypatch, capsys, flag):
     assert json.loads(capsys.readouterr().out)["config"]["copy_path"] == want
     assert main(args) == 0
     assert f"CPU copy path {want}" in capsys.readouterr().out
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
+def test_store_bytes_follow_the_cpu_and_the_switch(monkeypatch, capsys, compiled):
+    """A line per streaming store exactly where the CPU has AVX-512 (x86-64 Linux here),
+    16 bytes with ``KVTIER_WIDE_STORES=0``, none reported on numpy's path; the bench
+    names them."""
+    import json
+
+    from kvtier.cli import main
+
+    flags = _cpu_flags()
+    if "sse2" not in flags:
+        pytest.skip("not an x86-64 Linux CPU with its flags in /proc/cpuinfo")
+    monkeypatch.delenv("KVTIER_WIDE_STORES", raising=False)
+    assert native.store_bytes() == (64 if "avx512f" in flags else 16)
+    monkeypatch.setenv("KVTIER_WIDE_STORES", "0")
+    assert native.store_bytes() == 16
+    args = ["bench", "transfer", "--layers", "2", "--heads", "2", "--dims", "16", "--page-size", "4", "--pages", "4",
+            "--layouts", "page_head", "--backends", "direct", "--repeat", "1", "--meta-pages", "4"]
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["store_bytes"] == 16
+    assert main(args) == 0
+    assert "CPU copy path native (16-byte streaming stores)" in capsys.readouterr().out
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
+    assert native.store_bytes() == 0
 
 
 @pytest.mark.parametrize("step", [256, 0, -256])

@@ -170,11 +170,11 @@ def uniform_memory_bytes(specs, *, page_sizes=(64,), pages: int = 256, meta_page
 
 def run_fields(specs, *, repeat: int, device: str) -> dict:
     """The config fields every run reports about how it ran: repeats, threads, dtype(s),
-    device and CPU copy path."""
+    device, CPU copy path and its streaming stores' bytes."""
     return {"repeat": repeat, "torch_threads": torch.get_num_threads(),
             "dtype": ",".join(sorted({DTYPE_NAMES[s.dtype] for s in specs})), "device": device,
             "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-            "copy_path": native.path_name()}
+            "copy_path": native.path_name(), "store_bytes": native.store_bytes()}
 
 
 def run(*, layers: int = 32, heads: int = 8, dims=DIMS, page_sizes=(64,), pages: int = 256,

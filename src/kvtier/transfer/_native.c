@@ -25,6 +25,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../_lines.h"
@@ -69,6 +70,12 @@
 #define PREFETCH_WRITE(p) ((void)(p))
 #endif
 
+#if defined(__GNUC__) || defined(__clang__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE inline
+#endif
+
 /* The position of one block: page i, index idx[] within the page. */
 typedef struct {
     Py_ssize_t page;
@@ -83,7 +90,7 @@ typedef struct {
     int64_t dst_stride[MAX_DIMS], src_stride[MAX_DIMS];
 } Plan;
 
-static void cursor_at_page(const Plan *p, Cursor *c, Py_ssize_t page) {
+static ALWAYS_INLINE void cursor_at_page(const Plan *p, Cursor *c, Py_ssize_t page) {
     c->page = page;
     memset(c->idx, 0, sizeof c->idx);
     if (page < p->pages) {
@@ -93,7 +100,7 @@ static void cursor_at_page(const Plan *p, Cursor *c, Py_ssize_t page) {
 }
 
 /* Step to the next block (odometer over shape, then the next page). */
-static void cursor_next(const Plan *p, Cursor *c) {
+static ALWAYS_INLINE void cursor_next(const Plan *p, Cursor *c) {
     for (Py_ssize_t j = p->ndim - 1; j >= 0; j--) {
         if (++c->idx[j] < p->shape[j]) {
             c->dst += p->dst_stride[j];
@@ -182,91 +189,53 @@ static int whole_lines(const Plan *p, const char *dst, size_t block) {
     return 1;
 }
 
-static inline void copy_block(char *dst, const char *src, size_t block, int stream) {
-    if (stream)
-        copy_lines(dst, src, block);
-    else
-        memcpy(dst, src, block);
-}
+/* The loops, with 16-byte streaming stores (SSE2) and, where the compiler can build
+ * them, a line per store (copy_all_wide, run where the CPU has AVX-512). */
+#define LOOP(name) name##_narrow
+#define LOOP_ATTR
+#define LOOP_LINES copy_lines
+#include "_copy_loop.h"
+#undef LOOP
+#undef LOOP_ATTR
+#undef LOOP_LINES
 
-/* A block longer than the lines prefetched ahead of it (PREFETCH_LINES): each line's
- * copy prefetches the line that far past it, so its reads stay ahead to the block's
- * end. The hardware's streamer alone fell behind: 128 KiB blocks at random places,
- * copied by two threads, went from 18.5 to 21.3 GB/s in a C harness (a burst of
- * prefetches per 4 KiB piece instead gained nothing). */
-static inline void copy_long_block(char *dst, const char *src, size_t block, int stream) {
-    const size_t ahead = PREFETCH_LINES * 64;
-    size_t k = 0;
-    for (; k + ahead < block; k += 64) {
-        PREFETCH_READ(src + k + ahead);
-        copy_block(dst + k, src + k, 64, stream);
-    }
-    copy_block(dst + k, src + k, block - k, stream);
-}
-
-#if defined(__GNUC__) || defined(__clang__)
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define ALWAYS_INLINE inline
+/* NOTE: streaming stores a line at a time where the CPU has them (_lines.h). Per-layer
+ * loads on the 2-core EPYC VM, a C harness of the same gathers (two threads, the same
+ * prefetches, medians of 15 rounds alternating the store widths in one process):
+ * page_first's 2 KiB rows 64 KiB apart 17.8 -> 19.0 GB/s, page_head's 256-byte rows
+ * 8 KiB apart 9.5 -> 11.0; 32-byte stores between the two; contiguous copies level. */
+#ifdef LINES_WIDE
+#define LOOP(name) name##_wide
+#define LOOP_ATTR LINES_WIDE_TARGET
+#define LOOP_LINES copy_lines_wide
+#include "_copy_loop.h"
+#undef LOOP
+#undef LOOP_ATTR
+#undef LOOP_LINES
 #endif
 
-static ALWAYS_INLINE void copy_all_sized(const Plan *p, char *dst, const char *src, size_t block, int stream) {
-    Cursor cur, ahead;
-    cursor_at_page(p, &cur, 0);
-    cursor_at_page(p, &ahead, 0);
-    size_t lines = (block + 63) / 64;
-    if (lines > PREFETCH_LINES)
-        lines = PREFETCH_LINES;
-    size_t blocks_ahead = (block <= SHORT_BLOCK ? AHEAD_SHORT_BYTES : AHEAD_BYTES) / (lines * 64);
-    if (blocks_ahead < 1)
-        blocks_ahead = 1;
-    for (size_t k = 0; k < blocks_ahead && ahead.page < p->pages; k++) {
-        for (size_t l = 0; l < lines; l++)
-            PREFETCH_READ(src + ahead.src + 64 * l);
-        cursor_next(p, &ahead);
+/* wide: the call's choice (wide_stores), the CPU's support included. */
+static void copy_all(const Plan *p, char *dst, const char *src, size_t block, int stream, int wide) {
+#ifdef LINES_WIDE
+    if (stream && wide) {
+        copy_all_wide(p, dst, src, block, stream);
+        return;
     }
-    while (cur.page < p->pages) {
-        if (ahead.page < p->pages) {
-            for (size_t l = 0; l < lines; l++)
-                PREFETCH_READ(src + ahead.src + 64 * l);
-            if (!stream)
-                PREFETCH_WRITE(dst + ahead.dst);
-            cursor_next(p, &ahead);
-        }
-        if (block > PREFETCH_LINES * 64)
-            copy_long_block(dst + cur.dst, src + cur.src, block, stream);
-        else
-            copy_block(dst + cur.dst, src + cur.src, block, stream);
-        cursor_next(p, &cur);
-    }
-    if (stream)
-        lines_fence(); /* make the streaming stores visible before returning */
+#else
+    (void)wide;
+#endif
+    copy_all_narrow(p, dst, src, block, stream);
 }
 
-/* NOTE: copy_all_sized compiled once per common block size (a head's dims at 2 bytes:
- * 64 to 512 dims), with the size and the store kind as constants: the copy and
- * prefetch loops unrolled, a page_head per-layer load ran much faster than through the
- * one loop for any size (256-byte blocks 8 KiB apart, the same code compiled both
- * ways). Other sizes take that generic loop. */
-#define SIZED(n)                                          \
-    case n:                                               \
-        if (stream)                                       \
-            copy_all_sized(p, dst, src, n, 1);            \
-        else                                              \
-            copy_all_sized(p, dst, src, n, 0);            \
-        return;
-
-static void copy_all(const Plan *p, char *dst, const char *src, size_t block, int stream) {
-    switch (block) {
-        SIZED(128)
-        SIZED(256)
-        SIZED(384)
-        SIZED(512)
-        SIZED(768)
-        SIZED(1024)
-    default:
-        copy_all_sized(p, dst, src, block, stream);
-    }
+/* Whether this call may store a line at a time: the CPU runs it, and KVTIER_WIDE_STORES
+ * is not "0" (read per call, with the GIL held, as Python sets the environment). */
+static int wide_stores(void) {
+#ifdef LINES_WIDE
+    const char *flag = getenv("KVTIER_WIDE_STORES");
+    return lines_wide() && !(flag != NULL && strcmp(flag, "0") == 0);
+#else
+    return 0;
+#endif
 }
 
 static int get_int64_tuple(PyObject *seq, int64_t *out, Py_ssize_t n, const char *name) {
@@ -422,6 +391,7 @@ typedef struct {
     const Job *jobs;
     Py_ssize_t count;
     Py_ssize_t part, parts;
+    int wide;
 } Share;
 
 static void copy_share(const Share *sh) {
@@ -434,7 +404,7 @@ static void copy_share(const Share *sh) {
         plan.pages = to - from;
         plan.dst_page += from;
         plan.src_page += from;
-        copy_all(&plan, (char *)job->dst.buf, (const char *)job->src.buf, job->block, job->stream);
+        copy_all(&plan, (char *)job->dst.buf, (const char *)job->src.buf, job->block, job->stream, sh->wide);
     }
 }
 
@@ -448,10 +418,10 @@ static void *share_thread(void *arg) {
 
 /* Every job's pages split over ``parts`` threads: this one and parts - 1 started for
  * the call (a thread that cannot start has its share copied here). */
-static void copy_jobs_split(const Job *jobs, Py_ssize_t count, Py_ssize_t parts) {
+static void copy_jobs_split(const Job *jobs, Py_ssize_t count, Py_ssize_t parts, int wide) {
     Share shares[MAX_THREADS];
     for (Py_ssize_t t = 0; t < parts; t++)
-        shares[t] = (Share){jobs, count, t, parts};
+        shares[t] = (Share){jobs, count, t, parts, wide};
 #ifndef _WIN32
     pthread_t threads[MAX_THREADS];
     int started[MAX_THREADS] = {0};
@@ -483,7 +453,8 @@ PyDoc_STRVAR(copy_jobs_doc,
 "``threads`` contiguous shares, one copied on this thread and the others on threads\n"
 "started for the call (at most " Py_STRINGIFY(MAX_THREADS) "), with the GIL released. With ``stream``\n"
 "(default; and SSE2, and every destination block made of whole 64-byte lines) the\n"
-"destination is written with streaming stores. Jobs must not write memory that another\n"
+"destination is written with streaming stores, a line per store where the CPU has\n"
+"AVX-512 (KVTIER_WIDE_STORES=0, read per call: 16 bytes per store). Jobs must not write memory that another\n"
 "job, or their own source, holds. With ``pages_at``, ``(dst_first, dst_step, src_first,\n"
 "src_step)``, the pages are page numbers instead: page p of a side starts at byte\n"
 "``first + p * step`` (a negative number, or one whose offset overflows, is refused).");
@@ -512,8 +483,9 @@ static PyObject *copy_jobs(PyObject *self, PyObject *args) {
         if (job_parse(PySequence_Fast_GET_ITEM(fast, parsed), &jobs[parsed]) < 0)
             break;
     if (parsed == count) {
+        int wide = wide_stores();
         Py_BEGIN_ALLOW_THREADS
-        copy_jobs_split(jobs, count, threads);
+        copy_jobs_split(jobs, count, threads, wide);
         Py_END_ALLOW_THREADS
     }
     for (Py_ssize_t k = 0; k < parsed; k++)
@@ -525,8 +497,23 @@ static PyObject *copy_jobs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(store_bytes_doc,
+"store_bytes() -> int\n\n"
+"Bytes per streaming store that copy_jobs would use now: 64 where the CPU has AVX-512\n"
+"and KVTIER_WIDE_STORES is not 0, else 16 (SSE2), or 0 where it has no streaming stores.");
+
+static PyObject *store_bytes(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+#if defined(__SSE2__)
+    return PyLong_FromLong(wide_stores() ? 64 : 16);
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"copy_jobs", copy_jobs, METH_VARARGS, copy_jobs_doc},
+    {"store_bytes", store_bytes, METH_NOARGS, store_bytes_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,8 +12,13 @@ or faster for every layout and direction, so the CPU engine (``cpu.copy``) uses 
 every copy between views that do not overlap. It is built by ``pip install`` where a C compiler is
 present (``setup.py``, ``optional=True``); where it is not, kvtier copies with numpy alone.
 
+Where the CPU has AVX-512, a streaming store writes a whole 64-byte line (16 bytes
+otherwise): gathers that write short blocks far apart, the per-layer loads from
+``page_first`` and ``page_head``, went faster (``_native.c`` has the figures).
+
 Environment: ``KVTIER_NATIVE=0`` forces the pure numpy path (read at each copy plan,
-through ``kvtier.compiled.load``, so tests and benchmarks can switch it).
+through ``kvtier.compiled.load``, so tests and benchmarks can switch it);
+``KVTIER_WIDE_STORES=0`` keeps the compiled copy to 16-byte stores (read per call).
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ def enabled() -> bool:
 def path_name() -> str:
     """``"native"`` or ``"numpy"``: the copy path CPU transfers take now (for reports)."""
     return "native" if enabled() else "numpy"
+
+
+def store_bytes() -> int:
+    """Bytes per streaming store of the compiled copy now (for reports): 64 where the CPU
+    has AVX-512 and ``KVTIER_WIDE_STORES`` is not ``0``, else 16; 0 on numpy's path."""
+    module = load(COMPILED)
+    return module.store_bytes() if module is not None else 0
 
 
 def _span(a: np.ndarray) -> tuple[int, int]:

@@ -128,6 +128,11 @@ def _hybrid_plan(spec: HybridSpec, args: argparse.Namespace) -> _Plan:
                  "use fewer or smaller pages", partial(transfer_hybrid.run_hybrid, spec, **_options(args)), _hybrid)
 
 
+def _path(cfg: dict) -> str:
+    stores = cfg.get("store_bytes")
+    return f"{cfg['copy_path']} ({stores}-byte streaming stores)" if stores else cfg["copy_path"]
+
+
 def _uniform(result: dict, as_json: bool) -> int:
     if as_json:
         print(json_text(result))
@@ -136,7 +141,7 @@ def _uniform(result: dict, as_json: bool) -> int:
     what = f"spec {cfg['spec']}" if "spec" in cfg else f"{cfg['layers']} layers, {cfg['heads']} KV heads"
     print(f"{what}, {cfg['dtype']}, page sizes {cfg['page_sizes']}, "
           f"{cfg['pages']} pages (of the largest size) in random order on both sides; device {cfg['device_name']}; "
-          f"torch threads {cfg['torch_threads']}; CPU copy path {cfg['copy_path']}")
+          f"torch threads {cfg['torch_threads']}; CPU copy path {_path(cfg)}")
     for key, gbps in result["memcpy_gbps"].items():
         print(f"best memcpy for {key}: backup (device->host) {gbps['backup']:.2f} GB/s, "
               f"load (host->device) {gbps['load']:.2f} GB/s")
@@ -162,7 +167,7 @@ def _hybrid(result: dict, as_json: bool) -> int:
     print(f"hybrid spec: {groups}; {cfg['dtype']}; page sizes {cfg['page_sizes']}; one resume point after "
           f"{cfg['prefix_tokens']:,} tokens ({cfg['pages']} pages of the largest size): full groups move every page, "
           f"sliding groups the pages of one window, in random order on both sides; device {cfg['device_name']}; "
-          f"torch threads {cfg['torch_threads']}; CPU copy path {cfg['copy_path']}")
+          f"torch threads {cfg['torch_threads']}; CPU copy path {_path(cfg)}")
     for key, pages in result["pages_moved"].items():
         gbps = result["memcpy_gbps"][key]
         print(f"{key}: pages moved {', '.join(f'{n} {p}' for n, p in pages.items())}; best memcpy backup "
