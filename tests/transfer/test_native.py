@@ -296,9 +296,9 @@ def test_copy_jobs_splits_every_job_over_threads(compiled, stores, threads, page
 
 
 @pytest.mark.parametrize("stream", [True, False])
-@pytest.mark.parametrize("block", [4096, 4096 + 64, 8192, 3 * 4096 + 48, 5 * 4096 + 8])
+@pytest.mark.parametrize("block", [4096, 8192, 8192 + 64, 3 * 4096 + 48, 5 * 4096 + 8])
 def test_copy_jobs_copies_long_blocks_whole(compiled, stores, block, stream):
-    """Blocks longer than the lines prefetched ahead of one (4 KiB) are copied a line at a
+    """Blocks longer than the lines prefetched ahead of one (8 KiB) are copied a line at a
     time with prefetches further on, then their tail: whole lines and ragged ends,
     streaming and plain stores, every byte lands and nothing past a block changes."""
     rng = np.random.default_rng(block)
