@@ -57,7 +57,8 @@ static inline void copy_lines(char *dst, const char *src, size_t n) {
 #define LINES_WIDE 1
 #define LINES_WIDE_TARGET __attribute__((target("avx512f")))
 
-LINES_WIDE_TARGET __attribute__((always_inline)) static inline void copy_lines_wide(char *dst, const char *src, size_t n) {
+LINES_WIDE_TARGET __attribute__((always_inline)) static inline void copy_lines_wide(char *dst, const char *src,
+                                                                                  size_t n) {
     for (size_t k = 0; k < n; k += LINE)
         _mm512_stream_si512((void *)(dst + k), _mm512_loadu_si512((const void *)(src + k)));
 }
