@@ -2,9 +2,10 @@
 
 Every layout x geometry x direction is copied both ways and compared byte for byte,
 with the expected pages too, and with each kind of streaming store (a line per store
-where the CPU has AVX-512, 16 bytes per store). The C function's own checks (every block inside both
-buffers, before any byte moves; argument types) are tested directly. Where the module
-is not built, its tests are skipped, or fail under KVTIER_REQUIRE_SERVICES=1 (CI).
+where the CPU has AVX-512, 16 bytes per store). The C function's own checks (every
+block inside both buffers, before any byte moves; argument types) are tested directly.
+Where the module is not built, its tests are skipped, or fail under
+KVTIER_REQUIRE_SERVICES=1 (CI).
 """
 
 import numpy as np
