@@ -13,8 +13,9 @@
  * Why C: a page_head per-layer load reads 256-byte blocks 8 KiB apart, which is
  * bound by memory latency; prefetching the source a few blocks ahead hides it
  * (numpy, which cannot prefetch, reaches about half of memcpy). Destination blocks of
- * whole cache lines are written with streaming stores: a plain store first reads the
- * line it writes, a third of a copy's memory traffic. One call takes every component's
+ * whole cache lines are written with streaming stores, a line per store where the CPU
+ * has AVX-512: a plain store first reads the line it writes, a third of a copy's memory
+ * traffic. One call takes every component's
  * job and splits each job's pages over threads it starts itself, GIL released: a
  * per-layer load then costs one Python call instead of one per component and thread,
  * handed to Python threads (about 400 us of a 4.4 ms load of 64 MiB before).
@@ -206,7 +207,10 @@ static int whole_lines(const Plan *p, const char *dst, size_t block) {
  * loads on the 2-core EPYC VM, a C harness of the same gathers (two threads, the same
  * prefetches, medians of 15 rounds alternating the store widths in one process):
  * page_first's 2 KiB rows 64 KiB apart 17.8 -> 19.0 GB/s, page_head's 256-byte rows
- * 8 KiB apart 9.5 -> 11.0; 32-byte stores between the two; contiguous copies level. */
+ * 8 KiB apart 9.5 -> 11.0; 32-byte stores between the two; contiguous copies level. In
+ * kvtier bench transfer (five pairs of runs alternating KVTIER_WIDE_STORES): per-layer
+ * loads from page_first 0.58-0.60x -> 0.61-0.65x of the limit, from page_head
+ * 0.52-0.57x -> 0.56-0.64x; backups level. */
 #ifdef LINES_WIDE
 #define LOOP(name) name##_wide
 #define LOOP_ATTR LINES_WIDE_TARGET
