@@ -461,10 +461,11 @@ PyDoc_STRVAR(copy_jobs_doc,
 "started for the call (at most " Py_STRINGIFY(MAX_THREADS) "), with the GIL released. With ``stream``\n"
 "(default; and SSE2, and every destination block made of whole 64-byte lines) the\n"
 "destination is written with streaming stores, a line per store where the CPU has\n"
-"AVX-512 (KVTIER_WIDE_STORES=0, read per call: 16 bytes per store). Jobs must not write memory that another\n"
-"job, or their own source, holds. With ``pages_at``, ``(dst_first, dst_step, src_first,\n"
-"src_step)``, the pages are page numbers instead: page p of a side starts at byte\n"
-"``first + p * step`` (a negative number, or one whose offset overflows, is refused).");
+"AVX-512 (KVTIER_WIDE_STORES=0, read per call: 16 bytes per store). Jobs must not\n"
+"write memory that another job, or their own source, holds. With ``pages_at``,\n"
+"``(dst_first, dst_step, src_first, src_step)``, the pages are page numbers instead:\n"
+"page p of a side starts at byte ``first + p * step`` (a negative number, or one whose\n"
+"offset overflows, is refused).");
 
 static PyObject *copy_jobs(PyObject *self, PyObject *args) {
     (void)self;
