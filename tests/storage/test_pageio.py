@@ -194,3 +194,35 @@ def test_the_file_stores_own_writes_reserve_each_file_whole_before_writing_it(tm
     assert store.batch_set(["k0", "k1"], pool, torch.arange(8)) == [True, True]
     sizes = sorted(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
     assert sorted(n for _, n in asked) == sizes and all(before == 0 for before, _ in asked)
+
+
+def _cache_dir(root, caches):
+    """A sysfs ``cache`` folder holding ``(level, type, size)`` per ``index*``."""
+    for i, (level, kind, size) in enumerate(caches):
+        index = root / f"index{i}"
+        index.mkdir(parents=True)
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (index / name).write_text(f"{text}\n")
+    return str(root)
+
+
+@pytest.mark.parametrize("size, want", [("2048K", 2 << 20), ("1024K", 1 << 20), ("1M", 1 << 20), ("512K", 512 << 10)])
+def test_l2_bytes_read_the_unified_level_2_cache(tmp_path, size, want):
+    caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", size), ("3", "Unified", "105M")]
+    assert pageio.l2_bytes(_cache_dir(tmp_path, caches)) == want
+
+
+@pytest.mark.parametrize("caches", [[], [("1", "Data", "48K")], [("2", "Unified", "lots")],
+                                    [("2", "Instruction", "1M")]])
+def test_l2_bytes_fall_back_where_sysfs_does_not_tell(tmp_path, caches):
+    root = tmp_path / "cache"
+    root.mkdir()
+    assert pageio.l2_bytes(_cache_dir(root, caches), default=12345) == 12345
+    assert pageio.l2_bytes(str(tmp_path / "missing"), default=777) == 777
+
+
+@pytest.mark.parametrize("l2, want", [(0, 256 << 10), (300 << 10, 256 << 10), (1 << 20, 1 << 20),
+                                      (1280 << 10, 1 << 20), (2 << 20, 2 << 20), (32 << 20, 4 << 20)])
+def test_the_write_chunk_is_the_largest_power_of_two_in_l2_within_bounds(l2, want):
+    assert pageio.write_chunk(l2) == want
+    assert pageio.WRITE_CHUNK == pageio.write_chunk(pageio.l2_bytes())

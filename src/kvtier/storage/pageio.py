@@ -31,19 +31,57 @@ from ..compiled import built, switched_on
 
 #: Bytes moved and hashed at a time: well inside a core's L2 cache
 CHUNK = 256 << 10
-#: Bytes written in one call at most (the calls end at its multiples in the file), each
-#: call's bytes hashed just before, from the CPU's caches. Alternated in one process
-#: (32 new 8 MiB page files a round, two I/O threads, ext4, 12 rounds of each): 1 MiB
-#: calls put at 7.3-7.5 GB/s best, 7.1-7.3 median, against 6.9-7.0 and 5.5-5.9 for 2 MiB
-#: calls (a call's bytes then overflow L2, and more rounds stalled); warm gets level
-#: (10.3-10.6 against 10.1-10.9). Smaller calls gained nothing (the same way, 10 rounds,
-#: medians: page_first 7.42 for 1 MiB, 7.39 for 512 KiB, 7.29 for 256 KiB; page_head
-#: 7.30, 7.29, 7.12 GB/s)
-WRITE_CHUNK = 1 << 20
 #: A file no longer than this is written in one call from offset 0, header first (its
 #: parts hashed before): a MiMo page (1.4 MiB) read back warm 5% slower from files
 #: written in 1 MiB calls, put level
 WHOLE_WRITE_BYTES = 2 << 20
+
+
+def l2_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache", default: int = 1 << 20) -> int:
+    """Bytes of one core's L2 cache as Linux's sysfs tells them (``index*/level``,
+    ``type``, ``size`` such as ``2048K``), or ``default`` where it does not."""
+    try:
+        for index in sorted(os.listdir(cache_dir)):
+            at = os.path.join(cache_dir, index)
+            with open(os.path.join(at, "level")) as f_level, open(os.path.join(at, "type")) as f_type:
+                if f_level.read().strip() != "2" or f_type.read().strip() not in ("Unified", "Data"):
+                    continue
+            with open(os.path.join(at, "size")) as f:
+                size = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            return int(size.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return default
+
+
+def write_chunk(l2: int) -> int:
+    """Bytes a page file's write calls take at most for a core with ``l2`` bytes of L2
+    cache: the largest power of two in it, within 256 KiB..4 MiB.
+
+    Each call's bytes are hashed just before the call, so the kernel's copy into the
+    page cache reads them from the core's L2 (the calls end at multiples of this in the
+    file). Alternated in one process (32 new 8 MiB page files a round, two I/O
+    threads, ext4, 10-20 rounds of each), against vLLM's buffered ``fs`` tier:
+
+    - AMD EPYC (Zen 4, 1 MiB L2): 1 MiB calls put at 7.3-7.5 GB/s best, 7.1-7.3 median,
+      against 6.9-7.0 and 5.5-5.9 for 2 MiB calls; smaller calls gained nothing
+      (medians: page_first 7.42 for 1 MiB, 7.39 for 512 KiB, 7.29 for 256 KiB;
+      page_head 7.30, 7.29, 7.12 GB/s);
+    - Intel Xeon (Sapphire Rapids, 2 MiB L2): 1 MiB calls 0.84-0.86x of vLLM's puts
+      (medians), 2 MiB calls 0.94-1.03x, 4 MiB calls 0.90-1.04x, 8 MiB 1.00x (one run).
+
+    Warm gets were level on both, from files written in calls of 1, 2 or 4 MiB."""
+    chunk = 256 << 10
+    while chunk < 4 << 20 and chunk * 2 <= l2:
+        chunk *= 2
+    return chunk
+
+
+#: Bytes written in one call at most (the calls end at its multiples in the file), each
+#: call's bytes hashed just before, from the CPU's caches: :func:`write_chunk` of this
+#: machine's L2
+WRITE_CHUNK = write_chunk(l2_bytes())
 _SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update", "XXH3_64bits_digest")
 
 
