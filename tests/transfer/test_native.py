@@ -435,3 +435,18 @@ def test_blocks_loop_over_the_axis_far_apart_on_both_sides_outermost():
                                                                 (8192, 524288, 256))
     tie = native.Blocks((32, 64, 1024), (2048, 65536, 2), (33554432, 2048, 2), 2)  # page_first's backup
     assert (tie.block, tie.shape, tie.src_strides) == (2048, (64, 32), (2048, 33554432))
+
+
+def test_blocks_write_each_destination_run_whole_inside_the_outer_loop():
+    """A page_head load run's page (16 layers of a slot's heads, 256-byte blocks): the slots
+    outermost as before, then the layers (32 MiB apart in the destination), the heads
+    innermost (256 bytes apart there: each layer's 2 KiB row of the slot written in one
+    run), though heads and layers tie on their shorter stride. With two axes the order
+    is the outer rule's alone (page_head's per-layer load)."""
+    dst = (33554432, 2048, 256, 2)  # device, layer_first: (layer, slot, head, dim)
+    src = (256, 8192, 524288, 2)  # host, page_head: layer 256 B, slot 8 KiB, head 512 KiB
+    b = native.Blocks((16, 64, 8, 128), dst, src, 2)
+    assert (b.block, b.shape, b.dst_strides, b.src_strides) == (256, (64, 16, 8), (2048, 33554432, 256),
+                                                                (8192, 256, 524288))
+    one = native.Blocks((1, 64, 8, 128), dst, src, 2)
+    assert (one.shape, one.dst_strides, one.src_strides) == ((64, 8), (2048, 256), (8192, 524288))
