@@ -8,7 +8,9 @@ import torch
 from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, KVSpec
 from kvtier.cache import mover
 from tests.support.cache_engine import check_prefix, serve
-from tests.support.pools import LAYOUT_ORDERS
+from kvtier import HybridHostPool
+from tests.support.cache_hybrid_engine import HybridEngine, make_cache
+from tests.support.pools import HYBRID_SPECS, LAYOUT_ORDERS
 
 
 @pytest.mark.parametrize("layers, want", [
@@ -45,3 +47,52 @@ def test_a_load_copies_in_runs_and_each_layer_is_done_with_its_run(monkeypatch, 
         assert all(handle.wait_layer(layer, timeout=0) for layer in range(spec.layer_num))
         check_prefix(cache, tokens, handle.device_indices)
     assert calls == mover.layer_runs(spec.layer_num) == [range(0, 1), range(1, 5), range(5, 11)]
+
+
+@pytest.mark.parametrize("weights, want", [
+    ([7] * 6, [(0, 1), (1, 5), (5, 6)]),  # equal layers: as counted
+    ([0] * 6, [(0, 1), (1, 5), (5, 6)]),  # nothing to move: as counted
+    ([100, 1, 1, 1, 1, 100], [(0, 1), (1, 6)]),  # a window's few pages ride with the next full layer
+    ([1, 100, 1, 1, 1, 1], [(0, 2), (2, 6)]),  # the first run: about one heavy layer's bytes too
+    ([100] + [1, 100] * 6, [(0, 1), (1, 9), (9, 13)]),  # 4 heavy layers a run, then the rest
+])
+def test_weighed_runs_hold_as_many_bytes_as_runs_of_the_heaviest_layer(weights, want):
+    runs = mover.layer_runs(len(weights), weights=weights)
+    assert [(r.start, r.stop) for r in runs] == want
+    assert [layer for r in runs for layer in r] == list(range(len(weights)))
+
+
+def test_weights_must_name_every_layer():
+    with pytest.raises(ValueError, match="5 weights for 6 layers"):
+        mover.layer_runs(6, weights=[1] * 5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+def test_a_hybrid_load_runs_by_bytes_and_each_layer_is_done_with_its_run(monkeypatch, layout):
+    """The toy MiMo (full layers 0 and 5, sliding 1-4 with a 6-token window): a load of 16
+    pages moves each full layer's 16 and each sliding layer's 2, so its runs are layer 0,
+    then the rest (as many bytes as 4 full layers, at most), not layers 1-4 and then 5."""
+    spec = HYBRID_SPECS["mimo"]
+    sizes = {g.name: 256 for g in spec.groups}
+    cache = make_cache(spec, 4, sizes, sizes, layout=layout)
+    eng, tokens = HybridEngine(cache), [(7 * i) % 1000 for i in range(64)]
+    eng.serve(tokens)
+    cache.flush()
+    cache.evict_device(10 ** 9)
+    calls, weights, real = [], [], HybridHostPool.load_to_device_layers
+
+    def load(self, device_pool, host_indices, device_indices, layers, io_backend="direct"):
+        calls.append(layers)
+        weights.append(self.layer_bytes(host_indices))
+        real(self, device_pool, host_indices, device_indices, layers, io_backend)
+
+    monkeypatch.setattr(HybridHostPool, "load_to_device_layers", load)
+    got = cache.acquire(tokens)
+    assert got.device_indices.numel() == 64 and got.host_hit == 64
+    eng.check_prefix(tokens, got.device_indices, got.groups, "load in runs")
+    full, swa = (spec.groups[0], spec.groups[1]) if spec.groups[0].attention.is_full else spec.groups[::-1]
+    per_token = {g.name: g.spec.bytes_per_token // g.spec.layer_num for g in (full, swa)}
+    assert weights[0] == [64 * per_token[full.name]] + [8 * per_token[swa.name]] * 4 + [64 * per_token[full.name]]
+    assert calls == mover.layer_runs(spec.layer_num, weights=weights[0]) == [range(0, 1), range(1, 6)]
+    cache.release(got)
+    cache.close()

@@ -25,6 +25,7 @@ from ..cache.mover import layer_runs
 from ..layout import LAYOUTS
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.common import check_device
+from ..pools.hybrid import HybridHostPool
 from ..pools.indices import page_slots
 from ..spec import DTYPE_NAMES, KVSpec
 from ..transfer import native
@@ -66,7 +67,8 @@ def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
     """``(backup, load, load runs)`` between a host and a device pool (plain or hybrid):
     every layer of the pages device -> host in one call; host -> device one layer per
     call, ``layers`` calls; host -> device in the runs of layers the cache's loads copy
-    off a CUDA stream (``mover.layer_runs``: layer 0 alone, then longer runs), a call a run."""
+    off a CUDA stream (``mover.layer_runs``: layer 0 alone, then longer runs; a hybrid
+    pool's weighed by each layer's bytes, as the cache's), a call a run."""
     def backup():
         host.backup_from_device_all_layer(dev, host_idx, dev_idx, backend)
 
@@ -74,8 +76,10 @@ def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
         for layer in range(layers):
             host.load_to_device_per_layer(dev, host_idx, dev_idx, layer, backend)
 
+    weights = host.layer_bytes(host_idx) if isinstance(host, HybridHostPool) else None
+
     def load_runs():
-        for run in layer_runs(layers):
+        for run in layer_runs(layers, weights=weights):
             host.load_to_device_layers(dev, host_idx, dev_idx, run, backend)
 
     return backup, load, load_runs

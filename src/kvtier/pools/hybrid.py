@@ -201,6 +201,17 @@ class HybridHostPool(_GroupPools):
             self.pools[name]._load_pages(device_pool.pools[name], host_pages, dev_pages, range(got[0], got[-1] + 1),
                                          io_backend)
 
+    def layer_bytes(self, host_indices: Mapping[str, torch.Tensor]) -> list[int]:
+        """Per model layer, the bytes a load of ``host_indices`` (slots per group, as the
+        transfers take them) moves for it; 0 for a layer whose group is left out. What
+        ``kvtier.cache.mover.layer_runs`` weighs a hybrid load's runs by."""
+        out = []
+        for layer in range(self.spec.layer_num):
+            group, _ = self.spec.group_of(layer)
+            slots, pool = host_indices.get(group.name), self.pools[group.name]
+            out.append(0 if slots is None else slots.numel() * pool.spec.bytes_per_token // pool.spec.layer_num)
+        return out
+
     def _named(self, device_pool, host_indices, device_indices):
         """The per-group indices, after checking the pool and the group names."""
         if not isinstance(device_pool, HybridDevicePool) or (device_pool.spec is not self.spec
