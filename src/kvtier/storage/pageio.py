@@ -68,8 +68,10 @@ def write_chunk(l2: int) -> int:
       against 6.9-7.0 and 5.5-5.9 for 2 MiB calls; smaller calls gained nothing
       (medians: page_first 7.42 for 1 MiB, 7.39 for 512 KiB, 7.29 for 256 KiB;
       page_head 7.30, 7.29, 7.12 GB/s);
-    - Intel Xeon (Sapphire Rapids, 2 MiB L2): 1 MiB calls 0.84-0.86x of vLLM's puts
-      (medians), 2 MiB calls 0.94-1.03x, 4 MiB calls 0.90-1.04x, 8 MiB 1.00x (one run).
+    - Intel Xeon (Sapphire Rapids, 2 MiB L2): medians of six runs, 1 MiB calls
+      0.79-0.86x of vLLM's puts; 2 MiB calls 0.86-1.03x in four of them, and 0.39x and
+      0.59x in two whose rounds stalled (the raw client's too in one: 0.41x); 4 MiB
+      calls 0.90-1.04x (two runs), 8 MiB 1.00x (one).
 
     Warm gets were level on both, from files written in calls of 1, 2 or 4 MiB."""
     chunk = 256 << 10
