@@ -441,12 +441,69 @@ def test_blocks_write_each_destination_run_whole_inside_the_outer_loop():
     """A page_head load run's page (16 layers of a slot's heads, 256-byte blocks): the slots
     outermost as before, then the layers (32 MiB apart in the destination), the heads
     innermost (256 bytes apart there: each layer's 2 KiB row of the slot written in one
-    run), though heads and layers tie on their shorter stride. With two axes the order
-    is the outer rule's alone (page_head's per-layer load)."""
+    run), though heads and layers tie on their shorter stride; the slots cut in tiles of
+    4, so each layer's run is 8 KiB (``TILE_BYTES``). With two axes whose inner one
+    writes the run already, the order is the outer rule's alone (page_head's per-layer
+    load)."""
     dst = (33554432, 2048, 256, 2)  # device, layer_first: (layer, slot, head, dim)
     src = (256, 8192, 524288, 2)  # host, page_head: layer 256 B, slot 8 KiB, head 512 KiB
     b = native.Blocks((16, 64, 8, 128), dst, src, 2)
-    assert (b.block, b.shape, b.dst_strides, b.src_strides) == (256, (64, 16, 8), (2048, 33554432, 256),
-                                                                (8192, 256, 524288))
+    assert (b.block, b.shape, b.dst_strides, b.src_strides) == (
+        256, (16, 16, 4, 8), (4 * 2048, 33554432, 2048, 256), (4 * 8192, 256, 8192, 524288))
     one = native.Blocks((1, 64, 8, 128), dst, src, 2)
     assert (one.shape, one.dst_strides, one.src_strides) == ((64, 8), (2048, 256), (8192, 524288))
+
+
+@pytest.mark.parametrize("slots, tile", [(64, 4), (6, 2), (7, 1), (1, 1)])
+def test_a_page_first_load_run_writes_each_layer_a_tile_of_slots_at_a_time(slots, tile):
+    """A page_first load run (slots x 16 layers of 2 KiB rows): the slots outermost, each
+    layer's run of them written ``tile`` slots at a time, as many as fit 8 KiB and divide
+    the page's slots (none when they do not split)."""
+    b = native.Blocks((16, slots, 1024), (33554432, 2048, 2), (2048, 65536, 2), 2)
+    if tile == 1:
+        assert (b.shape, b.dst_strides) == (((slots, 16), (2048, 33554432)) if slots > 1 else ((16,), (33554432,)))
+    else:
+        assert (b.block, b.shape, b.dst_strides, b.src_strides) == (
+            2048, (slots // tile, 16, tile), (2048 * tile, 33554432, 2048), (65536 * tile, 2048, 65536))
+
+
+def test_no_tile_where_the_run_is_long_or_the_loops_are_full():
+    """A backup into page_head (each head's 8 KiB run of a slot's layers written whole
+    already), a page_first backup (one loop writes the run) and a copy with the compiled
+    copy's six loops already keep their loops."""
+    head = native.Blocks((32, 64, 8, 128), (256, 8192, 524288, 2), (33554432, 2048, 256, 2), 2)
+    assert head.shape == (64, 8, 32)
+    first = native.Blocks((32, 64, 1024), (2048, 65536, 2), (33554432, 2048, 2), 2)
+    assert first.shape == (64, 32)
+    shape, dst, src = [64, 2, 2, 2, 2, 2], [2048, 1 << 30, 1 << 28, 1 << 26, 1 << 24, 1 << 22], [1] * 6
+    assert native._tiled(shape, dst, src, 2048) == (tuple(shape), tuple(dst), tuple(src))
+    assert native._tiled(shape[:5], dst[:5], src[:5], 2048)[0] == (16, 2, 2, 2, 2, 4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+def test_load_runs_tiled_by_slots_move_what_numpy_moves(compiled, stores, monkeypatch, layout, threads):
+    """Load runs whose slots are cut in tiles (rows of 2 KiB: 4 of a page's 16 slots a
+    tile, so each page has several) write every layer's pages as numpy's copy does."""
+    spec, ps = KVSpec.mha(5, 8, 128, dtype=torch.bfloat16), 16
+    host = HostKVPool(spec, 6 * ps, ps, layout=layout)
+    host.copy_threads = threads
+    fill_random(host.raw, torch.Generator().manual_seed(3))
+    seen, made = [], native.Blocks
+
+    class Seen(made):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            seen.append(self.shape)
+
+    monkeypatch.setattr(native, "Blocks", Seen)
+    native._blocks.cache_clear()
+    host_idx, dev_idx = slots([4, 1, 5, 0], ps), slots([5, 0, 6, 2], ps)
+    pools = {}
+    for native_on in ("1", "0"):
+        monkeypatch.setenv("KVTIER_NATIVE", native_on)
+        pools[native_on] = random_device_pool(spec, 8 * ps, ps, seed=4)
+        for layers in (range(0, 1), range(1, 5)):
+            host.load_to_device_layers(pools[native_on], host_idx, dev_idx, layers)
+    assert torch.equal(bits(pools["1"].raw), bits(pools["0"].raw))
+    assert (4, 4, 4) in seen or (4, 4, 4, 8) in seen  # 4 tiles of 4 slots, 4 layers (x 8 heads)
