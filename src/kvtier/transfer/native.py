@@ -72,8 +72,9 @@ class Blocks:
     axes contiguous on both sides are merged into one ``block`` of bytes. The outermost
     loop walks the axis whose shorter stride of the two is the longest (ties: the one
     whose longer stride is the shortest); the loops inside it, the destination's
-    strides from the longest in. Built from a page's shape, its byte strides on each
-    side and its item size (no page axis)."""
+    strides from the longest in; the outermost cut in tiles where that lengthens the
+    destination's runs (:func:`_tiled`). Built from a page's shape, its byte strides on
+    each side and its item size (no page axis)."""
 
     def __init__(self, shape: tuple, dst_strides: tuple, src_strides: tuple, itemsize: int) -> None:
         axes = [a for a in range(len(shape)) if shape[a] != 1]
