@@ -2,13 +2,15 @@
 layer 0 alone, then longer runs, each layer signalled once its run is copied; the bytes
 are those of a load layer by layer, in every host layout."""
 
+import contextlib
+
 import pytest
 import torch
 
-from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, KVSpec
+from kvtier import DeviceKVPool, HierarchicalCache, HostKVPool, HybridHostPool, KVSpec
 from kvtier.cache import mover
+from kvtier.cache.handles import LoadHandle
 from tests.support.cache_engine import check_prefix, serve
-from kvtier import HybridHostPool
 from tests.support.cache_hybrid_engine import HybridEngine, make_cache
 from tests.support.pools import HYBRID_SPECS, LAYOUT_ORDERS
 
@@ -94,5 +96,33 @@ def test_a_hybrid_load_runs_by_bytes_and_each_layer_is_done_with_its_run(monkeyp
     per_token = {g.name: g.spec.bytes_per_token // g.spec.layer_num for g in (full, swa)}
     assert weights[0] == [64 * per_token[full.name]] + [8 * per_token[swa.name]] * 4 + [64 * per_token[full.name]]
     assert calls == mover.layer_runs(spec.layer_num, weights=weights[0]) == [range(0, 1), range(1, 6)]
+    cache.release(got)
+    cache.close()
+
+
+def test_a_hybrid_load_off_a_cuda_stream_still_copies_a_layer_a_call(monkeypatch):
+    """Runs weighed by bytes are for copies that block; on a CUDA stream each layer has a
+    call and an event of its own, sliding or full (the stream stood in for here)."""
+    spec = HYBRID_SPECS["mimo"]
+    sizes = {g.name: 256 for g in spec.groups}
+    cache = make_cache(spec, 4, sizes, sizes)
+    eng, tokens = HybridEngine(cache), [(7 * i) % 1000 for i in range(64)]
+    eng.serve(tokens)
+    cache.flush()
+    cache.evict_device(10 ** 9)
+    calls, events, real = [], [], HybridHostPool.load_to_device_layers
+
+    def load(self, device_pool, host_indices, device_indices, layers, io_backend="direct"):
+        calls.append(layers)
+        real(self, device_pool, host_indices, device_indices, layers, io_backend)
+
+    monkeypatch.setattr(HybridHostPool, "load_to_device_layers", load)
+    monkeypatch.setattr(mover.Mover, "_stream", lambda self, kind: (contextlib.nullcontext(), object()))
+    monkeypatch.setattr(LoadHandle, "_record_cuda_event", lambda self, layer, stream: events.append(layer))
+    got = cache.acquire(tokens)
+    assert got.device_indices.numel() == 64
+    eng.check_prefix(tokens, got.device_indices, got.groups, "load a layer a call")
+    assert calls == [range(layer, layer + 1) for layer in range(spec.layer_num)]
+    assert events == list(range(spec.layer_num))
     cache.release(got)
     cache.close()

@@ -158,9 +158,14 @@ class Mover:
             host, dev = self._group_indices(mark) if mark.side is not None else (None, None)
             with scope:
                 # NOTE: on a CUDA stream one layer a call, each with its event; else in runs of
-                # growing length (layer_runs), each layer done once its run is copied
-                weights = state.sides.groups_host.layer_bytes(host) if mark.side is not None else None
-                for layers in layer_runs(self.layer_num, LAYER_RUNS if stream is None else (1,), weights):
+                # growing length (layer_runs; a hybrid model's weighed by its layers' bytes),
+                # each layer done once its run is copied
+                if stream is not None:
+                    runs = layer_runs(self.layer_num, (1,))
+                else:
+                    weights = state.sides.groups_host.layer_bytes(host) if mark.side is not None else None
+                    runs = layer_runs(self.layer_num, LAYER_RUNS, weights)
+                for layers in runs:
                     if mark.side is not None:
                         state.sides.groups_host.load_to_device_layers(state.sides.groups_device, host, dev, layers,
                                                                       self.io_backend)
