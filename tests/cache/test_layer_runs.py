@@ -69,11 +69,10 @@ def test_weights_must_name_every_layer():
         mover.layer_runs(6, weights=[1] * 5)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
-def test_a_hybrid_load_runs_by_bytes_and_each_layer_is_done_with_its_run(monkeypatch, layout):
-    """The toy MiMo (full layers 0 and 5, sliding 1-4 with a 6-token window): a load of 16
-    pages moves each full layer's 16 and each sliding layer's 2, so its runs are layer 0,
-    then the rest (as many bytes as 4 full layers, at most), not layers 1-4 and then 5."""
+def _evicted_toy_mimo(monkeypatch, layout="layer_first"):
+    """The toy MiMo's cache holding 64 tokens on the host only, and its load's calls:
+    ``(spec, cache, engine, tokens, calls, weights)``, each call's layers and the bytes
+    ``layer_bytes`` gives its indices."""
     spec = HYBRID_SPECS["mimo"]
     sizes = {g.name: 256 for g in spec.groups}
     cache = make_cache(spec, 4, sizes, sizes, layout=layout)
@@ -89,6 +88,15 @@ def test_a_hybrid_load_runs_by_bytes_and_each_layer_is_done_with_its_run(monkeyp
         real(self, device_pool, host_indices, device_indices, layers, io_backend)
 
     monkeypatch.setattr(HybridHostPool, "load_to_device_layers", load)
+    return spec, cache, eng, tokens, calls, weights
+
+
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+def test_a_hybrid_load_runs_by_bytes_and_each_layer_is_done_with_its_run(monkeypatch, layout):
+    """The toy MiMo (full layers 0 and 5, sliding 1-4 with a 6-token window): a load of 16
+    pages moves each full layer's 16 and each sliding layer's 2, so its runs are layer 0,
+    then the rest (as many bytes as 4 full layers, at most), not layers 1-4 and then 5."""
+    spec, cache, eng, tokens, calls, weights = _evicted_toy_mimo(monkeypatch, layout)
     got = cache.acquire(tokens)
     assert got.device_indices.numel() == 64 and got.host_hit == 64
     eng.check_prefix(tokens, got.device_indices, got.groups, "load in runs")
@@ -103,20 +111,8 @@ def test_a_hybrid_load_runs_by_bytes_and_each_layer_is_done_with_its_run(monkeyp
 def test_a_hybrid_load_off_a_cuda_stream_still_copies_a_layer_a_call(monkeypatch):
     """Runs weighed by bytes are for copies that block; on a CUDA stream each layer has a
     call and an event of its own, sliding or full (the stream stood in for here)."""
-    spec = HYBRID_SPECS["mimo"]
-    sizes = {g.name: 256 for g in spec.groups}
-    cache = make_cache(spec, 4, sizes, sizes)
-    eng, tokens = HybridEngine(cache), [(7 * i) % 1000 for i in range(64)]
-    eng.serve(tokens)
-    cache.flush()
-    cache.evict_device(10 ** 9)
-    calls, events, real = [], [], HybridHostPool.load_to_device_layers
-
-    def load(self, device_pool, host_indices, device_indices, layers, io_backend="direct"):
-        calls.append(layers)
-        real(self, device_pool, host_indices, device_indices, layers, io_backend)
-
-    monkeypatch.setattr(HybridHostPool, "load_to_device_layers", load)
+    spec, cache, eng, tokens, calls, _ = _evicted_toy_mimo(monkeypatch)
+    events = []
     monkeypatch.setattr(mover.Mover, "_stream", lambda self, kind: (contextlib.nullcontext(), object()))
     monkeypatch.setattr(LoadHandle, "_record_cuda_event", lambda self, layer, stream: events.append(layer))
     got = cache.acquire(tokens)
