@@ -300,3 +300,27 @@ def test_kernel_coalesces_only_where_a_page_could_be_under_the_threshold(monkeyp
     for name in spec.names:  # layer 1 of every page moved is the device pool's, layer 0 untouched
         assert torch.equal(bits(back.buffer(name, 1)[d]), bits(dev.buffer(name, 1)[d]))
         assert not bits(back.buffer(name, 0)).any() and bits(back.buffer(name, 1)[d]).any()
+
+
+def test_compiled_copies_split_from_a_smaller_size_than_numpy_ones(monkeypatch):
+    """The compiled copy's threads are kept running between calls, so its calls split from
+    COMPILED_PARALLEL_MIN_BYTES (a sliding layer's load); numpy's, from PARALLEL_MIN_BYTES.
+    A per-layer load of 256 KiB asks the compiled copy for the pool's threads."""
+    low, high = copy_mod.COMPILED_PARALLEL_MIN_BYTES, copy_mod.PARALLEL_MIN_BYTES
+    assert low < high
+    assert [copy_mod.thread_count(n, 2, compiled=True) for n in (low - 1, low, high)] == [1, 2, 2]
+    assert [copy_mod.thread_count(n, 2) for n in (low, high - 1, high)] == [1, 1, 2]
+    assert copy_mod.thread_count(high, 4, copy_mod.CopyWorkers(2), compiled=True) == 2
+
+    from kvtier.transfer import native
+    asked = []
+    monkeypatch.setattr(native, "copy_pages", lambda pairs, d, s, threads: asked.append(threads))
+    monkeypatch.setenv("KVTIER_NATIVE", "1")
+    spec = KVSpec.mha(2, 8, 128)  # 4 KiB a token a layer: 64 tokens are 256 KiB of one layer
+    dev = random_device_pool(spec, 128, 16, seed=1)
+    host = HostKVPool(spec, 128, 16, layout="page_first", copy_threads=2)
+    if not native.enabled():
+        pytest.skip("kvtier.transfer._native is not built")
+    host.load_to_device_per_layer(dev, slots([0, 1, 2, 3], 16), slots([4, 5, 6, 7], 16), 1)
+    host.load_to_device_per_layer(dev, slots([0], 16), slots([4], 16), 1)  # 64 KiB
+    assert asked == [2, 1]

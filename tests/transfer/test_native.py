@@ -16,19 +16,9 @@ from kvtier import HostKVPool, KVSpec, compiled as compiled_modules
 from kvtier.errors import IntegrityError
 from kvtier.transfer import cpu, native
 from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
-from tests.support.services import unavailable
 
 # dim rows of 64 bytes (bf16 x 32): whole cache lines, so the streaming-store branch runs too
 GEOMETRIES = {**SPECS, "lines": KVSpec.mha(2, 2, 32)}
-
-
-@pytest.fixture
-def compiled():
-    """The compiled module, or skip (fail under KVTIER_REQUIRE_SERVICES=1) when it is not built."""
-    module = compiled_modules.built(native.COMPILED)
-    if module is None:
-        unavailable("kvtier.transfer._native is not built (no C compiler at install time?)")
-    return module
 
 
 @pytest.fixture(params=["1", "0"], ids=["wide-stores", "16-byte-stores"])
@@ -58,6 +48,7 @@ def _copies(spec, layout, threads, monkeypatch, calls):
         monkeypatch.setattr(native, name, _counted(getattr(native, name), calls))
     # NOTE: force the thread split (these pools are far below the default threshold)
     monkeypatch.setattr(cpu._copy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu._copy, "COMPILED_PARALLEL_MIN_BYTES", 0)
     host.backup_from_device_all_layer(src, slots(host_pages, page_size), slots(src_pages, page_size), "direct")
     for layer in range(spec.layer_num):
         host.load_to_device_per_layer(dst, slots(host_pages, page_size), slots(dst_pages, page_size), layer,

@@ -15,10 +15,10 @@
  * (numpy, which cannot prefetch, reaches about half of memcpy). Destination blocks of
  * whole cache lines are written with streaming stores, a line per store where the CPU
  * has AVX-512: a plain store first reads the line it writes, a third of a copy's memory
- * traffic. One call takes every component's
- * job and splits each job's pages over threads it starts itself, GIL released: a
- * per-layer load then costs one Python call instead of one per component and thread,
- * handed to Python threads (about 400 us of a 4.4 ms load of 64 MiB before).
+ * traffic. One call takes every component's job and splits each job's pages over
+ * threads kept between calls (_copy_pool.h), GIL released: a per-layer load then costs
+ * one Python call instead of one per component and thread, handed to Python threads
+ * (about 400 us of a 4.4 ms load of 64 MiB before).
  *
  * Nothing read from the caller is trusted: every block of every page of every job is
  * checked to lie inside both buffers before the first byte moves (ValueError otherwise).
@@ -416,20 +416,40 @@ static void copy_share(const Share *sh) {
 }
 
 #ifndef _WIN32
-#include <pthread.h>
+#include "_copy_pool.h"
+
 static void *share_thread(void *arg) {
     copy_share((const Share *)arg);
     return NULL;
 }
+
+static void share_part(const void *shares, int part) {
+    copy_share(&((const Share *)shares)[part]);
+}
 #endif
 
-/* Every job's pages split over ``parts`` threads: this one and parts - 1 started for
- * the call (a thread that cannot start has its share copied here). */
+/* The bytes every job moves. */
+static long long jobs_bytes(const Job *jobs, Py_ssize_t count) {
+    long long total = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        long long n = (long long)jobs[k].plan.pages * (long long)jobs[k].block;
+        for (Py_ssize_t j = 0; j < jobs[k].plan.ndim; j++)
+            n *= jobs[k].plan.shape[j];
+        total += n;
+    }
+    return total;
+}
+
+/* Every job's pages split over ``parts`` threads: this one and parts - 1 kept ones
+ * (_copy_pool.h), or where another call holds those, started for the call (a thread
+ * that cannot start has its share copied here). */
 static void copy_jobs_split(const Job *jobs, Py_ssize_t count, Py_ssize_t parts, int wide) {
     Share shares[MAX_THREADS];
     for (Py_ssize_t t = 0; t < parts; t++)
         shares[t] = (Share){jobs, count, t, parts, wide};
 #ifndef _WIN32
+    if (parts > 1 && pool_run((int)parts, share_part, shares, jobs_bytes(jobs, count)) == 0)
+        return;
     pthread_t threads[MAX_THREADS];
     int started[MAX_THREADS] = {0};
     for (Py_ssize_t t = 1; t < parts; t++)
@@ -458,7 +478,9 @@ PyDoc_STRVAR(copy_jobs_doc,
 "equal length. Every block of every job is checked to lie inside both of its buffers\n"
 "before any byte is copied (ValueError otherwise). Then each job's pages are split into\n"
 "``threads`` contiguous shares, one copied on this thread and the others on threads\n"
-"started for the call (at most " Py_STRINGIFY(MAX_THREADS) "), with the GIL released. With ``stream``\n"
+"kept between calls (at most " Py_STRINGIFY(MAX_THREADS) "; they spin KVTIER_COPY_SPIN_US, 100 by\n"
+"default, after a call for the next, then sleep; with them asleep a call under 4 MiB\n"
+"runs on this thread alone), with the GIL released. With ``stream``\n"
 "(default; and SSE2, and every destination block made of whole 64-byte lines) the\n"
 "destination is written with streaming stores, a line per store where the CPU has\n"
 "AVX-512 (KVTIER_WIDE_STORES=0, read per call: 16 bytes per store). Jobs must not\n"
@@ -492,6 +514,9 @@ static PyObject *copy_jobs(PyObject *self, PyObject *args) {
             break;
     if (parsed == count) {
         int wide = wide_stores();
+#ifndef _WIN32
+        pool_settings();
+#endif
         Py_BEGIN_ALLOW_THREADS
         copy_jobs_split(jobs, count, threads, wide);
         Py_END_ALLOW_THREADS
@@ -519,9 +544,29 @@ static PyObject *store_bytes(PyObject *self, PyObject *unused) {
 #endif
 }
 
+PyDoc_STRVAR(copy_threads_doc,
+"copy_threads() -> (kept, asleep, spin_us)\n\n"
+"The threads copy_jobs keeps between calls: how many were started, how many of them\n"
+"sleep now, and how long each spins for the next call after one ends (microseconds,\n"
+"KVTIER_COPY_SPIN_US; -1 until the first copy reads it). (0, 0, -1) where none are kept\n"
+"(Windows: threads started per call).");
+
+static PyObject *copy_threads(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+#ifndef _WIN32
+    pthread_mutex_lock(&pool.lock);
+    int kept = pool.threads, asleep = pool.sleeping;
+    pthread_mutex_unlock(&pool.lock);
+    return Py_BuildValue("iiL", kept, asleep, pool.spin_ns < 0 ? -1LL : pool.spin_ns / 1000);
+#else
+    return Py_BuildValue("iiL", 0, 0, -1LL);
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"copy_jobs", copy_jobs, METH_VARARGS, copy_jobs_doc},
     {"store_bytes", store_bytes, METH_NOARGS, store_bytes_doc},
+    {"copy_threads", copy_threads, METH_NOARGS, copy_threads_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -531,4 +576,9 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+#ifndef _WIN32
+    pthread_atfork(NULL, NULL, pool_reset_child);
+#endif
+    return PyModule_Create(&module);
+}

@@ -21,7 +21,7 @@ it off), it replaces both: one C call per copy takes every view pair, copies eve
 in an order that keeps both sides to a few runs at a time (``native.Blocks``),
 prefetching the source and streaming whole destination lines
 (faster for every layout and direction measured), and splits each pair's pages over
-threads it starts itself. numpy stays the fallback, complete: there the trailing axes
+threads it keeps between calls (``_copy_pool.h``). numpy stays the fallback, complete: there the trailing axes
 contiguous on both sides (at least ``dim``) are seen as one opaque element
 (:func:`widen`), so numpy steps once per head row, not per number, and pages are split
 across Python threads (``copy.split_threads``, ``copy.CopyWorkers``): ``np.copyto``
@@ -200,10 +200,11 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_pages: torch.Tensor
     threads when there are enough bytes to move: in one compiled call where every pair
     may take it, else with numpy on ``workers``' threads (when given) over ``runs``
     (coalesced here when not given)."""
-    parallel = _copy.thread_count(nbytes, threads, workers)
     if all(native.takes(d, s) for d, s in pairs):
-        native.copy_pages(pairs, host_pages(dst_pages), host_pages(src_pages), parallel)
+        native.copy_pages(pairs, host_pages(dst_pages), host_pages(src_pages),
+                          _copy.thread_count(nbytes, threads, workers, compiled=True))
         return
+    parallel = _copy.thread_count(nbytes, threads, workers)
     tasks = plan(pairs, runs or coalesce(dst_pages, src_pages), parts=parallel)
     # NOTE: split_threads deals tasks[i::parallel] to thread i: part i of every pair
     _copy.split_threads(tasks, nbytes, parallel, run_tasks, workers)

@@ -7,7 +7,7 @@ with streaming stores:
 that hides the memory latency of short scattered reads (page_head's per-layer load
 reads 256-byte blocks 8 KiB apart) and saves reading the destination before writing
 it, which numpy cannot. One call takes every component's view pair and splits their
-pages over threads started in C. Measured on the reference spec, it is as fast as numpy
+pages over threads kept in C between calls. Measured on the reference spec, it is as fast as numpy
 or faster for every layout and direction, so the CPU engine (``cpu.copy``) uses it for
 every copy between views that do not overlap. It is built by ``pip install`` where a C compiler is
 present (``setup.py``, ``optional=True``); where it is not, kvtier copies with numpy alone.
@@ -18,7 +18,9 @@ otherwise): gathers that write short blocks far apart, the per-layer loads from
 
 Environment: ``KVTIER_NATIVE=0`` forces the pure numpy path (read at each copy plan,
 through ``kvtier.compiled.load``, so tests and benchmarks can switch it);
-``KVTIER_WIDE_STORES=0`` keeps the compiled copy to 16-byte stores (read per call).
+``KVTIER_WIDE_STORES=0`` keeps the compiled copy to 16-byte stores (read per call);
+``KVTIER_COPY_SPIN_US`` (read at the first copy; default 100) is how long its kept
+threads spin for the next call once one ends before they sleep (0: at once).
 """
 
 from __future__ import annotations
