@@ -90,6 +90,26 @@ def test_spin_is_read_from_the_environment_at_the_first_copy(compiled, value, sp
     assert out.split() == ["-1", spin_us]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kept_threads_block_every_signal(compiled):
+    """Signals go to the process's own threads: the kept ones (named kvtier-copy) block
+    SIGINT, SIGTERM and SIGALRM, and the thread that started them blocks none of them."""
+    out = _run(compiled, """
+        import signal
+        assert copy(1, 3)
+
+        def blocked(task):
+            status = open(f"/proc/self/task/{task}/status").read()
+            mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+            return all(mask >> (s - 1) & 1 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM))
+
+        tasks = os.listdir("/proc/self/task")
+        kept = [t for t in tasks if open(f"/proc/self/task/{t}/comm").read().strip() == "kvtier-copy"]
+        print(len(kept), all(blocked(t) for t in kept), blocked(str(os.getpid())))
+    """)
+    assert out.split() == ["2", "True", "False"]
+
+
 def test_a_forked_child_copies_on_threads_of_its_own(compiled):
     """After the parent's threads served a call, a forked child's split copy starts its
     own (the parent's do not exist there) instead of waiting on them. The child's copies

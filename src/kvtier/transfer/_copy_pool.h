@@ -26,9 +26,13 @@
 #ifndef _WIN32
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #ifndef POOL_SPIN_NS
 #define POOL_SPIN_NS 100000 /* 100 us: a few per-layer calls' Python between two copies */
@@ -109,6 +113,9 @@ typedef struct {
 static void *pool_main(void *arg) {
     pool_start_t start = *(pool_start_t *)arg;
     free(arg);
+#ifdef __linux__
+    prctl(PR_SET_NAME, "kvtier-copy", 0, 0, 0); /* as top -H and /proc name it */
+#endif
     for (uint64_t seen = start.seen;;) {
         seen = pool_next(seen);
         if (start.part < (int)(seen & 0xff)) {
@@ -144,8 +151,15 @@ static int pool_grow(int want) {
         pthread_t thread;
         int ok = pthread_attr_init(&attr) == 0;
         if (ok) {
+            /* NOTE: every signal blocked in the thread (it inherits the mask): signals go to
+             * the process's own threads, as if the kept ones did not exist */
+            sigset_t all, old;
+            sigfillset(&all);
+            int masked = pthread_sigmask(SIG_BLOCK, &all, &old) == 0;
             pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
             ok = pthread_create(&thread, &attr, pool_main, start) == 0;
+            if (masked)
+                pthread_sigmask(SIG_SETMASK, &old, NULL);
             pthread_attr_destroy(&attr);
         }
         if (!ok) {
