@@ -91,6 +91,40 @@ def test_spin_is_read_from_the_environment_at_the_first_copy(compiled, value, sp
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_only_calls_in_a_burst_wake_sleeping_threads(compiled):
+    """A small call long after the last one (an isolated backup) runs on its own thread and
+    leaves the kept threads asleep: none of them is switched in. Two calls a moment apart
+    are a burst: the second wakes them for the calls to come."""
+    out = _run(compiled, """
+        def switches():
+            tasks = os.listdir("/proc/self/task")
+            kept = [t for t in tasks if open(f"/proc/self/task/{t}/comm").read().strip() == "kvtier-copy"]
+            return sum(int(line.split()[1]) for t in kept for line in open(f"/proc/self/task/{t}/status")
+                       if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+
+        def asleep():
+            deadline = time.monotonic() + 30
+            while _native.copy_threads()[1] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+
+        copy(1, 3)  # starts them
+        asleep()
+        before = switches()
+        lone = copy(2, 3)  # 12 KiB, long after the last call
+        time.sleep(0.05)
+        isolated = switches() - before
+        (first, dsts, wants), (second, dsts2, wants2) = (_jobs(np.random.default_rng(s), 3, 64) for s in (3, 4))
+        _native.copy_jobs(first, 3)
+        _native.copy_jobs(second, 3)  # right after the first: a burst, which wakes them
+        burst = all(np.array_equal(d, w) for d, w in zip(dsts + dsts2, wants + wants2))
+        asleep()
+        print(lone and burst, isolated, switches() - before > isolated)
+    """)
+    assert out.split() == ["True", "0", "True"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_kept_threads_block_every_signal(compiled):
     """Signals go to the process's own threads: the kept ones (named kvtier-copy) block
     SIGINT, SIGTERM and SIGALRM, and the thread that started them blocks none of them."""

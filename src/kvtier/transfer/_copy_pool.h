@@ -9,11 +9,14 @@
  * memory took 91 us on one thread, 121 split with a thread started per copy, and 49
  * split with a running one.
  *
- * So each kept thread, once its part is done, spins while the call runs and for
- * POOL_SPIN_NS after it ends (KVTIER_COPY_SPIN_US, read at the first call; 0: sleep as
- * soon as the call ends), then sleeps on a condition variable until the next call. A
- * call that finds them asleep and moves under POOL_WAKE_MIN_BYTES copies alone and
- * wakes them for the calls that follow; a larger one wakes them and splits.
+ * So each kept thread, once its part is done, spins while the call runs and, where the
+ * call came in a burst (within POOL_BURST_NS of the previous call's end), for
+ * POOL_SPIN_NS after it ends (KVTIER_COPY_SPIN_US, read at the first call; 0: never),
+ * then sleeps on a condition variable until the next call. A call that finds them
+ * asleep and moves under POOL_WAKE_MIN_BYTES copies alone, and wakes them for the calls
+ * that follow if it came in a burst; a larger one wakes them and splits. An isolated
+ * call (a backup now and then) thus costs what it did with threads started per call,
+ * and leaves no thread spinning.
  *
  * One caller at a time holds the pool; a copy from another Python thread meanwhile
  * (the GIL is released) starts threads of its own, as before. A forked child starts
@@ -36,6 +39,9 @@
 
 #ifndef POOL_SPIN_NS
 #define POOL_SPIN_NS 100000 /* 100 us: a few per-layer calls' Python between two copies */
+#endif
+#ifndef POOL_BURST_NS
+#define POOL_BURST_NS 1000000 /* 1 ms: the calls of a per-layer load come tens of us apart */
 #endif
 #ifndef POOL_WAKE_MIN_BYTES
 #define POOL_WAKE_MIN_BYTES (4 << 20)
@@ -65,8 +71,10 @@ static struct {
     const void *ctx;
     int remaining;    /* atomic: the call's parts not done by the kept threads */
     int busy;         /* atomic: a caller holds the pool */
-    long long spin_ns;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, -1};
+    long long spin_ns;  /* KVTIER_COPY_SPIN_US's */
+    long long spin_now; /* atomic: the spin after the call running or last ended (0 or spin_ns) */
+    long long ended;    /* when the last call ended (pool_now_ns; the holder's) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, -1, 0, 0};
 
 static long long pool_now_ns(void) {
     struct timespec t;
@@ -74,7 +82,7 @@ static long long pool_now_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* The first ticket after ``seen``: spun for while a call runs and spin_ns after it
+/* The first ticket after ``seen``: spun for while a call runs and spin_now after it
  * (a thread done with its part waits for the caller's own part first), then slept for. */
 static uint64_t pool_next(uint64_t seen) {
     long long until = 0;
@@ -88,8 +96,8 @@ static uint64_t pool_next(uint64_t seen) {
             } else {
                 long long now = pool_now_ns();
                 if (until == 0)
-                    until = now + pool.spin_ns;
-                else if (now >= until)
+                    until = now + __atomic_load_n(&pool.spin_now, __ATOMIC_RELAXED);
+                if (now >= until)
                     break;
             }
         }
@@ -190,12 +198,14 @@ static void pool_reset_child(void) {
     pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
     pool.lock = lock, pool.wake = wake;
     pool.threads = pool.sleeping = pool.remaining = pool.busy = 0;
+    pool.ended = 0;
 }
 
 /* fn(ctx, part) for part 0 .. parts - 1: part 0 here, the others on kept threads (here
  * too, those no thread could be started for), returning once every part is done.
  * ``bytes``: what the call moves (with the kept threads asleep, a small call runs here
- * alone and wakes them). 0, or -1 where another call holds the pool and nothing ran. */
+ * alone, and wakes them if it came in a burst). 0, or -1 where another call holds the
+ * pool and nothing ran. */
 static int pool_run(int parts, pool_fn fn, const void *ctx, long long bytes) {
     int expected = 0;
     if (!__atomic_compare_exchange_n(&pool.busy, &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
@@ -203,9 +213,12 @@ static int pool_run(int parts, pool_fn fn, const void *ctx, long long bytes) {
     int kept = pool_grow(parts - 1);
     int asleep = __atomic_load_n(&pool.sleeping, __ATOMIC_RELAXED) > 0;
     int split = kept + 1 < parts ? kept + 1 : parts;
+    int burst = pool.ended > 0 && pool_now_ns() - pool.ended < POOL_BURST_NS;
+    __atomic_store_n(&pool.spin_now, burst ? pool.spin_ns : 0, __ATOMIC_RELAXED);
     if (asleep && bytes < POOL_WAKE_MIN_BYTES)
-        split = 1; /* woken below for the next call; this one runs here */
-    pool_post(split, fn, ctx);
+        split = 1; /* runs here; in a burst the threads are woken for the next call */
+    if (split > 1 || burst)
+        pool_post(split, fn, ctx);
     fn(ctx, 0);
     for (int part = split; part < parts; part++) /* parts no kept thread took */
         fn(ctx, part);
@@ -220,6 +233,7 @@ static int pool_run(int parts, pool_fn fn, const void *ctx, long long bytes) {
         }
         CPU_RELAX();
     }
+    pool.ended = pool_now_ns();
     __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
     return 0;
 }

@@ -20,7 +20,8 @@ Environment: ``KVTIER_NATIVE=0`` forces the pure numpy path (read at each copy p
 through ``kvtier.compiled.load``, so tests and benchmarks can switch it);
 ``KVTIER_WIDE_STORES=0`` keeps the compiled copy to 16-byte stores (read per call);
 ``KVTIER_COPY_SPIN_US`` (read at the first copy; default 100) is how long its kept
-threads spin for the next call once one ends before they sleep (0: at once).
+threads spin for the next call once a call of a burst ends before they sleep (0: at
+once).
 """
 
 from __future__ import annotations
