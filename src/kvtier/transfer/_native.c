@@ -478,17 +478,16 @@ PyDoc_STRVAR(copy_jobs_doc,
 "equal length. Every block of every job is checked to lie inside both of its buffers\n"
 "before any byte is copied (ValueError otherwise). Then each job's pages are split into\n"
 "``threads`` contiguous shares, one copied on this thread and the others on threads\n"
-"kept between calls (at most " Py_STRINGIFY(MAX_THREADS) "; after a call that came within 1 ms of\n"
-"the last they spin KVTIER_COPY_SPIN_US, 100 by default, for the next, then sleep; with\n"
-"them asleep a call under 4 MiB runs on this thread alone), with the GIL released.\n"
-"With ``stream``\n"
-"(default; and SSE2, and every destination block made of whole 64-byte lines) the\n"
-"destination is written with streaming stores, a line per store where the CPU has\n"
-"AVX-512 (KVTIER_WIDE_STORES=0, read per call: 16 bytes per store). Jobs must not\n"
-"write memory that another job, or their own source, holds. With ``pages_at``,\n"
-"``(dst_first, dst_step, src_first, src_step)``, the pages are page numbers instead:\n"
-"page p of a side starts at byte ``first + p * step`` (a negative number, or one whose\n"
-"offset overflows, is refused).");
+"kept between calls (at most " Py_STRINGIFY(MAX_THREADS) "; after a call that came within 1 ms\n"
+"of the last they spin KVTIER_COPY_SPIN_US, 100 by default, for the next, then sleep;\n"
+"with them asleep a call under 4 MiB runs on this thread alone), with the GIL\n"
+"released. With ``stream`` (default; and SSE2, and every destination block made of\n"
+"whole 64-byte lines) the destination is written with streaming stores, a line per\n"
+"store where the CPU has AVX-512 (KVTIER_WIDE_STORES=0, read per call: 16 bytes per\n"
+"store). Jobs must not write memory that another job, or their own source, holds.\n"
+"With ``pages_at``, ``(dst_first, dst_step, src_first, src_step)``, the pages are page\n"
+"numbers instead: page p of a side starts at byte ``first + p * step`` (a negative\n"
+"number, or one whose offset overflows, is refused).");
 
 static PyObject *copy_jobs(PyObject *self, PyObject *args) {
     (void)self;
@@ -548,9 +547,9 @@ static PyObject *store_bytes(PyObject *self, PyObject *unused) {
 PyDoc_STRVAR(copy_threads_doc,
 "copy_threads() -> (kept, asleep, spin_us)\n\n"
 "The threads copy_jobs keeps between calls: how many were started, how many of them\n"
-"sleep now, and how long each spins for the next call after one ends (microseconds,\n"
-"KVTIER_COPY_SPIN_US; -1 until the first copy reads it). (0, 0, -1) where none are kept\n"
-"(Windows: threads started per call).");
+"sleep now, and how long each spins for the next call once a call of a burst ends\n"
+"(microseconds, KVTIER_COPY_SPIN_US; -1 until the first copy reads it). (0, 0, -1)\n"
+"where none are kept (Windows: threads started per call).");
 
 static PyObject *copy_threads(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;

@@ -24,10 +24,10 @@ _NP_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Below this many bytes a call is copied on the calling thread: starting a thread
 # (~50 µs) would cost more than it saves.
 PARALLEL_MIN_BYTES = 4 << 20
-# The compiled copy's threads are kept, spinning between a burst's calls (``_copy_pool.h``): with
-# them running, a hot 128 KiB copy took 7.9 µs on two threads and 11.8 on one (64 KiB:
-# 7.4 against 6.4). The compiled copy itself keeps a call under 4 MiB on its own thread
-# when they are asleep.
+# The compiled copy keeps its threads, spinning between the calls of a burst
+# (``_copy_pool.h``): with them running, a hot 128 KiB copy took 7.9 µs on two threads
+# and 11.8 on one (64 KiB: 7.4 against 6.4). The compiled copy itself keeps a call
+# under 4 MiB on its own thread when they are asleep.
 COMPILED_PARALLEL_MIN_BYTES = 128 << 10
 
 Pair = tuple[Any, Any]

@@ -21,11 +21,11 @@ it off), it replaces both: one C call per copy takes every view pair, copies eve
 in an order that keeps both sides to a few runs at a time (``native.Blocks``),
 prefetching the source and streaming whole destination lines
 (faster for every layout and direction measured), and splits each pair's pages over
-threads it keeps between calls (``_copy_pool.h``). numpy stays the fallback, complete: there the trailing axes
-contiguous on both sides (at least ``dim``) are seen as one opaque element
-(:func:`widen`), so numpy steps once per head row, not per number, and pages are split
-across Python threads (``copy.split_threads``, ``copy.CopyWorkers``): ``np.copyto``
-releases the GIL.
+threads it keeps between calls (``_copy_pool.h``). numpy stays the fallback,
+complete: there the trailing axes contiguous on both sides (at least ``dim``) are seen
+as one opaque element (:func:`widen`), so numpy steps once per head row, not per
+number, and pages are split across Python threads (``copy.split_threads``,
+``copy.CopyWorkers``): ``np.copyto`` releases the GIL.
 """
 
 from __future__ import annotations
