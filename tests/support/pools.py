@@ -110,7 +110,7 @@ def record_copy_threads(monkeypatch) -> tuple[list, list]:
         return real(pairs, dst_pages, src_pages, threads)
 
     monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(copy_mod, "COMPILED_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(copy_mod, "COMPILED_SHARE_MIN_BYTES", 0)
     monkeypatch.setattr(copy_mod.threading, "Thread", CountingThread)
     monkeypatch.setattr(native, "copy_pages", counting_copy)
     return started, compiled

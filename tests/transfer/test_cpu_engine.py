@@ -303,13 +303,15 @@ def test_kernel_coalesces_only_where_a_page_could_be_under_the_threshold(monkeyp
 
 
 def test_compiled_copies_split_from_a_smaller_size_than_numpy_ones(monkeypatch):
-    """The compiled copy's threads are kept running between calls, so its calls split from
-    COMPILED_PARALLEL_MIN_BYTES (a sliding layer's load); numpy's, from PARALLEL_MIN_BYTES.
-    A per-layer load of 256 KiB asks the compiled copy for the pool's threads."""
-    low, high = copy_mod.COMPILED_PARALLEL_MIN_BYTES, copy_mod.PARALLEL_MIN_BYTES
-    assert low < high
-    assert [copy_mod.thread_count(n, 2, compiled=True) for n in (low - 1, low, high)] == [1, 2, 2]
-    assert [copy_mod.thread_count(n, 2) for n in (low, high - 1, high)] == [1, 1, 2]
+    """The compiled copy's threads are kept running between calls, so its calls split as
+    soon as each thread gets COMPILED_SHARE_MIN_BYTES (a sliding layer's load splits), and
+    over no more threads than that; numpy's split from PARALLEL_MIN_BYTES. A per-layer
+    load of 256 KiB asks the compiled copy for the pool's two threads, one of 64 KiB for one."""
+    share, high = copy_mod.COMPILED_SHARE_MIN_BYTES, copy_mod.PARALLEL_MIN_BYTES
+    assert 2 * share < high
+    assert [copy_mod.thread_count(n, 8, compiled=True)
+            for n in (0, share, 2 * share - 1, 2 * share, 5 * share + 7, 8 * share, high)] == [1, 1, 1, 2, 5, 8, 8]
+    assert [copy_mod.thread_count(n, 2) for n in (2 * share, high - 1, high)] == [1, 1, 2]
     assert copy_mod.thread_count(high, 4, copy_mod.CopyWorkers(2), compiled=True) == 2
 
     from kvtier.transfer import native
@@ -324,3 +326,5 @@ def test_compiled_copies_split_from_a_smaller_size_than_numpy_ones(monkeypatch):
     host.load_to_device_per_layer(dev, slots([0, 1, 2, 3], 16), slots([4, 5, 6, 7], 16), 1)
     host.load_to_device_per_layer(dev, slots([0], 16), slots([4], 16), 1)  # 64 KiB
     assert asked == [2, 1]
+    monkeypatch.setattr(copy_mod, "COMPILED_SHARE_MIN_BYTES", 0)  # no minimum share: every thread
+    assert copy_mod.thread_count(1, 3, compiled=True) == 3

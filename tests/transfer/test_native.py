@@ -48,7 +48,7 @@ def _copies(spec, layout, threads, monkeypatch, calls):
         monkeypatch.setattr(native, name, _counted(getattr(native, name), calls))
     # NOTE: force the thread split (these pools are far below the default threshold)
     monkeypatch.setattr(cpu._copy, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(cpu._copy, "COMPILED_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu._copy, "COMPILED_SHARE_MIN_BYTES", 0)
     host.backup_from_device_all_layer(src, slots(host_pages, page_size), slots(src_pages, page_size), "direct")
     for layer in range(spec.layer_num):
         host.load_to_device_per_layer(dst, slots(host_pages, page_size), slots(dst_pages, page_size), layer,

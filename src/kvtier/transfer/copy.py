@@ -25,10 +25,12 @@ _NP_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # (~50 µs) would cost more than it saves.
 PARALLEL_MIN_BYTES = 4 << 20
 # The compiled copy keeps its threads, spinning between the calls of a burst
-# (``_copy_pool.h``): with them running, a hot 128 KiB copy took 7.9 µs on two threads
-# and 11.8 on one (64 KiB: 7.4 against 6.4). The compiled copy itself keeps a call
-# under 4 MiB on its own thread when they are asleep.
-COMPILED_PARALLEL_MIN_BYTES = 128 << 10
+# (``_copy_pool.h``), and gives each at least this many bytes: with them running, a hot
+# 128 KiB copy took 7.9 µs on two threads and 11.8 on one (64 KiB: 7.4 against 6.4). So
+# a 640 KB sliding layer splits, and a machine with many cores does not wake them all
+# for a small copy. The compiled copy itself keeps a call under 4 MiB on its own thread
+# when they are asleep.
+COMPILED_SHARE_MIN_BYTES = 64 << 10
 
 Pair = tuple[Any, Any]
 T = TypeVar("T")
@@ -118,12 +120,15 @@ def _stop(jobs: queue.SimpleQueue, count: int) -> None:
 
 
 def thread_count(nbytes: int, threads: int, workers: CopyWorkers | None = None, *, compiled: bool = False) -> int:
-    """Threads worth splitting a copy of ``nbytes`` over: one below ``PARALLEL_MIN_BYTES``
-    (``COMPILED_PARALLEL_MIN_BYTES`` for the compiled copy's kept threads), else
-    ``threads``, at most ``workers``' when given."""
-    if nbytes < (COMPILED_PARALLEL_MIN_BYTES if compiled else PARALLEL_MIN_BYTES):
+    """Threads worth splitting a copy of ``nbytes`` over, at most ``threads`` (and
+    ``workers``' when given): one below ``PARALLEL_MIN_BYTES``; for the compiled copy's
+    kept threads, as many as get ``COMPILED_SHARE_MIN_BYTES`` each."""
+    if compiled:
+        if COMPILED_SHARE_MIN_BYTES > 0:
+            threads = min(threads, nbytes // COMPILED_SHARE_MIN_BYTES)
+    elif nbytes < PARALLEL_MIN_BYTES:
         return 1
-    return threads if workers is None else min(threads, workers.threads)
+    return max(1, threads if workers is None else min(threads, workers.threads))
 
 
 def split_threads(items: Sequence[T], nbytes: int, threads: int, run: Callable[[Sequence[T]], None],
