@@ -34,6 +34,9 @@ PAGE, MAX_NEW = 16, 16
 SERVER_MODULES = ["fastapi", "uvicorn", "uvloop", "setproctitle", "interegular", "multipart", "prometheus_client",
                   "einops", "jsonschema", "xgrammar", "soundfile"]
 READY = "The server is fired up and ready to roll"
+#: uvicorn's line when the HTTP port was taken between ``free_port`` and sglang's bind
+#: (seconds later, after the model loaded); sglang then waits, never ready, never exiting
+BIND_FAILED = "error while attempting to bind on address"
 #: Log lines that mean a storage call failed, or sglang reached a stand-in it should not.
 BAD_LINES = ["HiCache storage query failed", "HiCache backup failed", "HiCache sidecar prefetch failed",
              "Write page to storage", "NotImplementedError", "Traceback", "kvtier: ", "sgl_kernel stand-in"]
@@ -172,6 +175,7 @@ class Server(EngineServer):
     sglang alone (no hierarchical cache)."""
 
     def __init__(self, model: Path, store: Path | None, standin: Path, log: Path, max_total_tokens: int) -> None:
+        self._args = (model, store, standin, log, max_total_tokens)
         port = free_port()
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
                 "--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
@@ -191,11 +195,18 @@ class Server(EngineServer):
             env["KVTIER_SGLANG_HOST_POOL"] = "all"  # sglang's own host pool dies on CPU-only torch
         super().__init__(argv, env, log, port)
 
-    def wait_ready(self, timeout: float = 400.0) -> "Server":
+    def wait_ready(self, timeout: float = 400.0, retries: int = 2) -> "Server":
+        """The server once it logged READY; started again on another port (``retries``
+        times) where its port was taken before sglang bound it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if READY in self.log_text():
+            text = self.log_text()
+            if READY in text:
                 return self
+            if BIND_FAILED in text and retries > 0:
+                self.stop()
+                self.__init__(*self._args)  # a new free port, the same log file
+                return self.wait_ready(timeout, retries - 1)
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang exited with {self.proc.returncode}:\n{self.log_text()[-6000:]}")
             time.sleep(0.5)
