@@ -15,7 +15,8 @@ _ARGS = [] if sys.platform == "win32" else ["-O3", "-std=c99"]
 _THREADS = [] if sys.platform == "win32" else ["-pthread"]  # _pageio's hasher, _native's copy threads
 
 setup(ext_modules=[Extension("kvtier.transfer._native", ["src/kvtier/transfer/_native.c"],
-                             depends=["src/kvtier/_lines.h", "src/kvtier/transfer/_copy_loop.h", "src/kvtier/transfer/_copy_pool.h"], optional=True,
+                             depends=["src/kvtier/_lines.h", "src/kvtier/transfer/_copy_loop.h",
+                                      "src/kvtier/transfer/_copy_pool.h"], optional=True,
                              extra_compile_args=_ARGS + _THREADS,
                              extra_link_args=_THREADS),
                    Extension("kvtier.cache._tokens", ["src/kvtier/cache/_tokens.c"],

@@ -7,10 +7,11 @@ with streaming stores:
 that hides the memory latency of short scattered reads (page_head's per-layer load
 reads 256-byte blocks 8 KiB apart) and saves reading the destination before writing
 it, which numpy cannot. One call takes every component's view pair and splits their
-pages over threads kept in C between calls. Measured on the reference spec, it is as fast as numpy
-or faster for every layout and direction, so the CPU engine (``cpu.copy``) uses it for
-every copy between views that do not overlap. It is built by ``pip install`` where a C compiler is
-present (``setup.py``, ``optional=True``); where it is not, kvtier copies with numpy alone.
+pages over threads kept in C between calls. Measured on the reference spec, it is as
+fast as numpy or faster for every layout and direction, so the CPU engine
+(``cpu.copy``) uses it for every copy between views that do not overlap. It is built by
+``pip install`` where a C compiler is present (``setup.py``, ``optional=True``); where
+it is not, kvtier copies with numpy alone.
 
 Where the CPU has AVX-512, a streaming store writes a whole 64-byte line (16 bytes
 otherwise): gathers that write short blocks far apart, the per-layer loads from
