@@ -70,10 +70,10 @@ class PageAllocator:
         self._in_use[pages] = False
         self._put(pages)
 
-    def allocated(self, page_ids: torch.Tensor | np.ndarray) -> torch.Tensor:
-        """``(n,)`` bool: which of the (valid) ``page_ids`` (a tensor or numpy array) are
-        handed out."""
-        return torch.from_numpy(self._in_use[np.asarray(page_ids, dtype=np.int64)])
+    def allocated(self, page_ids: torch.Tensor | np.ndarray) -> np.ndarray:
+        """``(n,)`` bool numpy array: which of the (valid) ``page_ids`` (a tensor or numpy
+        array) are handed out."""
+        return self._in_use[np.asarray(page_ids, dtype=np.int64)]
 
     def free(self, indices: torch.Tensor) -> None:
         """Return whole pages; :class:`UsageError` for slots that are not whole pages of

@@ -107,9 +107,9 @@ class DeviceKVPool:
     def free(self, indices: torch.Tensor) -> None:
         self._allocator.free(indices)
 
-    def allocated_pages(self, page_ids: torch.Tensor | np.ndarray) -> torch.Tensor:
-        """``(n,)`` bool: which of the CPU int64 ``page_ids`` (a tensor or numpy array) are
-        allocated."""
+    def allocated_pages(self, page_ids: torch.Tensor | np.ndarray) -> np.ndarray:
+        """``(n,)`` bool numpy array: which of the CPU int64 ``page_ids`` (a tensor or numpy
+        array) are allocated."""
         return self._allocator.allocated(page_ids)
 
     def available_size(self) -> int:
