@@ -433,16 +433,28 @@ def test_blocks_write_each_destination_run_whole_inside_the_outer_loop():
     outermost as before, then the layers (32 MiB apart in the destination), the heads
     innermost (256 bytes apart there: each layer's 2 KiB row of the slot written in one
     run), though heads and layers tie on their shorter stride; the slots cut in tiles of
-    4, so each layer's run is 8 KiB (``TILE_BYTES``). With two axes whose inner one
-    writes the run already, the order is the outer rule's alone (page_head's per-layer
-    load)."""
+    4, so each layer's run is 8 KiB (``TILE_BYTES``)."""
     dst = (33554432, 2048, 256, 2)  # device, layer_first: (layer, slot, head, dim)
     src = (256, 8192, 524288, 2)  # host, page_head: layer 256 B, slot 8 KiB, head 512 KiB
     b = native.Blocks((16, 64, 8, 128), dst, src, 2)
     assert (b.block, b.shape, b.dst_strides, b.src_strides) == (
         256, (16, 16, 4, 8), (4 * 2048, 33554432, 2048, 256), (4 * 8192, 256, 8192, 524288))
+
+
+def test_a_two_axis_gather_loops_in_the_source_order():
+    """page_head's per-layer load (a page's heads x slots, 256-byte blocks, no run of them
+    in the source): each head's slots in turn, in the source's order, untiled. Two axes
+    of which the source reads a run keep the outer rule: page_first's backup (each
+    layer's slots one run of the source) walks the slots outermost, and so does a
+    per-layer backup into page_head (each slot's heads one run of the source)."""
+    dst = (33554432, 2048, 256, 2)  # device, layer_first: (layer, slot, head, dim)
+    src = (256, 8192, 524288, 2)  # host, page_head: layer 256 B, slot 8 KiB, head 512 KiB
     one = native.Blocks((1, 64, 8, 128), dst, src, 2)
-    assert (one.shape, one.dst_strides, one.src_strides) == ((64, 8), (2048, 256), (8192, 524288))
+    assert (one.block, one.shape, one.dst_strides, one.src_strides) == (256, (8, 64), (256, 2048), (524288, 8192))
+    first = native.Blocks((32, 64, 1024), (2048, 65536, 2), (33554432, 2048, 2), 2)
+    assert (first.block, first.shape, first.src_strides) == (2048, (64, 32), (2048, 33554432))
+    back = native.Blocks((1, 64, 8, 128), src, dst, 2)
+    assert (back.shape, back.dst_strides, back.src_strides) == ((64, 8), (8192, 524288), (2048, 256))
 
 
 @pytest.mark.parametrize("slots, tile", [(64, 4), (6, 2), (7, 1), (1, 1)])
