@@ -88,7 +88,8 @@ class Blocks:
         block = itemsize
         while axes and dst_strides[axes[0]] == block == src_strides[axes[0]]:
             block *= shape[axes.pop(0)]
-        if len(axes) == 2 and block not in (abs(src_strides[a]) for a in axes):
+        gather = len(axes) == 2 and block not in (abs(src_strides[a]) for a in axes)
+        if gather:
             # NOTE: a gather, page_head's per-layer load (a page's heads x slots: a 256-byte
             # row of one layer every 8 KiB of the source, into a slot's 2 KiB row of heads),
             # reads each head's slots in turn rather than writing each slot's row whole.
@@ -99,33 +100,31 @@ class Blocks:
             # one), or with three axes (backups into page_head), the rule below stays: the
             # source's order slowed those (0.86-0.97x -> 0.77-0.88x of the limit).
             axes.sort(key=lambda a: -abs(src_strides[a]))
-            self.block = block
-            self.shape = tuple(shape[a] for a in axes)
-            self.dst_strides = tuple(dst_strides[a] for a in axes)
-            self.src_strides = tuple(src_strides[a] for a in axes)
-            return
-        # NOTE: the outermost loop walks the axis that is far apart on both sides (a page's
-        # slots, for a backup into page_first or page_head), so the inner loops copy a
-        # tile whose blocks lie in a few runs on each side: page_head's backup reads each
-        # layer's 2 KiB row of a slot and writes each head's 8 KiB run of it. Alternated
-        # in one process on the reference spec, against the source's order: page_head
-        # backups 20.0-20.5 -> 24.2-24.3 GB/s, page_first's 20.7-20.9 -> 22.2-23.1,
-        # page_head's load runs 15.6-16.2 -> 16.7-16.8; the rest level. (The destination's
-        # order was slower still for page_head: 15.5.)
-        axes.sort(key=lambda a: (-min(abs(src_strides[a]), abs(dst_strides[a])),
-                                 max(abs(src_strides[a]), abs(dst_strides[a]))))
-        # NOTE: within that tile, the destination's far axes outer and its nearest
-        # innermost, so each run of it is written whole before the next: page_head's load
-        # runs (a slot's layers x heads) write each layer's 2 KiB row of the slot in turn
-        # and read the heads' rows 256 bytes at a time, instead of writing 256 bytes to
-        # each layer in turn. Alternated runs of the reference spec: 0.65-0.70x of the
-        # limit -> 0.72-0.77x (16.0-17.0 -> 17.8-19.0 GB/s); no other order of the
-        # three axes did better
-        axes[1:] = sorted(axes[1:], key=lambda a: -abs(dst_strides[a]))
+        else:
+            # NOTE: the outermost loop walks the axis that is far apart on both sides (a
+            # page's slots, for a backup into page_first or page_head), so the inner loops
+            # copy a tile whose blocks lie in a few runs on each side: page_head's backup
+            # reads each layer's 2 KiB row of a slot and writes each head's 8 KiB run of it.
+            # Alternated in one process on the reference spec, against the source's order:
+            # page_head backups 20.0-20.5 -> 24.2-24.3 GB/s, page_first's 20.7-20.9 ->
+            # 22.2-23.1, page_head's load runs 15.6-16.2 -> 16.7-16.8; the rest level. (The
+            # destination's order was slower still for page_head: 15.5.)
+            axes.sort(key=lambda a: (-min(abs(src_strides[a]), abs(dst_strides[a])),
+                                     max(abs(src_strides[a]), abs(dst_strides[a]))))
+            # NOTE: within that tile, the destination's far axes outer and its nearest
+            # innermost, so each run of it is written whole before the next: page_head's
+            # load runs (a slot's layers x heads) write each layer's 2 KiB row of the slot in
+            # turn and read the heads' rows 256 bytes at a time, instead of writing 256 bytes
+            # to each layer in turn. Alternated runs of the reference spec: 0.65-0.70x of the
+            # limit -> 0.72-0.77x (16.0-17.0 -> 17.8-19.0 GB/s); no other order of the
+            # three axes did better
+            axes[1:] = sorted(axes[1:], key=lambda a: -abs(dst_strides[a]))
+        loops = [shape[a] for a in axes], [dst_strides[a] for a in axes], [src_strides[a] for a in axes]
         self.block = block
-        self.shape, self.dst_strides, self.src_strides = _tiled([shape[a] for a in axes],
-                                                                [dst_strides[a] for a in axes],
-                                                                [src_strides[a] for a in axes], block)
+        # NOTE: a gather stays untiled: tiling its outer axis (the heads, whose destination
+        # stride is the block) would bring back the order it replaces
+        self.shape, self.dst_strides, self.src_strides = (tuple(map(tuple, loops)) if gather
+                                                          else _tiled(*loops, block))
 
 
 #: Bytes of the destination a tile of the outer axis writes in one run at most (_tiled)
