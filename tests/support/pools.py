@@ -103,14 +103,14 @@ def record_copy_threads(monkeypatch) -> tuple[list, list]:
             started.append(self)
             super().start()
 
-    real = native.copy_pages
+    real = native.run_jobs
 
-    def counting_copy(pairs, dst_pages, src_pages, threads):
+    def counting_copy(jobs, threads):
         compiled.append(threads)
-        return real(pairs, dst_pages, src_pages, threads)
+        return real(jobs, threads)
 
     monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(copy_mod, "COMPILED_SHARE_MIN_BYTES", 0)
     monkeypatch.setattr(copy_mod.threading, "Thread", CountingThread)
-    monkeypatch.setattr(native, "copy_pages", counting_copy)
+    monkeypatch.setattr(native, "run_jobs", counting_copy)
     return started, compiled

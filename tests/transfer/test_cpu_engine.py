@@ -316,7 +316,7 @@ def test_compiled_copies_split_from_a_smaller_size_than_numpy_ones(monkeypatch):
 
     from kvtier.transfer import native
     asked = []
-    monkeypatch.setattr(native, "copy_pages", lambda pairs, d, s, threads: asked.append(threads))
+    monkeypatch.setattr(native, "run_jobs", lambda jobs, threads: asked.append(threads))
     monkeypatch.setenv("KVTIER_NATIVE", "1")
     spec = KVSpec.mha(2, 8, 128)  # 4 KiB a token a layer: 64 tokens are 256 KiB of one layer
     dev = random_device_pool(spec, 128, 16, seed=1)

@@ -44,7 +44,7 @@ def _copies(spec, layout, threads, monkeypatch, calls):
     gen = torch.Generator().manual_seed(3)
     for buf in host.buffers.values():
         fill_random(buf, gen)
-    for name in ("copy_pages", "copy_runs"):  # the compiled path's two entries in kvtier.transfer.native
+    for name in ("run_jobs", "copy_runs"):  # the compiled path's two entries in kvtier.transfer.native
         monkeypatch.setattr(native, name, _counted(getattr(native, name), calls))
     # NOTE: force the thread split (these pools are far below the default threshold)
     monkeypatch.setattr(cpu._copy, "PARALLEL_MIN_BYTES", 0)

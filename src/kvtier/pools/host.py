@@ -214,15 +214,15 @@ class HostKVPool:
                              f"{self.spec.fingerprint()}")
         if device_pool.page_size != self.page_size:
             raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size {self.page_size}")
-        if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor) \
-                and host_indices.numel() != device_indices.numel():
-            raise UsageError(f"host_indices has {host_indices.numel()} slots, device_indices "
-                             f"{device_indices.numel()}; they must match")
         host_pages = page_numbers(host_indices, page_size=self.page_size, size=self.size, what="host_indices",
                                   allowed_devices=(_CPU, self.device), unique=dst_is_host)
         dev_pages = page_numbers(device_indices, page_size=self.page_size, size=device_pool.size,
                                  what="device_indices", allowed_devices=(_CPU, device_pool.device),
                                  unique=not dst_is_host)
+        # NOTE: counted in pages once both are whole pages (no torch call: see indices._cpu_int64)
+        if len(host_pages) != len(dev_pages):
+            raise UsageError(f"host_indices has {len(host_pages) * self.page_size} slots, device_indices "
+                             f"{len(dev_pages) * self.page_size}; they must match")
         return host_pages, dev_pages
 
     # -- single pages -------------------------------------------------------------

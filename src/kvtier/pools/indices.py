@@ -16,6 +16,8 @@ from ..compiled import load
 from ..errors import UsageError
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
+_CPU = torch.device("cpu")
+_NP_INT64 = np.dtype(np.int64)
 
 #: the compiled loops, through ``kvtier.compiled.load`` at each call
 COMPILED = "kvtier.pools._indices"
@@ -47,6 +49,10 @@ def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
                  allowed_devices: tuple[torch.device, ...] = (torch.device("cpu"),),
                  unique: bool = False) -> np.ndarray:
     """:func:`page_starts` as a new int64 numpy array (no tensor around it)."""
+    flat = _cpu_int64(indices) if _CPU in allowed_devices else None
+    if flat is not None and flat.size % page_size == 0 and flat.size > _SMALL_SLOTS_COMPILED \
+            and load(COMPILED) is not None:
+        return _page_ids(flat, page_size=page_size, size=size, what=what, unique=unique)
     if not isinstance(indices, torch.Tensor):
         raise UsageError(f"{what} must be a torch.Tensor of int64 token slots, got {type(indices).__name__}")
     if indices.dtype not in _INDEX_DTYPES:
@@ -66,6 +72,22 @@ def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
             return np.array(ids, dtype=np.int64)
         # NOTE: invalid: fall through, so that one place words every error message
     return _page_ids(_host_int64(indices), page_size=page_size, size=size, what=what, unique=unique)
+
+
+def _cpu_int64(indices) -> np.ndarray | None:
+    """A 1-D CPU int64 tensor's numpy view, else ``None``: one torch call in place of the
+    five checks, the path every valid CPU index tensor takes.
+
+    NOTE: a per-layer load checks two index tensors per layer, right after copying
+    memory that evicted the interpreter's own data from the core's caches; there each
+    torch call cost 5-9 µs, not 0.5 (one call after reading 4 MiB)."""
+    if not isinstance(indices, torch.Tensor):
+        return None
+    try:
+        a = indices.numpy()  # raises for a tensor off the CPU
+    except (TypeError, RuntimeError):
+        return None
+    return a if a.ndim == 1 and a.dtype is _NP_INT64 else None
 
 
 def _host_int64(indices: torch.Tensor) -> np.ndarray:

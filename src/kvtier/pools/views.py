@@ -24,15 +24,20 @@ class PageViews:
     layers: tuple[torch.Tensor, ...]
     np_all_layers: np.ndarray | None
     np_layers: tuple[np.ndarray, ...] | None
+    #: where the memory lives (read once: a torch attribute per copy cost microseconds
+    #: right after a large copy had evicted the interpreter's data from the caches)
+    device: torch.device
 
     @classmethod
     def build(cls, all_layers: torch.Tensor | None, layers: tuple[torch.Tensor, ...]) -> "PageViews":
-        on_cpu = layers[0].device.type == "cpu"
+        device = layers[0].device
+        on_cpu = device.type == "cpu"
         return cls(
             all_layers,
             layers,
             as_numpy(all_layers) if on_cpu and all_layers is not None else None,
             tuple(as_numpy(t) for t in layers) if on_cpu else None,
+            device,
         )
 
     def arrays(self, use_numpy: bool):

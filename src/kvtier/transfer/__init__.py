@@ -100,7 +100,7 @@ class _MappedHost:
 
 def _copy_triton(views, dst_pages, src_pages, layer) -> None:
     kernel = _triton()
-    device = next(v.layers[0].device for pair in views for v in pair if v.layers[0].device.type == "cuda")
+    device = next(v.device for pair in views for v in pair if v.device.type == "cuda")
     dst_pages, src_pages = dst_pages.to(device), src_pages.to(device)
 
     def arg(t: torch.Tensor):  # as same-width ints: one kernel for every dtype, fp8 included
@@ -129,7 +129,7 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor | np.ndarray, src
     if len(dst_pages) == 0:
         return
     d0, s0 = views[0]
-    d_dev, s_dev = d0.layers[0].device, s0.layers[0].device
+    d_dev, s_dev = d0.device, s0.device
     if "meta" in (d_dev.type, s_dev.type):
         return  # shapes without memory (the simulator's pools): validated by the caller, nothing to move
     if d_dev.type != "cpu" or s_dev.type != "cpu":  # the engines off the CPU take tensors

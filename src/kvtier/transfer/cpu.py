@@ -200,9 +200,9 @@ def copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_pages: torch.Tensor
     threads when there are enough bytes to move: in one compiled call where every pair
     may take it, else with numpy on ``workers``' threads (when given) over ``runs``
     (coalesced here when not given)."""
-    if all(native.takes(d, s) for d, s in pairs):
-        native.copy_pages(pairs, host_pages(dst_pages), host_pages(src_pages),
-                          _copy.thread_count(nbytes, threads, workers, compiled=True))
+    jobs = native.jobs(pairs, host_pages(dst_pages), host_pages(src_pages))
+    if jobs is not None:
+        native.run_jobs(jobs, _copy.thread_count(nbytes, threads, workers, compiled=True))
         return
     parallel = _copy.thread_count(nbytes, threads, workers)
     tasks = plan(pairs, runs or coalesce(dst_pages, src_pages), parts=parallel)

@@ -219,15 +219,41 @@ def _pair(dst: np.ndarray, src: np.ndarray) -> _Pair:
 
 def _job(dst: np.ndarray, src: np.ndarray, dst_pages: np.ndarray, src_pages: np.ndarray) -> tuple:
     """``copy_jobs``' tuple for ``dst[dst_pages[i]] <- src[src_pages[i]]`` between page-major
-    views (page numbers as int64 arrays): each side as the bytes its view spans, and where
+    views (page numbers as int64 arrays)."""
+    return _job_of(_pair(dst, src), dst_pages, src_pages)
+
+
+def _job_of(p: _Pair, dst_pages: np.ndarray, src_pages: np.ndarray) -> tuple:
+    """:func:`_job` of a worked-out pair: each side as the bytes its view spans, and where
     page 0 starts in them and the page stride (the C side turns the page numbers into
     byte offsets and checks every block against those bytes)."""
-    p = _pair(dst, src)
     b = p.blocks
     # NOTE: the offsets worked out in C, not numpy: four array ops per pair were a tenth
     # of a sliding layer's per-layer load (655 KB)
     return (p.dst_bytes, p.src_bytes, dst_pages, src_pages, b.shape, b.dst_strides, b.src_strides, b.block, True,
             (p.dst_first, p.dst_step, p.src_first, p.src_step))
+
+
+def jobs(pairs, dst_pages: np.ndarray, src_pages: np.ndarray) -> list[tuple] | None:
+    """:func:`run_jobs`' jobs for ``dst[dst_pages[i]] <- src[src_pages[i]]`` over every
+    page-major ``(dst, src)`` numpy view pair (page numbers as int64 arrays), or ``None``
+    where the compiled copy may not take them all (:func:`takes`): the check and the jobs
+    in one pass over the pairs."""
+    if not enabled():
+        return None
+    out = []
+    for dst, src in pairs:
+        p = _pair(dst, src)
+        if p.overlap:
+            return None
+        out.append(_job_of(p, dst_pages, src_pages))
+    return out
+
+
+def run_jobs(jobs: list[tuple], threads: int) -> None:
+    """Copy :func:`jobs`' jobs in one compiled call that splits each one's pages over
+    ``threads`` threads, GIL released."""
+    built(COMPILED).copy_jobs(jobs, threads)
 
 
 def copy_pages(pairs, dst_pages: np.ndarray, src_pages: np.ndarray, threads: int) -> None:
@@ -236,7 +262,7 @@ def copy_pages(pairs, dst_pages: np.ndarray, src_pages: np.ndarray, threads: int
     splits each pair's pages over ``threads`` threads, GIL released. One call instead of a
     call per pair and thread in Python threads: a per-layer load of 64 MiB spent about
     400 µs of its 4.4 ms in Python (offsets, views, waking a worker) before this."""
-    built(COMPILED).copy_jobs([_job(dst, src, dst_pages, src_pages) for dst, src in pairs], threads)
+    run_jobs([_job(dst, src, dst_pages, src_pages) for dst, src in pairs], threads)
 
 
 #: Runs up to which :func:`copy_runs` lists their pages in Python
