@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -11,7 +12,7 @@ from .._checks import index_in_range, is_int, layer_range, positive_int
 from ..errors import UsageError
 from ..layout import get_layout, require_split_heads
 from ..spec import KVSpec
-from ..transfer import CopyWorkers, check_io_backend, copy_pages
+from ..transfer import CopyWorkers, check_io_backend, copy_layer, copy_pages, layer_pairs
 from .allocator import PageAllocator
 from .common import carve, check_buffers, check_names, check_sizes, check_spec, layout_shapes, parse_device
 from .device import DeviceKVPool
@@ -111,6 +112,7 @@ class HostKVPool:
             self.page_views[name] = PageViews.build(canon, tuple(canon.unbind(2)))
         self._spans = SpanTables(layout, spec, buffers)
         self._allocator = PageAllocator(self.size, page_size)
+        self._load_pairs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see _layer_pairs
 
     # -- properties ------------------------------------------------------------
     @property
@@ -198,10 +200,27 @@ class HostKVPool:
                     io_backend: str) -> None:
         """The copy of a load, on pages and layers (a layer, or a range of them) checked."""
         count = len(layers) if isinstance(layers, range) else 1
+        nbytes = len(host_pages) * self.page_bytes * count // self.spec.layer_num
+        if count == 1 and type(layers) is int:
+            pairs = self._layer_pairs(device_pool, layers)
+            if pairs is not None and copy_layer(pairs, dev_pages, host_pages, nbytes=nbytes, io_backend=io_backend,
+                                                threads=self.copy_threads, workers=self.copy_workers):
+                return
         views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
-        copy_pages(views, dev_pages, host_pages, layer=layers,
-                   nbytes=len(host_pages) * self.page_bytes * count // self.spec.layer_num,
+        copy_pages(views, dev_pages, host_pages, layer=layers, nbytes=nbytes,
                    io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
+
+    def _layer_pairs(self, device_pool: DeviceKVPool, layer: int) -> list | None:
+        """``transfer.layer_pairs`` of a load of ``layer`` from this pool into
+        ``device_pool``, worked out at the first load of that layer and kept while
+        ``device_pool`` lives (weakly keyed: the pairs view its memory)."""
+        by_layer = self._load_pairs.get(device_pool)
+        if by_layer is None:
+            by_layer = self._load_pairs[device_pool] = {}
+        if layer not in by_layer:
+            by_layer[layer] = layer_pairs([(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names],
+                                          layer)
+        return by_layer[layer]
 
     def _check_transfer(self, device_pool, host_indices, device_indices, io_backend, *, dst_is_host):
         """``(host pages, device pages)``: the page numbers (int64 numpy) of both index

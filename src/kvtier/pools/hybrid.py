@@ -90,7 +90,7 @@ class _GroupPools:
 
     def _indices(self, what: str, indices: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """``indices`` itself, once it maps only this spec's group names."""
-        if not isinstance(indices, Mapping):
+        if type(indices) is not dict and not isinstance(indices, Mapping):  # NOTE: the ABC's check costs more
             raise UsageError(f"{what} must map group names to slot tensors, got {type(indices).__name__}")
         # NOTE: a keys view compared with the pools' (set-like, no set built): a sliding
         # layer's per-layer load is a few pages, and each of its checks counts

@@ -24,7 +24,8 @@ import torch
 
 from ..errors import UsageError
 from . import cpu
-from .copy import CopyWorkers, copy_torch, int_view
+from . import native
+from .copy import CopyWorkers, copy_torch, int_view, thread_count
 from .gather import gather_pages
 from .runs import Runs, coalesce
 
@@ -55,6 +56,38 @@ def _view_pairs(dst, src, layer: int | range | None, use_numpy: bool = False) ->
     if d_all is not None and s_all is not None:
         return [(d_all, s_all)]
     return list(zip(d_layers, s_layers))
+
+
+def layer_pairs(views, layer: int) -> list | None:
+    """The numpy ``(dst, src)`` page-view pairs of one layer's copy between ``views``
+    (``(dst, src)`` ``PageViews`` per component), or ``None`` where a side has none (off
+    the CPU): what :func:`copy_layer` takes, for a caller to keep between its calls."""
+    if not all(d.np_layers is not None and s.np_layers is not None for d, s in views):
+        return None
+    return [pair for dv, sv in views for pair in _view_pairs(dv, sv, layer, True)]
+
+
+def copy_layer(pairs: list, dst_pages: np.ndarray, src_pages: np.ndarray, *, nbytes: int, io_backend: str,
+               threads: int, workers: CopyWorkers | None = None) -> bool:
+    """:func:`copy_pages` of one layer between CPU pools, given its :func:`layer_pairs`
+    and int64 numpy page numbers: the compiled copy, where ``copy_pages`` would take it
+    (``io_backend`` checked by the caller). ``False`` where it would not (a page pair of
+    under ``KERNEL_MIN_RUN_BYTES`` with ``kernel``/``auto``, or the compiled copy off or
+    refusing a pair): nothing was copied, and the caller calls ``copy_pages``.
+
+    NOTE: a per-layer load's path without ``copy_pages``' dispatch, which it would take
+    the same way every layer: right after a large copy, each Python frame and torch call
+    runs from memory no cache holds, and a MiMo sliding layer's 655 KB load spent more
+    time there than copying."""
+    if len(dst_pages) == 0:
+        return True
+    if io_backend != "direct" and nbytes < KERNEL_MIN_RUN_BYTES * len(dst_pages) * len(pairs):
+        return False  # NOTE: copy_pages' rule before coalescing; runs of several pages may still go direct
+    jobs = native.jobs(pairs, dst_pages, src_pages)
+    if jobs is None:
+        return False
+    native.run_jobs(jobs, thread_count(nbytes, threads, workers, compiled=True))
+    return True
 
 
 def _copy_direct(views, dst_pages: torch.Tensor, src_pages: torch.Tensor, runs: Runs | None, layer, nbytes,
@@ -156,4 +189,5 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor | np.ndarray, src
     _copy_direct(views, dst_pages, src_pages, runs, layer, nbytes, threads, workers)
 
 
-__all__ = ["IO_BACKENDS", "CopyWorkers", "KERNEL_MIN_RUN_BYTES", "Runs", "check_io_backend", "coalesce", "copy_pages"]
+__all__ = ["IO_BACKENDS", "CopyWorkers", "KERNEL_MIN_RUN_BYTES", "Runs", "check_io_backend", "coalesce", "copy_layer",
+           "copy_pages", "layer_pairs"]
