@@ -70,6 +70,30 @@ def test_load_one_layer_leaves_other_layers(layout):
             assert bool((dst.buffer(name, layer) == 0.5).all())
 
 
+def test_kept_layer_pairs_serve_each_device_pool_and_die_with_it():
+    """A per-layer load keeps its layer's view pairs per device pool: a second device pool
+    gets its own (its bytes, not the first's), and a device pool that is gone leaves
+    nothing behind (the kept pairs view its memory)."""
+    import gc
+
+    spec = SPECS["asym"]
+    src = random_device_pool(spec, 32, 4, seed=5)
+    host = HostKVPool(spec, 32, 4, layout="page_first")
+    idx = host.alloc(32)
+    host.backup_from_device_all_layer(src, idx, idx)
+    firsts = []
+    for seed in (6, 7):
+        dst = random_device_pool(spec, 32, 4, seed=seed)
+        host.load_to_device_per_layer(dst, idx, idx, 1)
+        for name in spec.names:
+            assert torch.equal(bits(dst.buffer(name, 1)), bits(src.buffer(name, 1)))
+        firsts.append(dst)
+    assert len(host._load_pairs) == 2  # one per device pool
+    del dst, firsts
+    gc.collect()
+    assert len(host._load_pairs) == 0
+
+
 def test_from_buffers_separate_and_strided_engine_tensors():
     """Engine tensors: separate allocations (no all-layer view) and slices of one block."""
     spec = SPECS["asym"]
