@@ -94,6 +94,27 @@ def test_kept_layer_pairs_serve_each_device_pool_and_die_with_it():
     assert len(host._load_pairs) == 0
 
 
+def test_a_device_pool_that_cannot_be_a_key_still_loads():
+    """A DeviceKVPool subclass that defines ``__eq__`` alone is unhashable: its per-layer
+    loads take ``copy_pages``' path, with the same bytes."""
+    class Compared(DeviceKVPool):
+        def __eq__(self, other):
+            return self is other
+
+    spec = SPECS["asym"]
+    src = random_device_pool(spec, 32, 4, seed=5)
+    host = HostKVPool(spec, 32, 4, layout="page_head")
+    idx = host.alloc(32)
+    host.backup_from_device_all_layer(src, idx, idx)
+    dst = Compared(spec, 32, 4)
+    for layer in range(spec.layer_num):
+        host.load_to_device_per_layer(dst, idx, idx, layer)
+    for name in spec.names:
+        for layer in range(spec.layer_num):
+            assert torch.equal(bits(dst.buffer(name, layer)), bits(src.buffer(name, layer)))
+    assert len(host._load_pairs) == 0
+
+
 def test_from_buffers_separate_and_strided_engine_tensors():
     """Engine tensors: separate allocations (no all-layer view) and slices of one block."""
     spec = SPECS["asym"]

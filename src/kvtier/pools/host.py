@@ -213,10 +213,14 @@ class HostKVPool:
     def _layer_pairs(self, device_pool: DeviceKVPool, layer: int) -> list | None:
         """``transfer.layer_pairs`` of a load of ``layer`` from this pool into
         ``device_pool``, worked out at the first load of that layer and kept while
-        ``device_pool`` lives (weakly keyed: the pairs view its memory)."""
-        by_layer = self._load_pairs.get(device_pool)
-        if by_layer is None:
-            by_layer = self._load_pairs[device_pool] = {}
+        ``device_pool`` lives (weakly keyed: the pairs view its memory); ``None`` where
+        there are none (a pool off the CPU) or ``device_pool`` cannot be a key."""
+        try:
+            by_layer = self._load_pairs.get(device_pool)
+            if by_layer is None:
+                by_layer = self._load_pairs[device_pool] = {}
+        except TypeError:  # NOTE: a subclass that defines __eq__ alone cannot be a key: copy_pages' path
+            return None
         if layer not in by_layer:
             by_layer[layer] = layer_pairs([(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names],
                                           layer)

@@ -50,28 +50,27 @@ def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
                  unique: bool = False) -> np.ndarray:
     """:func:`page_starts` as a new int64 numpy array (no tensor around it)."""
     flat = _cpu_int64(indices) if _CPU in allowed_devices else None
-    if flat is not None and flat.size % page_size == 0 and flat.size > _SMALL_SLOTS_COMPILED \
-            and load(COMPILED) is not None:
-        return _page_ids(flat, page_size=page_size, size=size, what=what, unique=unique)
-    if not isinstance(indices, torch.Tensor):
-        raise UsageError(f"{what} must be a torch.Tensor of int64 token slots, got {type(indices).__name__}")
-    if indices.dtype not in _INDEX_DTYPES:
-        raise UsageError(f"{what} must have dtype int64 or int32, got {indices.dtype}")
-    if indices.dim() != 1:
-        raise UsageError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
-    if indices.device not in allowed_devices:
-        raise UsageError(f"{what} is on {indices.device}; expected one of {[str(d) for d in allowed_devices]}")
-    n = indices.numel()
+    if flat is None:  # NOTE: a 1-D int64 tensor on an allowed CPU passes every check here
+        if not isinstance(indices, torch.Tensor):
+            raise UsageError(f"{what} must be a torch.Tensor of int64 token slots, got {type(indices).__name__}")
+        if indices.dtype not in _INDEX_DTYPES:
+            raise UsageError(f"{what} must have dtype int64 or int32, got {indices.dtype}")
+        if indices.dim() != 1:
+            raise UsageError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+        if indices.device not in allowed_devices:
+            raise UsageError(f"{what} is on {indices.device}; expected one of {[str(d) for d in allowed_devices]}")
+    n = indices.numel() if flat is None else flat.size
     if n % page_size:
         raise UsageError(f"{what} holds {n} slots, not a multiple of page_size {page_size}")
     if n == 0:
         return np.empty(0, dtype=np.int64)
     if n <= (_SMALL_SLOTS_COMPILED if load(COMPILED) is not None else _SMALL_SLOTS):
-        ids = _small_page_ids(indices.tolist(), page_size, size, unique)
+        ids = _small_page_ids((indices if flat is None else flat).tolist(), page_size, size, unique)
         if ids is not None:
             return np.array(ids, dtype=np.int64)
         # NOTE: invalid: fall through, so that one place words every error message
-    return _page_ids(_host_int64(indices), page_size=page_size, size=size, what=what, unique=unique)
+    return _page_ids(_host_int64(indices) if flat is None else flat, page_size=page_size, size=size, what=what,
+                     unique=unique)
 
 
 def _cpu_int64(indices) -> np.ndarray | None:
