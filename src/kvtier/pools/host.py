@@ -201,7 +201,7 @@ class HostKVPool:
         """The copy of a load, on pages and layers (a layer, or a range of them) checked."""
         count = len(layers) if isinstance(layers, range) else 1
         nbytes = len(host_pages) * self.page_bytes * count // self.spec.layer_num
-        if count == 1 and type(layers) is int:
+        if type(layers) is int:  # NOTE: a per-layer load: its view pairs are kept (_layer_pairs)
             pairs = self._layer_pairs(device_pool, layers)
             if pairs is not None and copy_layer(pairs, dev_pages, host_pages, nbytes=nbytes, io_backend=io_backend,
                                                 threads=self.copy_threads, workers=self.copy_workers):

@@ -58,13 +58,22 @@ def _view_pairs(dst, src, layer: int | range | None, use_numpy: bool = False) ->
     return list(zip(d_layers, s_layers))
 
 
-def layer_pairs(views, layer: int) -> list | None:
-    """The numpy ``(dst, src)`` page-view pairs of one layer's copy between ``views``
-    (``(dst, src)`` ``PageViews`` per component), or ``None`` where a side has none (off
-    the CPU): what :func:`copy_layer` takes, for a caller to keep between its calls."""
+def layer_pairs(views, layer: int | range | None) -> list | None:
+    """The numpy ``(dst, src)`` page-view pairs of a copy of ``layer`` (as
+    :func:`copy_pages` takes it) between ``views`` (``(dst, src)`` ``PageViews`` per
+    component), or ``None`` where a side has none (off the CPU): what the CPU's direct
+    engine copies, and what :func:`copy_layer` takes for one layer, for a caller to
+    keep between its calls."""
     if not all(d.np_layers is not None and s.np_layers is not None for d, s in views):
         return None
     return [pair for dv, sv in views for pair in _view_pairs(dv, sv, layer, True)]
+
+
+def _short(nbytes: int, runs: int, calls: int) -> bool:
+    """Whether ``calls`` copy calls per run over ``runs`` runs move under
+    ``KERNEL_MIN_RUN_BYTES`` each on average (of ``nbytes`` in all): the rule that
+    sends ``kernel``/``auto`` copies to the batched gather."""
+    return nbytes / (runs * calls) < KERNEL_MIN_RUN_BYTES
 
 
 def copy_layer(pairs: list, dst_pages: np.ndarray, src_pages: np.ndarray, *, nbytes: int, io_backend: str,
@@ -81,7 +90,7 @@ def copy_layer(pairs: list, dst_pages: np.ndarray, src_pages: np.ndarray, *, nby
     time there than copying."""
     if len(dst_pages) == 0:
         return True
-    if io_backend != "direct" and nbytes < KERNEL_MIN_RUN_BYTES * len(dst_pages) * len(pairs):
+    if io_backend != "direct" and _short(nbytes, len(dst_pages), len(pairs)):
         return False  # NOTE: copy_pages' rule before coalescing; runs of several pages may still go direct
     jobs = native.jobs(pairs, dst_pages, src_pages)
     if jobs is None:
@@ -92,11 +101,11 @@ def copy_layer(pairs: list, dst_pages: np.ndarray, src_pages: np.ndarray, *, nby
 
 def _copy_direct(views, dst_pages: torch.Tensor, src_pages: torch.Tensor, runs: Runs | None, layer, nbytes,
                  threads, workers) -> None:
-    use_numpy = all(d.np_layers is not None and s.np_layers is not None for d, s in views)
-    pairs = [pair for dv, sv in views for pair in _view_pairs(dv, sv, layer, use_numpy)]
-    if use_numpy:
+    pairs = layer_pairs(views, layer)
+    if pairs is not None:
         cpu.copy(pairs, dst_pages, src_pages, nbytes, threads, workers, runs)
         return
+    pairs = [pair for dv, sv in views for pair in _view_pairs(dv, sv, layer)]
     runs = runs or coalesce(dst_pages, src_pages)
     runs3 = list(zip(runs.dst_start, runs.src_start, runs.length))
     copy_torch([(d[a:a + n], s[b:b + n]) for d, s in pairs for a, b, n in runs3])
@@ -174,9 +183,9 @@ def copy_pages(views: Sequence[tuple], dst_pages: torch.Tensor | np.ndarray, src
         # NOTE: a run holds at least a page: where one page pair reaches the threshold,
         # coalescing cannot change the answer (a full layer's 256 random pages took
         # tens of us a call to coalesce, for nothing)
-        if nbytes / (len(dst_pages) * calls) < KERNEL_MIN_RUN_BYTES:
+        if _short(nbytes, len(dst_pages), calls):
             runs = coalesce(dst_pages, src_pages)
-            small = nbytes / (len(runs.length) * calls) < KERNEL_MIN_RUN_BYTES
+            small = _short(nbytes, len(runs.length), calls)
         if io_backend == "auto":
             io_backend = "kernel" if small else "direct"
     if io_backend == "kernel":
