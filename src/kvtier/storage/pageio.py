@@ -57,32 +57,33 @@ def l2_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache", default: int
 
 def write_chunk(l2: int) -> int:
     """Bytes a page file's write calls take at most for a core with ``l2`` bytes of L2
-    cache: the largest power of two in it, within 256 KiB..4 MiB.
+    cache: the largest power of two in half of it, within 256 KiB..4 MiB.
 
-    Each call's bytes are hashed just before the call, so the kernel's copy into the
-    page cache reads them from the core's L2 (the calls end at multiples of this in the
-    file). Alternated in one process (32 new 8 MiB page files a round, two I/O
-    threads, ext4, 10-20 rounds of each), against vLLM's buffered ``fs`` tier:
+    Each call's bytes are hashed just after the call (``_pageio_write.c``), from the
+    core's L2, where the kernel's copy into the page cache left them; that copy moves
+    the call's bytes in and as many out to the page cache, so half the L2 is what stays
+    there (the calls end at multiples of this in the file). Alternated in one process
+    (32 new 8 MiB page files a round, two I/O threads, ext4), on an Intel Xeon with 2 MiB
+    of L2 a core (2026-12-06), best rounds: ``page_first`` 512 KiB calls 8.36 GB/s, 1 MiB
+    7.91, 2 MiB 7.54, vLLM's buffered ``fs`` tier 8.11 in the same rounds; with 128 such
+    files a round, ``page_head`` 8.19, 7.92, 7.08 against 7.50 (medians 6.74, 6.93, 6.20
+    against 7.15).
 
-    - AMD EPYC (Zen 4, 1 MiB L2): 1 MiB calls put at 7.3-7.5 GB/s best, 7.1-7.3 median,
-      against 6.9-7.0 and 5.5-5.9 for 2 MiB calls; smaller calls gained nothing
-      (medians: page_first 7.42 for 1 MiB, 7.39 for 512 KiB, 7.29 for 256 KiB;
-      page_head 7.30, 7.29, 7.12 GB/s);
-    - Intel Xeon (Sapphire Rapids, 2 MiB L2): medians of six runs, 1 MiB calls
-      0.79-0.86x of vLLM's puts; 2 MiB calls 0.86-1.03x in four of them, and 0.39x and
-      0.59x in two whose rounds stalled (the raw client's too in one: 0.41x); 4 MiB
-      calls 0.90-1.04x (two runs), 8 MiB 1.00x (one).
-
-    Warm gets were level on both, from files written in calls of 1, 2 or 4 MiB."""
+    Before, each call's bytes were hashed just before it and the calls took the largest
+    power of two in the whole L2: on an AMD EPYC (Zen 4, 1 MiB L2) 1 MiB calls put at
+    7.3-7.5 GB/s best against 6.9-7.0 for 2 MiB, and hashing after 1 MiB calls there was
+    slower (6.6 against 7.1-7.2: the call's bytes and the page cache's overflow that L2);
+    this rule's 512 KiB calls, hashed after, were not measured there. Warm gets were level
+    from files written in calls of 1, 2 or 4 MiB."""
     chunk = 256 << 10
-    while chunk < 4 << 20 and chunk * 2 <= l2:
+    while chunk < 4 << 20 and chunk * 4 <= l2:
         chunk *= 2
     return chunk
 
 
 #: Bytes written in one call at most (the calls end at its multiples in the file), each
-#: call's bytes hashed just before, from the CPU's caches: :func:`write_chunk` of this
-#: machine's L2
+#: call's bytes hashed from the CPU's caches (``write_pages``: just after the call; the
+#: per-file path's :func:`move`: just before): :func:`write_chunk` of this machine's L2
 WRITE_CHUNK = write_chunk(l2_bytes())
 _SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update", "XXH3_64bits_digest")
 
@@ -228,10 +229,11 @@ def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsy
     Each file is made new at its temporary path with ``mode`` (its directory with
     ``dir_mode`` where that is missing), reserved whole (:func:`preallocate`), written
     in one ``pwritev`` per ``WRITE_CHUNK`` of the file, each call's bytes hashed just
-    before, then its header (the prefix, the checksums, zeros); a file no longer than
-    ``WHOLE_WRITE_BYTES`` in one call, header first (each write call is a round of the file
-    system's own: a call per piece of every part cost puts a fifth or more); fsync'd
-    with ``fsync``, and renamed to its path.
+    after it (from the CPU's cache, where the kernel's copy left them), then its header
+    (the prefix, the checksums, zeros); a file no longer than ``WHOLE_WRITE_BYTES`` in
+    one call, header first (each write call is a round of the file system's own: a call
+    per piece of every part cost puts a fifth or more); fsync'd with ``fsync``, and
+    renamed to its path.
     Per file one status: 0 written, else the errno of what failed (at most 255); a
     file that fails leaves nothing behind. Raises ``ValueError`` (nothing written) for
     a piece of any page outside ``pool`` or parts that do not end the file."""
