@@ -22,13 +22,17 @@ through ``kvtier.compiled.load``, so tests and benchmarks can switch it);
 ``KVTIER_WIDE_STORES=0`` keeps the compiled copy to 16-byte stores (read per call);
 ``KVTIER_COPY_SPIN_US`` (read at the first copy; default 100) is how long its kept
 threads spin for the next call once a call of a burst ends before they sleep (0: at
-once).
+once); ``KVTIER_COPY_TRIALS=0`` (read as each copy plan is made) keeps every plan to
+its rule's loop order, with no trial of the source's order (:class:`Blocks`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import os
+import time
 import weakref
 from typing import NamedTuple
 
@@ -80,7 +84,12 @@ class Blocks:
     is the shortest); the loops inside it, the destination's strides from the longest
     in; the outermost cut in tiles where that lengthens the destination's runs
     (:func:`_tiled`). Built from a page's shape, its byte strides on each side and its
-    item size (no page axis)."""
+    item size (no page axis).
+
+    Where that rule's loops differ from the source's order, the plan keeps both as
+    candidate ``orders`` and its first large copies try each (:meth:`trial`,
+    :meth:`timed`, :func:`run_jobs`) before it keeps the faster: which is faster
+    depends on the machine. ``shape``/``dst_strides``/``src_strides`` are the rule's."""
 
     def __init__(self, shape: tuple, dst_strides: tuple, src_strides: tuple, itemsize: int) -> None:
         axes = [a for a in range(len(shape)) if shape[a] != 1]
@@ -125,10 +134,51 @@ class Blocks:
         # stride is the block) would bring back the order it replaces
         self.shape, self.dst_strides, self.src_strides = (tuple(map(tuple, loops)) if gather
                                                           else _tiled(*loops, block))
+        self.page_bytes = block * math.prod(self.shape)
+        #: the candidate loop orders ``(shape, dst_strides, src_strides)``: the rule's above,
+        #: then, where it differs, the source's order (the gather already has it)
+        self.orders = [(self.shape, self.dst_strides, self.src_strides)]
+        if not gather and os.environ.get("KVTIER_COPY_TRIALS", "1") != "0":
+            by_source = sorted(axes, key=lambda a: -abs(src_strides[a]))
+            source = tuple(tuple(x[a] for a in by_source) for x in (shape, dst_strides, src_strides))
+            if source != self.orders[0]:
+                self.orders.append(source)
+        #: the order kept, or None while each is on trial
+        self.kept: int | None = 0 if len(self.orders) == 1 else None
+        self._best = [math.inf] * len(self.orders)  # fastest seconds per byte seen, each order
+        self._tries = [0] * len(self.orders)
+
+    def trial(self, nbytes: int) -> int | None:
+        """The order a copy of ``nbytes`` through this plan tries (then :meth:`timed`), or
+        None where it takes the kept one: kept already, or too small to time
+        (``TRIAL_BYTES``)."""
+        if self.kept is not None or nbytes < TRIAL_BYTES:
+            return None
+        return min(range(len(self.orders)), key=self._tries.__getitem__)
+
+    def timed(self, order: int, seconds_per_byte: float) -> None:
+        """A trial of ``order`` took ``seconds_per_byte``; once each order has had
+        ``TRIALS``, the one whose fastest was fastest is kept (ties: the rule's)."""
+        self._best[order] = min(self._best[order], seconds_per_byte)
+        self._tries[order] += 1
+        if self.kept is None and min(self._tries) >= TRIALS:
+            self.kept = min(range(len(self.orders)), key=self._best.__getitem__)
+
+    def loops(self, order: int | None = None) -> tuple:
+        """``(shape, dst_strides, src_strides)`` of ``order`` (None: the kept one, or the
+        rule's while on trial)."""
+        return self.orders[order if order is not None else self.kept or 0]
 
 
 #: Bytes of the destination a tile of the outer axis writes in one run at most (_tiled)
 TILE_BYTES = 8 << 10
+#: A copy call of at least this many bytes may try a plan's candidate loop orders
+#: (:meth:`Blocks.trial`); smaller ones take the kept (or the rule's) order
+TRIAL_BYTES = 4 << 20
+#: Calls timed per candidate order before a plan keeps the fastest
+TRIALS = 3
+#: The clock the trials are timed with
+_clock = time.perf_counter
 #: Loops the compiled copy takes at most (``MAX_DIMS`` in ``_native.c``)
 _MAX_DIMS = 6
 
@@ -223,37 +273,68 @@ def _job(dst: np.ndarray, src: np.ndarray, dst_pages: np.ndarray, src_pages: np.
     return _job_of(_pair(dst, src), dst_pages, src_pages)
 
 
-def _job_of(p: _Pair, dst_pages: np.ndarray, src_pages: np.ndarray) -> tuple:
-    """:func:`_job` of a worked-out pair: each side as the bytes its view spans, and where
-    page 0 starts in them and the page stride (the C side turns the page numbers into
-    byte offsets and checks every block against those bytes)."""
+def _job_of(p: _Pair, dst_pages: np.ndarray, src_pages: np.ndarray, order: int | None = None) -> tuple:
+    """:func:`_job` of a worked-out pair, in its plan's loop ``order`` (None: the kept
+    one): each side as the bytes its view spans, and where page 0 starts in them and the
+    page stride (the C side turns the page numbers into byte offsets and checks every
+    block against those bytes)."""
     b = p.blocks
     # NOTE: the offsets worked out in C, not numpy: four array ops per pair were a tenth
     # of a sliding layer's per-layer load (655 KB)
-    return (p.dst_bytes, p.src_bytes, dst_pages, src_pages, b.shape, b.dst_strides, b.src_strides, b.block, True,
+    return (p.dst_bytes, p.src_bytes, dst_pages, src_pages, *b.loops(order), b.block, True,
             (p.dst_first, p.dst_step, p.src_first, p.src_step))
+
+
+class Jobs(list):
+    """:func:`jobs`' list, with the plans on trial in it (``(Blocks, order)`` each) and
+    the bytes the call moves, for :func:`run_jobs` to time."""
+
+    trials: list
+    nbytes: int
 
 
 def jobs(pairs, dst_pages: np.ndarray, src_pages: np.ndarray) -> list[tuple] | None:
     """:func:`run_jobs`' jobs for ``dst[dst_pages[i]] <- src[src_pages[i]]`` over every
     page-major ``(dst, src)`` numpy view pair (page numbers as int64 arrays), or ``None``
     where the compiled copy may not take them all (:func:`takes`): the check and the jobs
-    in one pass over the pairs."""
+    in one pass over the pairs. A large copy through a plan still on trial takes the
+    order its trial asks for (:meth:`Blocks.trial`)."""
     if not enabled():
         return None
-    out = []
+    out, pages = Jobs(), len(dst_pages)
+    out.trials, out.nbytes = [], 0
     for dst, src in pairs:
         p = _pair(dst, src)
         if p.overlap:
             return None
-        out.append(_job_of(p, dst_pages, src_pages))
+        b = p.blocks
+        out.nbytes += pages * b.page_bytes
+        order = None if b.kept is not None else b.trial(pages * b.page_bytes)
+        if order is not None and all(t is not b for t, _ in out.trials):  # K and V may share a plan
+            out.trials.append((b, order))
+        out.append(_job_of(p, dst_pages, src_pages, order))
     return out
 
 
 def run_jobs(jobs: list[tuple], threads: int) -> None:
     """Copy :func:`jobs`' jobs in one compiled call that splits each one's pages over
-    ``threads`` threads, GIL released."""
+    ``threads`` threads, GIL released; a call with plans on trial is timed for them.
+
+    NOTE: which loop order copies a plan's blocks fastest depends on the machine. On an
+    AMD EPYC VM, looping over a page's slots outermost took page_head backups from 20.0-20.5
+    to 24.2-24.3 GB/s against the source's order; on an Intel Xeon (Emerald Rapids) VM the
+    source's order was the faster, 17.1-17.6 -> 22.4-23.0 GB/s, and page_head load runs
+    19.5-19.6 -> 21.1-21.7 (throwaway harness, alternated rounds). So a plan with two
+    candidate orders times each on its first large calls and keeps the faster."""
+    trials = getattr(jobs, "trials", None)
+    if not trials:
+        built(COMPILED).copy_jobs(jobs, threads)
+        return
+    start = _clock()
     built(COMPILED).copy_jobs(jobs, threads)
+    per_byte = (_clock() - start) / max(jobs.nbytes, 1)
+    for blocks, order in trials:
+        blocks.timed(order, per_byte)
 
 
 def copy_pages(pairs, dst_pages: np.ndarray, src_pages: np.ndarray, threads: int) -> None:
