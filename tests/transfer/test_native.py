@@ -512,16 +512,21 @@ def test_load_runs_tiled_by_slots_move_what_numpy_moves(compiled, stores, monkey
     assert (4, 4, 4) in seen or (4, 4, 4, 8) in seen  # 4 tiles of 4 slots, 4 layers (x 8 heads)
 
 
-def test_a_plan_has_the_source_order_as_its_second_candidate():
+def test_a_plan_has_the_source_order_and_its_far_axis_inside_as_candidates():
     """A page_head backup's plan (slots, heads, layers by the rule) may also loop in the
-    source's order (layers, slots, heads); a gather is in the source's order already, and
-    ``KVTIER_COPY_TRIALS=0`` keeps every plan to its rule's order."""
+    source's order (layers, slots, heads), and in the source's order with the rule's
+    outermost axis, the slots, innermost (layers, heads, slots); a gather is in the
+    source's order already, and ``KVTIER_COPY_TRIALS=0`` keeps every plan to its rule's."""
     b = native.Blocks((32, 64, 8, 128), (256, 8192, 524288, 2), (33554432, 2048, 256, 2), 2)
     assert b.orders == [((64, 8, 32), (8192, 524288, 256), (2048, 256, 33554432)),
-                        ((32, 64, 8), (256, 8192, 524288), (33554432, 2048, 256))]
+                        ((32, 64, 8), (256, 8192, 524288), (33554432, 2048, 256)),
+                        ((32, 8, 64), (256, 524288, 8192), (33554432, 256, 2048))]
     assert b.kept is None and b.loops() == b.orders[0] and b.page_bytes == 32 * 64 * 8 * 256
+    assert len(b.orders) <= native.MAX_ORDERS
     gather = native.Blocks((1, 64, 8, 128), (33554432, 2048, 256, 2), (256, 8192, 524288, 2), 2)
     assert len(gather.orders) == 1 and gather.kept == 0
+    first = native.Blocks((32, 64, 1024), (2048, 65536, 2), (33554432, 2048, 2), 2)  # page_first's backup
+    assert first.orders == [((64, 32), (65536, 2048), (2048, 33554432)), ((32, 64), (2048, 65536), (33554432, 2048))]
 
 
 def test_copy_trials_switched_off_keep_the_rules_order(monkeypatch):
@@ -531,9 +536,9 @@ def test_copy_trials_switched_off_keep_the_rules_order(monkeypatch):
 
 
 def _timed_copies(monkeypatch, faster: int | None) -> list[int]:
-    """Each compiled call's loop order from now on (0: the rule's, 1: the source's, whose
-    source strides fall from the outermost loop in), timed on a fake clock: a call in
-    order ``faster`` takes 1 s, the other 2 s (None: 1 s each)."""
+    """Each compiled call's loop order from now on (its index in its plan's candidates),
+    timed on a fake clock: a call in order ``faster`` takes 1 s, any other 2 s (None: 1 s
+    each)."""
     real_built, now, seen = native.built, [0.0], []
 
     class Timed:
@@ -541,8 +546,9 @@ def _timed_copies(monkeypatch, faster: int | None) -> list[int]:
             self.module = module
 
         def copy_jobs(self, jobs, threads):
-            src = [abs(s) for s in jobs[0][6]]
-            order = int(len(src) > 1 and src == sorted(src, reverse=True))
+            loops = tuple(tuple(x) for x in jobs[0][4:7])
+            plans = [p.blocks for p in native._PAIRS.values() if loops in p.blocks.orders]
+            order = plans[0].orders.index(loops)
             seen.append(order)
             now[0] += 1.0 if faster in (None, order) else 2.0
             return self.module.copy_jobs(jobs, threads)
@@ -554,10 +560,10 @@ def _timed_copies(monkeypatch, faster: int | None) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("faster", [0, 1, None], ids=["rule-faster", "source-faster", "tie"])
+@pytest.mark.parametrize("faster", [0, 1, 2, None], ids=["rule-faster", "source-faster", "far-inside-faster", "tie"])
 def test_a_plan_tries_each_order_on_large_copies_then_keeps_the_faster(compiled, monkeypatch, faster):
-    """A page_head backup's first large copies take the plan's two orders in turn, each
-    ``TRIALS`` times, timed; every later one takes the faster (a tie: the rule's). Every
+    """A page_head backup's first large copies take the plan's three orders in turn, each
+    ``TRIALS`` times, timed; every later one takes the fastest (a tie: the rule's). Every
     copy writes the bytes numpy's path writes."""
     spec, ps = KVSpec.mha(4, 4, 64), 16  # 128-byte blocks
     monkeypatch.setattr(native, "TRIAL_BYTES", 0)
@@ -570,11 +576,11 @@ def test_a_plan_tries_each_order_on_large_copies_then_keeps_the_faster(compiled,
     monkeypatch.setenv("KVTIER_NATIVE", "1")
     host = HostKVPool(spec, 8 * ps, ps, layout="page_head")
     seen = _timed_copies(monkeypatch, faster)
-    for _ in range(2 * native.TRIALS + 2):
+    for _ in range(3 * native.TRIALS + 2):
         host.raw.zero_()
         host.backup_from_device_all_layer(src, host_idx, dev_idx, "direct")
         assert torch.equal(bits(host.raw), bits(want.raw))
-    assert seen == [0, 1] * native.TRIALS + [faster or 0] * 2
+    assert seen == [0, 1, 2] * native.TRIALS + [faster or 0] * 2
 
 
 def test_small_copies_take_the_rules_order_untimed(compiled, monkeypatch):
@@ -583,6 +589,6 @@ def test_small_copies_take_the_rules_order_untimed(compiled, monkeypatch):
     src = random_device_pool(spec, 8 * ps, ps, seed=1)
     host = HostKVPool(spec, 8 * ps, ps, layout="page_head")
     seen = _timed_copies(monkeypatch, 1)
-    for _ in range(2 * native.TRIALS + 1):
+    for _ in range(3 * native.TRIALS + 1):
         host.backup_from_device_all_layer(src, slots([1, 2], ps), slots([3, 4], ps), "direct")
-    assert seen == [0] * (2 * native.TRIALS + 1)
+    assert seen == [0] * (3 * native.TRIALS + 1)

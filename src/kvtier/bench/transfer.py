@@ -86,8 +86,11 @@ def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
 
 
 def time_copies(fns, repeat: int, cuda: bool) -> tuple[float, ...]:
-    """Best seconds of each of ``fns`` (:func:`copies`), in turn."""
-    return tuple(best_seconds(fn, repeat, cuda=cuda) for fn in fns)
+    """Best seconds of each of ``fns`` (:func:`copies`), in turn, each after enough untimed
+    calls that every copy plan has finished trying its loop orders (``native.Blocks``): a
+    row times the order a server keeps, not its first few calls."""
+    warmup = 1 + native.TRIALS * native.MAX_ORDERS
+    return tuple(best_seconds(fn, repeat, warmup=warmup, cuda=cuda) for fn in fns)
 
 
 def _own_limits(host, dev, nbytes: int, repeat: int) -> dict[str, float]:
