@@ -607,3 +607,30 @@ def test_small_copies_take_the_rules_order_untimed(compiled, monkeypatch):
     for _ in range(3 * native.TRIALS + 1):
         host.backup_from_device_all_layer(src, slots([1, 2], ps), slots([3, 4], ps), "direct")
     assert seen == [0] * (3 * native.TRIALS + 1)
+
+
+def test_a_trial_call_that_fails_counts_for_nothing(compiled, monkeypatch):
+    """A trial call whose compiled copy raises leaves its plan's trial as it was (no try
+    counted, nothing kept); the calls after it try the orders as before."""
+    spec, ps = KVSpec.mha(4, 4, 64), 16
+    monkeypatch.setattr(native, "TRIAL_BYTES", 0)
+    src = random_device_pool(spec, 8 * ps, ps, seed=1)
+    host = HostKVPool(spec, 8 * ps, ps, layout="page_head")
+    seen = _timed_copies(monkeypatch, None)
+    timed_built, failing = native.built, [True]
+
+    class FailOnce:
+        def copy_jobs(self, jobs, threads):
+            if failing:
+                failing.clear()
+                raise ValueError("a copy that fails")
+            return timed_built(native.COMPILED).copy_jobs(jobs, threads)
+
+    monkeypatch.setattr(native, "built", lambda name: FailOnce())
+    with pytest.raises(ValueError, match="a copy that fails"):
+        host.backup_from_device_all_layer(src, slots([3, 0], ps), slots([6, 2], ps), "direct")
+    plans = [p.blocks for p in native._PAIRS.values()]
+    assert plans and all(b.kept is None and not any(b._tries) for b in plans)
+    for _ in range(3 * native.TRIALS):
+        host.backup_from_device_all_layer(src, slots([3, 0], ps), slots([6, 2], ps), "direct")
+    assert seen == [0, 1, 2] * native.TRIALS and all(b.kept == 0 for b in plans)
