@@ -67,7 +67,9 @@ def write_chunk(l2: int) -> int:
     of L2 a core (2026-12-06), best rounds: ``page_first`` 512 KiB calls 8.36 GB/s, 1 MiB
     7.91, 2 MiB 7.54, vLLM's buffered ``fs`` tier 8.11 in the same rounds; with 128 such
     files a round, ``page_head`` 8.19, 7.92, 7.08 against 7.50 (medians 6.74, 6.93, 6.20
-    against 7.15).
+    against 7.15). Calls of a quarter and of half the L2 traded places between those runs'
+    best and median rounds, and both beat the whole L2; half the L2 is the rule because
+    it is what the copy leaves in that cache.
 
     Before, each call's bytes were hashed just before it and the calls took the largest
     power of two in the whole L2: on an AMD EPYC (Zen 4, 1 MiB L2) 1 MiB calls put at
