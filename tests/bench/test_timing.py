@@ -42,3 +42,24 @@ def test_the_limit_is_the_best_of_every_copy_it_tried(monkeypatch):
     assert timing.memcpy_gbps(dst, src, 4096, 1) == 20.0
     assert tried[0] == (dst.data_ptr(), src.data_ptr())
     assert tried[1][0] in written and tried[1][1] != src.data_ptr()
+
+
+@pytest.mark.parametrize("nbytes, llc, want", [
+    (2 << 30, 300 << 20, 600 << 20),   # a pool's worth past a 300 MiB L3: twice the L3
+    (2 << 30, 32 << 20, 256 << 20),    # a small L3: FRESH_LIMIT_BYTES
+    (2 << 30, 0, 256 << 20),           # sysfs tells nothing
+    (100 << 20, 300 << 20, 100 << 20),  # a copy smaller than either: the copy's own bytes
+    (2 << 30, 2 << 30, 2 << 30),       # never more than the copy
+])
+def test_the_fresh_pair_holds_the_copy_cut_to_twice_the_last_level_cache(nbytes, llc, want):
+    assert timing.FRESH_LIMIT_BYTES == 256 << 20
+    assert timing.fresh_bytes(nbytes, llc) == want
+
+
+def test_the_fresh_pair_is_as_large_as_fresh_bytes_says(monkeypatch):
+    """The fresh buffers ``memcpy_gbps`` times are ``fresh_bytes`` of the copy each."""
+    sizes = []
+    monkeypatch.setattr(timing, "fresh_bytes", lambda n: n // 2)
+    monkeypatch.setattr(timing, "_copy_gbps", lambda d, s, repeat: sizes.append((d.numel(), s.numel())) or 1.0)
+    timing.memcpy_gbps(torch.ones(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8), 8192, 1)
+    assert sizes == [(8192, 8192), (4096, 4096)]

@@ -14,6 +14,7 @@ import xxhash
 
 from kvtier.storage import pageio
 from tests.support.services import unavailable
+from tests.support.sysfs import cache_dir
 from tests.support.storage import file_size_limit
 
 RNG = np.random.default_rng(5)
@@ -196,20 +197,10 @@ def test_the_file_stores_own_writes_reserve_each_file_whole_before_writing_it(tm
     assert sorted(n for _, n in asked) == sizes and all(before == 0 for before, _ in asked)
 
 
-def _cache_dir(root, caches):
-    """A sysfs ``cache`` folder holding ``(level, type, size)`` per ``index*``."""
-    for i, (level, kind, size) in enumerate(caches):
-        index = root / f"index{i}"
-        index.mkdir(parents=True)
-        for name, text in (("level", level), ("type", kind), ("size", size)):
-            (index / name).write_text(f"{text}\n")
-    return str(root)
-
-
 @pytest.mark.parametrize("size, want", [("2048K", 2 << 20), ("1024K", 1 << 20), ("1M", 1 << 20), ("512K", 512 << 10)])
 def test_l2_bytes_read_the_unified_level_2_cache(tmp_path, size, want):
     caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", size), ("3", "Unified", "105M")]
-    assert pageio.l2_bytes(_cache_dir(tmp_path, caches)) == want
+    assert pageio.l2_bytes(cache_dir(tmp_path, caches)) == want
 
 
 @pytest.mark.parametrize("caches", [[], [("1", "Data", "48K")], [("2", "Unified", "lots")],
@@ -217,7 +208,7 @@ def test_l2_bytes_read_the_unified_level_2_cache(tmp_path, size, want):
 def test_l2_bytes_fall_back_where_sysfs_does_not_tell(tmp_path, caches):
     root = tmp_path / "cache"
     root.mkdir()
-    assert pageio.l2_bytes(_cache_dir(root, caches), default=12345) == 12345
+    assert pageio.l2_bytes(cache_dir(root, caches), default=12345) == 12345
     assert pageio.l2_bytes(str(tmp_path / "missing"), default=777) == 777
 
 

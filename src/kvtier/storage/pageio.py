@@ -28,6 +28,7 @@ import numpy as np
 import xxhash
 
 from ..compiled import built, switched_on
+from ..machine import CACHE_DIR, cache_bytes
 
 #: Bytes moved and hashed at a time: well inside a core's L2 cache
 CHUNK = 256 << 10
@@ -37,22 +38,10 @@ CHUNK = 256 << 10
 WHOLE_WRITE_BYTES = 2 << 20
 
 
-def l2_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache", default: int = 1 << 20) -> int:
-    """Bytes of one core's L2 cache as Linux's sysfs tells them (``index*/level``,
-    ``type``, ``size`` such as ``2048K``), or ``default`` where it does not."""
-    try:
-        for index in sorted(os.listdir(cache_dir)):
-            at = os.path.join(cache_dir, index)
-            with open(os.path.join(at, "level")) as f_level, open(os.path.join(at, "type")) as f_type:
-                if f_level.read().strip() != "2" or f_type.read().strip() not in ("Unified", "Data"):
-                    continue
-            with open(os.path.join(at, "size")) as f:
-                size = f.read().strip().upper()
-            scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-            return int(size.rstrip("KM")) * scale
-    except (OSError, ValueError):
-        pass
-    return default
+def l2_bytes(cache_dir: str = CACHE_DIR, default: int = 1 << 20) -> int:
+    """Bytes of one core's L2 cache as Linux's sysfs tells them, or ``default`` where it
+    does not (:func:`kvtier.machine.cache_bytes`)."""
+    return cache_bytes(2, cache_dir, default)
 
 
 def write_chunk(l2: int) -> int:
