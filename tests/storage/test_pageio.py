@@ -212,9 +212,9 @@ def test_l2_bytes_fall_back_where_sysfs_does_not_tell(tmp_path, caches):
     assert pageio.l2_bytes(str(tmp_path / "missing"), default=777) == 777
 
 
-@pytest.mark.parametrize("l2, want", [(0, 256 << 10), (300 << 10, 256 << 10), (1 << 20, 512 << 10),
-                                      (1280 << 10, 512 << 10), (2 << 20, 1 << 20), (4 << 20, 2 << 20),
-                                      (32 << 20, 4 << 20)])
-def test_the_write_chunk_is_the_largest_power_of_two_in_half_the_l2_within_bounds(l2, want):
+@pytest.mark.parametrize("l2, want", [(0, 256 << 10), (300 << 10, 256 << 10), (1 << 20, 256 << 10),
+                                      (2 << 20, 512 << 10), (2560 << 10, 512 << 10), (4 << 20, 1 << 20),
+                                      (16 << 20, 4 << 20), (32 << 20, 4 << 20)])
+def test_the_write_chunk_is_the_largest_power_of_two_in_a_quarter_of_the_l2_within_bounds(l2, want):
     assert pageio.write_chunk(l2) == want
     assert pageio.WRITE_CHUNK == pageio.write_chunk(pageio.l2_bytes())

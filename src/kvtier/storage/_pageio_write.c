@@ -115,7 +115,7 @@ static void hash_written(writer_t *w, int nd) {
  * NOTE: hashed after the call, not before: the hash then reads each call's bytes from
  * the core's L2 instead of from memory, and the kernel's copy reads memory, as the
  * peers' writes do (before, the hash was the first to read them, at about 20 GB/s a
- * thread against 50-60 from L2). With calls of half the L2 (pageio.write_chunk), on a
+ * thread against 50-60 from L2). With calls of half the L2 (now a quarter: pageio.write_chunk), on a
  * Xeon with 2 MiB of L2 a core, the build before and this one alternated, `kvtier bench
  * storage --backends file --repeat 5` (32 pages of 8 MiB), two pairs per layout: puts
  * 0.80-0.89x of vLLM's buffered fs tier -> 0.98-1.10x (page_first), 0.72-0.90x ->

@@ -46,28 +46,34 @@ def l2_bytes(cache_dir: str = CACHE_DIR, default: int = 1 << 20) -> int:
 
 def write_chunk(l2: int) -> int:
     """Bytes a page file's write calls take at most for a core with ``l2`` bytes of L2
-    cache: the largest power of two in half of it, within 256 KiB..4 MiB.
+    cache: the largest power of two in a quarter of it, within 256 KiB..4 MiB.
 
     Each call's bytes are hashed just after the call (``_pageio_write.c``), from the
-    core's L2, where the kernel's copy into the page cache left them; that copy moves
-    the call's bytes in and as many out to the page cache, so half the L2 is what stays
-    there (the calls end at multiples of this in the file). Alternated in one process
-    (32 new 8 MiB page files a round, two I/O threads, ext4), on an Intel Xeon with 2 MiB
-    of L2 a core (2026-12-06), best rounds: ``page_first`` 512 KiB calls 8.36 GB/s, 1 MiB
-    7.91, 2 MiB 7.54, vLLM's buffered ``fs`` tier 8.11 in the same rounds; with 128 such
-    files a round, ``page_head`` 8.19, 7.92, 7.08 against 7.50 (medians 6.74, 6.93, 6.20
-    against 7.15). Calls of a quarter and of half the L2 traded places between those runs'
-    best and median rounds, and both beat the whole L2; half the L2 is the rule because
-    it is what the copy leaves in that cache.
+    core's caches, where the kernel's copy into the page cache left them; that copy
+    moves the call's bytes in and as many of the page cache's out through the same
+    cache, so a call of half the L2 already fills it and the hash finds the call's
+    first bytes pushed out (the profile below). The calls end at multiples of this in
+    the file.
+
+    Measured on an Intel Xeon with 2 MiB of L2 a core (2026-12-06), new 8 MiB page files
+    written by two I/O threads, ext4, the variants alternated in one process, best
+    rounds of 5-10:
+    - 512 KiB calls against 1 MiB ones: ``page_first`` 32 files a round 9.75 / 9.18 GB/s,
+      9.50 / 8.82 (128 files), 9.43 / 9.00, 8.36 / 7.91; ``page_head`` 9.87 / 9.27 and
+      8.19 / 7.92 (128 files); 2 MiB calls 7.54 and 7.08. vLLM's buffered ``fs`` tier in
+      the same rounds 9.44, 9.47, 9.49, 8.11, 9.73, 7.50. Medians were mixed (512 KiB
+      first in 3 of 6). 256 KiB calls: 9.56, 9.53, 9.09, 9.59, between the two.
+    - A system profile (``perf``) of 1 MiB calls' puts: the kernel's copy 58% of the
+      time, xxh3 13% (about 32 GB/s, half what it hashes from L2 on that core).
 
     Before, each call's bytes were hashed just before it and the calls took the largest
     power of two in the whole L2: on an AMD EPYC (Zen 4, 1 MiB L2) 1 MiB calls put at
     7.3-7.5 GB/s best against 6.9-7.0 for 2 MiB, and hashing after 1 MiB calls there was
     slower (6.6 against 7.1-7.2: the call's bytes and the page cache's overflow that L2);
-    this rule's 512 KiB calls, hashed after, were not measured there. Warm gets were level
-    from files written in calls of 1, 2 or 4 MiB."""
+    this rule's 256 KiB calls, hashed after, were not measured there. Warm gets were level
+    from files written in calls of 512 KiB, 1, 2 or 4 MiB."""
     chunk = 256 << 10
-    while chunk < 4 << 20 and chunk * 4 <= l2:
+    while chunk < 4 << 20 and chunk * 8 <= l2:
         chunk *= 2
     return chunk
 
