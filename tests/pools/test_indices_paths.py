@@ -59,7 +59,7 @@ def outcome(slots, dtype, page_size, size, unique, small_slots, monkeypatch, nat
 @st.composite
 def slot_lists(draw):
     """Whole pages, sometimes broken: a slot changed, swapped, out of range, repeated."""
-    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    page_size = draw(st.sampled_from([1, 2, 3, 4, 12, 16]))  # 3 and 12: the compiled loop's division path
     num_pages = draw(st.integers(1, 12))
     pages = draw(st.lists(st.integers(-1, num_pages), max_size=10))
     slots = [p * page_size + j for p in pages for j in range(page_size)]
@@ -104,6 +104,26 @@ def test_errors_name_the_first_bad_page(small_slots, compiled_loop, monkeypatch,
     for slots, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             page_starts(torch.tensor(slots), page_size=4, size=16, what="idx", unique=True)
+
+
+@pytest.mark.parametrize("small_slots, compiled_loop", [(0, False), (10**9, False), (0, True)])
+def test_errors_name_the_first_bad_page_of_a_page_size_not_a_power_of_two(small_slots, compiled_loop, monkeypatch,
+                                                                          request):
+    """The compiled loop divides for such page sizes (a mask and a shift for the others)."""
+    monkeypatch.setattr(indices, "_SMALL_SLOTS", small_slots)
+    if not compiled_loop:
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+    else:
+        request.getfixturevalue("compiled")
+    cases = [([0, 1, 2, 4, 5, 6], "idx: page 1 starts at slot 4, not a multiple of page_size 3"),
+             ([3, 4, 5, 1, 2, 3], "idx: page 1 starts at slot 1, not a multiple of page_size 3"),
+             ([0, 1, 2, 3, 4, 6], "idx: page 1 slots [3, 4, 6] are not consecutive from 3"),
+             ([9, 10, 11, 12, 13, 14], "idx has slots in [9, 14], outside the pool's [0, 13)"),
+             ([6, 7, 8, 6, 7, 8], "idx names the same page more than once")]
+    for slots, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            page_starts(torch.tensor(slots), page_size=3, size=13, what="idx", unique=True)
+    assert page_starts(torch.tensor([9, 10, 11, 0, 1, 2]), page_size=3, size=13, what="idx").tolist() == [3, 0]
 
 
 def test_a_partial_last_page_is_outside_a_pool_of_partial_size():
