@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import IntegrityError, UsageError
+from .handles import LoadHandle
 from .inflight import InFlight
 from .lru import side_tier
 from ..compiled import load
@@ -415,8 +416,6 @@ class HybridState:
         """:meth:`CacheState.begin_load` for a hybrid spec: all or nothing, to resume
         after the whole of ``path``. When the pages cannot all be had, nothing loads
         and the handle holds the device hit (``device_len`` tokens) alone."""
-        from .handles import LoadHandle
-
         target = sum(len(n.key) for n in path)
         plan = self._plan_load(path, target) if path else None
         if plan is not None and not plan[0] and not plan[1]:  # all on the device already
