@@ -88,3 +88,38 @@ def test_bench_replay_json_is_deterministic(tmp_path, capsys):
     assert main(["bench", "replay", str(path), "--times", "2", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert result["digest"] in out and "floor = one Python pass" in out
+
+
+def test_bench_replay_with_a_hybrid_spec_replays_both_caches(tmp_path, capsys):
+    """``--spec mimo-v2-flash``: the hybrid cache's replay beside the uniform one's, each
+    with the hits ``simulate`` gives for its spec, and the ratio of their best times."""
+    from kvtier.hybrid import mimo_v2_flash
+
+    reqs = synthetic(sessions=30, turns=4, system_prompts=3, block_tokens=512, seed=4)
+    path = write_trace(tmp_path / "t.jsonl", reqs, 512)
+    assert main(["bench", "replay", str(path), "--times", "2", "--repeat", "2", "--json",
+                 "--spec", "mimo-v2-flash"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    other = result["spec"]
+    assert other["hybrid"] is True and other["spec"] == mimo_v2_flash().fingerprint()
+    assert result["config"]["uniform_spec"] == SimConfig(1, 1).spec.fingerprint()
+    config = SimConfig(device_tokens=1_000_000, host_tokens=4_000_000, storage_tokens=float("inf"))
+    uniform = simulate(repeat(reqs, 2), config)
+    hybrid = simulate(repeat(reqs, 2), SimConfig(device_tokens=1_000_000, host_tokens=4_000_000,
+                                                 storage_tokens=float("inf"), spec=mimo_v2_flash()))
+    assert result["hits"]["host_hit"] == uniform.host_hit
+    assert (other["hits"]["device_hit"], other["hits"]["host_hit"], other["hits"]["storage_hit"]) == \
+        (hybrid.device_hit, hybrid.host_hit, hybrid.storage_hit)
+    assert len(other["replay_s_all"]) == 2 and other["replay_s"] == min(other["replay_s_all"])
+    assert other["x_uniform"] == pytest.approx(other["replay_s"] / result["replay_s"])
+    assert result["identical"] is True and len(other["digest"]) == 16
+    assert main(["bench", "replay", str(path), "--times", "1", "--repeat", "1", "--spec", "mimo-v2-flash"]) == 0
+    out = capsys.readouterr().out
+    assert "x uniform" in out and "mimo-v2-flash" in out and "uniform (L32-bf16" in out
+
+
+def test_bench_replay_refuses_a_bad_spec_in_one_line(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", synthetic(sessions=2, turns=1, block_tokens=512, seed=1), 512)
+    assert main(["bench", "replay", str(path), "--spec", "no-such-model"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-model" in err[0]

@@ -14,5 +14,7 @@ SUBCOMMANDS = {
     "cache": ("match_prefix / insert speed over a large tree", cache.add_arguments, cache.command),
     "overlap": ("how much of load_back's per-layer host->device load hides behind compute", overlap.add_arguments,
                 overlap.command),
-    "replay": ("kvtier simulate's replay speed on a 12k-request trace", replay.add_arguments, replay.command),
+    "replay": ("kvtier simulate's replay speed on a 12k-request trace; with a geometry (--spec mimo-v2-flash), "
+               "that spec's replay too, as a ratio to the uniform reference's", replay.add_arguments,
+               replay.command),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ...errors import UsageError
+from ..spec import PRESETS, add_spec_arguments, has_spec, spec_from_args
 from ..table import json_text, print_table
 from ..types import positive_int
 from .args import JSON_HELP
@@ -21,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--repeat", type=positive_int, default=3, help="replays timed, best kept (default 3)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
+    add_spec_arguments(p)
 
 
 def command(args: argparse.Namespace) -> int:
@@ -34,22 +36,31 @@ def command(args: argparse.Namespace) -> int:
                              "jsonl trace")
         trace = str(replay.DEFAULT_TRACE)
     check_input_file(trace, "trace")
+    spec = spec_from_args(args) if has_spec(args) else None
     try:
-        result = replay.run(trace, times=args.times, policy=args.policy, repeat_runs=args.repeat)
+        result = replay.run(trace, times=args.times, policy=args.policy, repeat_runs=args.repeat, spec=spec)
     except OSError as e:
         raise UsageError(f"trace {trace}: {e.strerror or e}") from None
     if args.json:
         print(json_text(result))
         return 0
-    cfg, hits = result["config"], result["hits"]
+    cfg = result["config"]
     print(f"{cfg['trace']} x{cfg['times']}: {cfg['requests']:,} requests, {cfg['blocks']:,} blocks of "
           f"{cfg['block_tokens']} tokens; device {cfg['device_tokens']:,.0f}, host {cfg['host_tokens']:,.0f}, storage "
           f"{cfg['storage_tokens']:,.0f} tokens, {cfg['policy']}; read in {result['read_s']:.2f} s")
     print("floor = one Python pass looking every full block of every prompt up in a dict (adding the missing ones)")
-    rows = [[f"{result['replay_s']:.2f}", f"{result['requests_per_s']:,.0f}", f"{result['floor_s']:.3f}",
-             f"{result['x_floor']:.0f}x", result["digest"] or "differs between runs"]]
-    print_table(f"replay (best of {cfg['repeat']}; x floor = replay s / floor s, same run)",
-                ["replay s", "requests/s", "floor s", "x floor", "digest"], rows)
-    print(f"hits (tokens): device {hits['device_hit']:,}, host {hits['host_hit']:,}, storage {hits['storage_hit']:,}; "
-          f"infinite bound {hits['bound']:,}")
+    runs = [(f"uniform ({cfg['uniform_spec']})", result, "")]
+    if "spec" in result:  # a preset by its name, else the geometry's fingerprint
+        label = args.spec if args.spec in PRESETS else result["spec"]["spec"]
+        runs.append((label, result["spec"], f"{result['spec']['x_uniform']:.2f}x"))
+    rows = [[name, f"{r['replay_s']:.2f}", f"{r['requests_per_s']:,.0f}", f"{result['floor_s']:.3f}",
+             f"{r['replay_s'] / result['floor_s']:.0f}x", x_uniform, r["digest"] or "differs between runs"]
+            for name, r, x_uniform in runs]
+    print_table(f"replay (best of {cfg['repeat']}; x floor = replay s / floor s, x uniform = replay s / the uniform "
+                "spec's, same run)", ["spec", "replay s", "requests/s", "floor s", "x floor", "x uniform", "digest"],
+                rows)
+    for name, r, _ in runs:
+        hits = r["hits"]
+        print(f"{name} hits (tokens): device {hits['device_hit']:,}, host {hits['host_hit']:,}, storage "
+              f"{hits['storage_hit']:,}; infinite bound {hits['bound']:,}")
     return 0 if result["identical"] else 1
