@@ -126,6 +126,26 @@ def test_errors_name_the_first_bad_page_of_a_page_size_not_a_power_of_two(small_
     assert page_starts(torch.tensor([9, 10, 11, 0, 1, 2]), page_size=3, size=13, what="idx").tolist() == [3, 0]
 
 
+@pytest.mark.parametrize("page_size, slots", [
+    (2, [2**63 - 2, 2**63 - 1]),
+    (4, [2**63 - 4, 2**63 - 3, 2**63 - 2, 2**63 - 1]),
+    (3, [2**63 - 2, 2**63 - 1, -2**63]),  # consecutive only if the sum wraps past 2^63
+    (3, [-2**63, -2**63 + 1, -2**63 + 2]),
+])
+def test_slots_at_the_ends_of_int64_are_refused_alike_by_every_path(page_size, slots, monkeypatch, compiled):
+    """The compiled loop compares a page's slots before its range check, so a start
+    near 2^63 must wrap (unsigned), never overflow: the same error as numpy's."""
+    messages = []
+    for native in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(indices, "_SMALL_SLOTS", 0)
+            mp.setenv("KVTIER_NATIVE", native)
+            with pytest.raises(ValueError) as e:
+                page_starts(torch.tensor(slots), page_size=page_size, size=16, what="idx")
+            messages.append(str(e.value))
+    assert messages[0] == messages[1]
+
+
 def test_a_partial_last_page_is_outside_a_pool_of_partial_size():
     """``size`` need not be a multiple of ``page_size``: a page must fit whole."""
     for small_slots in (0, 10**9):

@@ -106,10 +106,12 @@ static PyObject *check_pages(PyObject *self, PyObject *args) {
             shift++;
         for (Py_ssize_t p = 0; p < pages; p++) {
             const int64_t *page = s + p * page_size;
-            int64_t start = page[0], mismatch = 0;
-            /* the whole page, its first slot too: a loop the compiler keeps in vectors */
+            int64_t start = page[0];
+            /* the whole page, its first slot too: a loop the compiler keeps in vectors
+             * (unsigned: the range is checked after it, and a start near 2^63 must wrap) */
+            uint64_t mismatch = 0;
             for (int64_t j = 0; j < ps; j++)
-                mismatch |= page[j] ^ (start + j);
+                mismatch |= (uint64_t)page[j] ^ ((uint64_t)start + (uint64_t)j);
             if (start < 0 || start >= end || (start & (ps - 1)) || mismatch) {
                 bad = p;
                 break;
@@ -119,9 +121,10 @@ static PyObject *check_pages(PyObject *self, PyObject *args) {
     } else {
         for (Py_ssize_t p = 0; p < pages; p++) {
             const int64_t *page = s + p * page_size;
-            int64_t start = page[0], mismatch = 0;
+            int64_t start = page[0];
+            uint64_t mismatch = 0;
             for (int64_t j = 0; j < ps; j++)
-                mismatch |= page[j] ^ (start + j);
+                mismatch |= (uint64_t)page[j] ^ ((uint64_t)start + (uint64_t)j);
             /* NOTE: start >= 0 first, so % sees no negative number */
             if (start < 0 || start >= end || start % ps || mismatch) {
                 bad = p;
