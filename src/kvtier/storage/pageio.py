@@ -58,7 +58,8 @@ def write_chunk(l2: int) -> int:
       9.50 / 8.82 (128 files), 9.43 / 9.00, 8.36 / 7.91; ``page_head`` 9.87 / 9.27 and
       8.19 / 7.92 (128 files); 2 MiB calls 7.54 and 7.08. vLLM's buffered ``fs`` tier in
       the same rounds 9.44, 9.47, 9.49, 8.11, 9.73, 7.50. Medians were mixed (512 KiB
-      first in 3 of 6). 256 KiB calls: 9.56, 9.53, 9.09, 9.59, between the two.
+      first in 3 of the 5 recorded). 256 KiB calls: 9.56, 9.53, 9.09, 9.59, mostly
+      between the two.
     - A system profile (``perf``) of 1 MiB calls' puts: the kernel's copy 58% of the
       time, xxh3 13% (about 32 GB/s, half what it hashes from L2 on that core).
 
