@@ -54,11 +54,19 @@ def test_a_layer_waits_for_the_loads_it_depends_on():
     first = handle()
     h = handle(depends=(first,))
     h._finish()
-    assert not h.wait_layer(0, timeout=0.01) and not h.done()
+    assert not h.wait_layer(0, timeout=0.01) and not h.wait(timeout=0.01) and not h.done()
     first._layer_done(0)
     assert h.wait_layer(0, timeout=0) and not h.done()
     first._finish(RuntimeError("its pages failed"))
     assert h.done() and isinstance(h.error, RuntimeError)
+
+
+def test_a_finished_handle_with_nothing_to_wait_on_is_waited_at_once():
+    h = handle(layers=61)
+    h._finish()
+    assert h.wait(timeout=0) and h.done()
+    h.wait_layer = lambda layer, timeout=None: pytest.fail(f"a finished handle asked layer {layer}")
+    assert h.wait()
 
 
 def test_a_layer_outside_the_handle_is_an_index_error_even_when_finished():

@@ -91,6 +91,7 @@ class LoadHandle:
         self._cond = threading.Condition(threading.Lock())
         self._depends = depends
         self._cuda_events: list = [None] * layer_num
+        self._cuda = False  # whether any layer recorded a CUDA event
         self._error: BaseException | None = None
 
     def __len__(self) -> int:
@@ -112,6 +113,7 @@ class LoadHandle:
         event = torch.cuda.Event()
         event.record(stream)
         self._cuda_events[layer] = event
+        self._cuda = True
 
     def _finish(self, error: BaseException | None = None) -> None:
         with self._cond:
@@ -136,6 +138,10 @@ class LoadHandle:
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
+        # NOTE: a finished handle with nothing to wait on (a device hit's, a commit's) answers
+        # at once: asking each layer took a third of an acquire of a 4K-token device hit
+        if self._finished and not self._depends and not self._cuda:
+            return True
         return all(self.wait_layer(layer, timeout) for layer in range(len(self._ready)))
 
     def done(self) -> bool:
