@@ -57,6 +57,16 @@ static int has_duplicate(const int64_t *pages, Py_ssize_t n) {
     return found;
 }
 
+/* Whether a page's ``ps`` slots are consecutive from its first: the whole page, its
+ * first slot too, in a loop the compiler keeps in vectors (unsigned: it runs before the
+ * range check, and a start near 2^63 must wrap, not overflow). */
+static inline int consecutive(const int64_t *page, int64_t ps) {
+    uint64_t mismatch = 0;
+    for (int64_t j = 0; j < ps; j++)
+        mismatch |= (uint64_t)page[j] ^ ((uint64_t)page[0] + (uint64_t)j);
+    return mismatch == 0;
+}
+
 PyDoc_STRVAR(check_pages_doc,
 "check_pages(slots, page_size, size, out, unique=False) -> int\n\n"
 "``slots``: int64 token slots, a positive multiple of ``page_size`` long; ``out``: a\n"
@@ -98,40 +108,21 @@ static PyObject *check_pages(PyObject *self, PyObject *args) {
     const int64_t end = (int64_t)(size / page_size) * ps;
     Py_ssize_t bad = -1;
     PyThreadState *save = n >= RELEASE_GIL_SLOTS ? PyEval_SaveThread() : NULL;
-    if ((ps & (ps - 1)) == 0) {
-        /* NOTE: a power of two (every engine's page size) takes a mask and a shift, not
-         * two 64-bit divisions a page (about 1 us of an 8K-token insert at page 16) */
-        int shift = 0;
-        while (((int64_t)1 << shift) < ps)
-            shift++;
-        for (Py_ssize_t p = 0; p < pages; p++) {
-            const int64_t *page = s + p * page_size;
-            int64_t start = page[0];
-            /* the whole page, its first slot too: a loop the compiler keeps in vectors
-             * (unsigned: the range is checked after it, and a start near 2^63 must wrap) */
-            uint64_t mismatch = 0;
-            for (int64_t j = 0; j < ps; j++)
-                mismatch |= (uint64_t)page[j] ^ ((uint64_t)start + (uint64_t)j);
-            if (start < 0 || start >= end || (start & (ps - 1)) || mismatch) {
-                bad = p;
-                break;
-            }
-            o[p] = start >> shift;
+    /* NOTE: a power of two (every engine's page size) takes a mask and a shift, not two
+     * 64-bit divisions a page (about 1 us of an 8K-token insert at page 16) */
+    const int pow2 = (ps & (ps - 1)) == 0;
+    int shift = 0;
+    while (pow2 && ((int64_t)1 << shift) < ps)
+        shift++;
+    for (Py_ssize_t p = 0; p < pages; p++) {
+        const int64_t *page = s + p * page_size;
+        int64_t start = page[0];
+        /* start >= 0 first, so % sees no negative number */
+        if (start < 0 || start >= end || (pow2 ? start & (ps - 1) : start % ps) || !consecutive(page, ps)) {
+            bad = p;
+            break;
         }
-    } else {
-        for (Py_ssize_t p = 0; p < pages; p++) {
-            const int64_t *page = s + p * page_size;
-            int64_t start = page[0];
-            uint64_t mismatch = 0;
-            for (int64_t j = 0; j < ps; j++)
-                mismatch |= (uint64_t)page[j] ^ ((uint64_t)start + (uint64_t)j);
-            /* NOTE: start >= 0 first, so % sees no negative number */
-            if (start < 0 || start >= end || start % ps || mismatch) {
-                bad = p;
-                break;
-            }
-            o[p] = start / ps;
-        }
+        o[p] = pow2 ? start >> shift : start / ps;
     }
     int repeated = 0;
     if (bad < 0 && unique && pages > 1) /* every page number is now in [0, size / page_size) */
