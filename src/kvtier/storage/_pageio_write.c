@@ -232,7 +232,7 @@ const char write_pages_doc[] =
     "``files``: ``(temporary path, path, header prefix, page)`` each. Each file is made\n"
     "new at its temporary path with ``mode`` (its directory with ``dir_mode`` where\n"
     "missing), reserved whole, its parts and the zeros between them written in one call\n"
-    "per ``chunk`` of the file (each call's bytes hashed with xxh3-64 just before, then\n"
+    "per ``chunk`` of the file (each call's bytes hashed with xxh3-64 just after it, then\n"
     "the header: the prefix, the checksums, zeros up to ``header_len``), or, for a file\n"
     "no longer than ``chunk`` (or ``chunk`` 0), in one call from offset 0 with its header\n"
     "first, fsync'd with ``fsync``, and renamed to its path. One status byte per\n"

@@ -80,7 +80,9 @@ def write_chunk(l2: int) -> int:
 #: per-file path's :func:`move`: just before): :func:`write_chunk` of this machine's L2
 WRITE_CHUNK = write_chunk(l2_bytes())
 #: A file no longer than this is written in one call from offset 0, header first (its
-#: parts hashed before); a longer one in ``WRITE_CHUNK`` calls, hashed after each.
+#: parts hashed before); a longer one in ``WRITE_CHUNK`` calls, hashed after each. At
+#: its default it is the compiled writer's own rule (a file no longer than its chunk is
+#: one call): tests lower it to 0 to write small files in chunks.
 #: NOTE: a MiMo page's file (1.4 MiB) was written in one call until 2026-12-06 (with
 #: 1 MiB calls it had read back warm 5% slower, put level); in 512 KiB calls, hashed
 #: after, `kvtier bench storage --pages 192 --layers 9 --heads 4 --head-dim 192
