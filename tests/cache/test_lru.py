@@ -187,16 +187,22 @@ def test_rebuild_forgets_nodes_not_given():
 
 
 def test_sliding_pages_have_a_heap_per_tier_and_group():
-    lru = LruIndex(sides=("swa",))
-    held, hole = node(1, 10), node(2, 5)
-    held.device.side = {"swa": np.array([7], dtype=np.int64)}
-    hole.device.side = {"swa": np.array([-1], dtype=np.int64)}  # no sliding page on this one
+    lru = LruIndex(sides=("swa", "swb"))
+    held, hole = node(1, 10, host=True), node(2, 5)
+    held.device.side, held.device.held = {"swa": np.array([7], dtype=np.int64), "swb": np.array([-1])}, 1
+    hole.device.side = {"swa": np.array([-1], dtype=np.int64), "swb": np.array([-1])}  # no sliding page here
+    held.host.side, held.host.held = {"swa": np.array([-1], dtype=np.int64), "swb": np.array([3])}, 1
     lru.push(held)
     lru.push(hole)
     swa = side_tier("device", "swa")
     assert swa == "device:swa"
     assert lru.contains(swa, held) and not lru.contains(swa, hole)
+    assert not lru.contains("device:swb", held)  # the copy holds a page, but of the other group
+    assert lru.contains("host:swb", held) and not lru.contains("host:swa", held)
     assert drain(lru, swa) == [1]
     assert drain(lru, "device") == [2, 1]
     lru.rebuild([held, hole])
     assert lru.contains(swa, held) and not lru.contains(swa, hole)
+    assert lru.contains("host:swb", held) and not lru.contains("device:swb", held)
+    lru.push(held)  # pushes after a rebuild reach the rebuilt heaps
+    assert drain(lru, "host:swb") == [1, 1]

@@ -19,9 +19,10 @@ from ..errors import IntegrityError, UsageError
 from .handles import LoadHandle
 from .inflight import InFlight
 from .lru import side_tier
+from .residency import held_count
 from ..compiled import load
 from ..pools.indices import COMPILED, page_token_slots
-from .sides import HOLE, lowest, resumable
+from .sides import HOLE, highest, lowest, resumable
 
 
 class Probe:
@@ -183,6 +184,7 @@ class HybridState:
         for g, pages in copy.side.items():
             self.free_side(tier, g, pages)
             pages[:] = HOLE
+        copy.held = 0
 
     def alloc_side(self, tier: str, g: str, n: int) -> np.ndarray | None:
         """``n`` pages of sliding group ``g`` in ``tier``, evicting that group's LRU
@@ -203,10 +205,12 @@ class HybridState:
             node = self.lru.pop(heap, lambda n: evictable(n, g))
             if node is None:
                 break
-            pages = getattr(node, tier).side[g]
+            copy = getattr(node, tier)
+            pages = copy.side[g]
             held = pages[pages >= 0]
             self.free_side(tier, g, held)
             pages[:] = HOLE
+            copy.held -= held.size
             freed += held.size * self.page_size
             self.lru.push(node)
         return freed
@@ -214,18 +218,18 @@ class HybridState:
     @staticmethod
     def _side_device_evictable(node, g: str) -> bool:
         d = node.device
-        if d is None or node.lock_ref or d.loading is not None or node.backup is not None:
+        if d is None or not d.held or node.lock_ref or d.loading is not None or node.backup is not None:
             return False
-        return bool((d.side[g] >= 0).any())
+        return highest(d.side[g]) >= 0
 
     @staticmethod
     def _side_host_evictable(node, g: str) -> bool:
         h = node.host
-        if h is None or node.lock_ref or h.backup is not None or node.loading is not None:
+        if h is None or not h.held or node.lock_ref or h.backup is not None or node.loading is not None:
             return False
         if node.storing is not None and node.storing.started:
             return False
-        return bool((h.side[g] >= 0).any())
+        return highest(h.side[g]) >= 0
 
     # -- inserting ------------------------------------------------------------------------------
     def check_sides(self, given: dict[str, np.ndarray], walked) -> None:
@@ -280,10 +284,11 @@ class HybridState:
                 if page < 0:
                     continue
                 k = bisect.bisect_right(starts, i) - 1
-                mine = path[k].device.side[g]
-                local = i - starts[k]
+                copy = path[k].device
+                mine, local = copy.side[g], i - starts[k]
                 if mine[local] < 0:
                     mine[local] = page
+                    copy.held += 1
                     self.sides.owned[g][page] = True
                     taken.setdefault(k, {}).setdefault(g, []).append(local)
                 elif mine[local] != page:
@@ -296,7 +301,10 @@ class HybridState:
             self.lru.push(node)
 
     def unbacked_sides(self, node) -> dict[str, np.ndarray]:
-        """Per sliding group, the pages of ``node``'s device copy its host copy lacks."""
+        """Per sliding group, the pages of ``node``'s device copy its host copy lacks
+        (no group when the device copy holds none)."""
+        if not node.device.held:
+            return {}
         return {g: np.flatnonzero((node.device.side[g] >= 0) & (node.host.side[g] < 0)) for g in self.sides.names}
 
     def _backup_new_sides(self, node, taken: dict[str, np.ndarray]) -> bool:
@@ -313,6 +321,7 @@ class HybridState:
                     self.free_side("host", g, pages)
                 continue
             node.host.side[g][idx] = pages
+            node.host.held += pages.size
             dev[g], host[g] = self.sides.slots(node.device.side[g][idx]), self.sides.slots(pages)
         if not dev:
             return False
@@ -333,6 +342,7 @@ class HybridState:
                     ours = np.isin(pages, self.sides.pages_of(slots)) & (pages >= 0)
                     self.free_side("host", g, pages[ours])
                     pages[ours] = HOLE
+                    node.host.held -= int(ours.sum())
             else:
                 if node.stored and node.storing is None:
                     node.storage = None
@@ -447,6 +457,7 @@ class HybridState:
         for node, missing in whole + partial:
             for g, idx in missing.items():
                 node.device.side[g][idx] = side_dev[g][used[g]:used[g] + idx.size]
+                node.device.held += idx.size
                 used[g] += idx.size
         handle = LoadHandle(self.device_slots(path), layer_num, tuple(depends.values()),
                             groups=self.side_slots(path, target))
@@ -479,6 +490,7 @@ class HybridState:
             ours = np.isin(pages, self.sides.pages_of(slots)) & (pages >= 0)
             self.free_side("device", g, pages[ours])
             pages[ours] = HOLE
+            node.device.held -= int(ours.sum())
         node.device.loading = None
         self.lru.push(node)
         return True
@@ -487,18 +499,22 @@ class HybridState:
     def backup_sides(self, node):
         """Host pages for the sliding pages of ``node``'s device copy (a group whose
         host pool is full of locked pages is left out: a hole); returns
-        ``(host side arrays, ({group: device slots}, {group: host slots}))``."""
-        side, dev, host = {}, {}, {}
+        ``(host side arrays, ({group: device slots}, {group: host slots}), pages taken)``."""
+        n = len(node.key) // self.page_size
+        if not node.device.held:
+            return self.sides.empty(n), ({}, {}), 0
+        side, dev, host, taken = {}, {}, {}, 0
         for g in self.sides.names:
             mine = node.device.side[g]
             held = mine >= 0
             pages = self.alloc_side("host", g, int(held.sum())) if held.any() else None
-            out = np.full(mine.size, HOLE, dtype=np.int64)
+            out = self.sides.holes(n)
             if pages is not None:
                 out[held] = pages
                 dev[g], host[g] = self.sides.slots(mine[held]), self.sides.slots(pages)
+                taken += pages.size
             side[g] = out
-        return side, (dev, host)
+        return side, (dev, host), taken
 
     # -- host -> storage ------------------------------------------------------------------------
     def store_sides(self, holders) -> dict[str, tuple[list[int], torch.Tensor]]:
@@ -513,9 +529,13 @@ class HybridState:
 
     # -- integrity ------------------------------------------------------------------------------
     def check_side_integrity(self, nodes) -> None:
-        """Side arrays one int64 entry per page, each page held once per tier and
-        group, the ownership map exact, no side slot leaked."""
+        """Side arrays one int64 entry per page, each copy's count of them exact, each
+        page held once per tier and group, the ownership map exact, no side slot leaked."""
         ps = self.page_size
+        for node in nodes:
+            for copy in (node.device, node.host):
+                if copy is not None and copy.side is not None and held_count(copy.side) != copy.held:
+                    raise IntegrityError(f"{node}: counts {copy.held} sliding pages, holds {held_count(copy.side)}")
         for g in self.sides.names:
             dev, host = [], []
             for node in nodes:

@@ -24,8 +24,9 @@ _heappush = heapq.heappush
 
 
 def _has_side(copy, group: str) -> bool:
-    side = None if copy is None or copy.side is None else copy.side[group]
-    return side is not None and side.size > 0 and highest(side) >= 0
+    """Whether ``copy`` (a node's device or host copy, or ``None``) holds a page of
+    sliding group ``group``: never when it holds none of any group (most copies)."""
+    return copy is not None and copy.held > 0 and highest(copy.side[group]) >= 0
 
 
 def side_tier(tier: str, group: str) -> str:
@@ -43,8 +44,13 @@ class LruIndex:
         for g in sides:
             for t in TIERS:
                 self._heaps[side_tier(t, g)] = []
-        self._device, self._host = self._heaps["device"], self._heaps["host"]
         self._seq = itertools.count()
+        self._bind()
+
+    def _bind(self) -> None:
+        """Keep direct references to the heaps :meth:`push` fills (after any rebuild)."""
+        self._device, self._host = self._heaps["device"], self._heaps["host"]
+        self._side_heaps = {t: [(g, self._heaps[side_tier(t, g)]) for g in self._sides] for t in TIERS}
 
     def __len__(self) -> int:
         return max(len(h) for h in self._heaps.values())
@@ -58,15 +64,19 @@ class LruIndex:
         # no copy in its tier: such entries would never surface there (a tier with no
         # evictions never pops), and would keep evicted nodes and their keys alive.
         entry = (node.last_access, node.serial, next(self._seq), node)
-        if node.device is not None:
+        device, host = node.device, node.host
+        if device is not None:
             _heappush(self._device, entry)
-        if node.host is not None:
+            if device.held:
+                for g, heap in self._side_heaps["device"]:
+                    if highest(device.side[g]) >= 0:
+                        _heappush(heap, entry)
+        if host is not None:
             _heappush(self._host, entry)
-        for g in self._sides:
-            if _has_side(node.device, g):
-                _heappush(self._heaps[side_tier("device", g)], entry)
-            if _has_side(node.host, g):
-                _heappush(self._heaps[side_tier("host", g)], entry)
+            if host.held:
+                for g, heap in self._side_heaps["host"]:
+                    if highest(host.side[g]) >= 0:
+                        _heappush(heap, entry)
 
     def pop(self, tier: str, evictable: Callable[[object], bool]):
         """The least recently used node that ``evictable`` accepts, taken out of the
@@ -86,14 +96,14 @@ class LruIndex:
     def rebuild(self, nodes: Iterable) -> None:
         """Drop every entry and index ``nodes`` afresh (compaction)."""
         entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes]
-        self._device = [e for e in entries if e[-1].device is not None]
-        self._host = [e for e in entries if e[-1].host is not None]
-        self._heaps = {"device": self._device, "host": self._host}
+        self._heaps = {"device": [e for e in entries if e[-1].device is not None],
+                       "host": [e for e in entries if e[-1].host is not None]}
         for g in self._sides:
             for t in TIERS:
                 self._heaps[side_tier(t, g)] = [e for e in entries if _has_side(getattr(e[-1], t), g)]
         for heap in self._heaps.values():
             heapq.heapify(heap)
+        self._bind()
 
     def memory_bytes(self) -> int:
         """Host bytes of the heaps and their entries (an entry two heaps share counted

@@ -17,33 +17,44 @@ import numpy as np
 import torch
 
 
-def _split_side(side: dict | None, pages: int) -> tuple[dict | None, dict | None]:
-    """``(first pages, the rest)`` of per-group side page arrays."""
+def held_count(side: dict | None) -> int:
+    """How many sliding pages (entries not ``-1``) the per-group arrays ``side`` hold."""
+    return 0 if side is None else sum(int(np.count_nonzero(a >= 0)) for a in side.values())
+
+
+def _split_side(copy, pages: int) -> tuple[dict | None, int]:
+    """Cut ``copy``'s side arrays after ``pages`` pages: ``copy`` keeps the rest and
+    its count; returns the first pages' arrays and their count."""
+    side = copy.side
     if side is None:
-        return None, None
-    return {g: a[:pages] for g, a in side.items()}, {g: a[pages:] for g, a in side.items()}
+        return None, 0
+    top = {g: a[:pages] for g, a in side.items()}
+    copy.side = {g: a[pages:] for g, a in side.items()}
+    held = held_count(top) if copy.held else 0
+    copy.held -= held
+    return top, held
 
 
 class DeviceCopy:
     """Device page numbers ``pages``, the run ``base[at:at + len(pages)]``: the pieces
     of a split stay views of one array, so a path's pages gather a run at a time.
     ``side`` (hybrid models): per sliding group, a page number per page or ``-1``
-    (``kvtier.cache.sides``)."""
+    (``kvtier.cache.sides``); ``held``: how many of those are not ``-1``, kept by
+    every change to them (most copies hold none, and then need no look at the arrays)."""
 
-    __slots__ = ("pages", "base", "at", "loading", "side")
+    __slots__ = ("pages", "base", "at", "loading", "side", "held")
 
     def __init__(self, pages: np.ndarray, base: np.ndarray | None = None, at: int = 0,
-                 side: dict | None = None) -> None:
+                 side: dict | None = None, held: int = 0) -> None:
         self.pages = pages
         self.base = pages if base is None else base
         self.at = at
         self.loading = None  # the load filling these pages, if any
-        self.side = side
+        self.side, self.held = side, held
 
     def split(self, pages: int) -> "DeviceCopy":
         """Keep the pages after the first ``pages``; return a copy holding those."""
-        top_side, self.side = _split_side(self.side, pages)
-        top = DeviceCopy(self.pages[:pages], self.base, self.at, top_side)
+        top = DeviceCopy(self.pages[:pages], self.base, self.at, *_split_side(self, pages))
         top.loading = self.loading
         self.pages = self.pages[pages:]
         self.at += pages
@@ -52,14 +63,15 @@ class DeviceCopy:
 
 class HostCopy:
     """Host token slots ``slots``; ``backup`` is the device -> host copy filling them.
-    ``side`` (hybrid models): per sliding group, a host page number per page or ``-1``."""
+    ``side`` (hybrid models): per sliding group, a host page number per page or ``-1``;
+    ``held``: how many are not ``-1`` (as :class:`DeviceCopy`'s)."""
 
-    __slots__ = ("slots", "backup", "side")
+    __slots__ = ("slots", "backup", "side", "held")
 
-    def __init__(self, slots: torch.Tensor, side: dict | None = None) -> None:
+    def __init__(self, slots: torch.Tensor, side: dict | None = None, held: int = 0) -> None:
         self.slots = slots
         self.backup = None
-        self.side = side
+        self.side, self.held = side, held
 
     @property
     def ready(self) -> bool:
@@ -67,8 +79,7 @@ class HostCopy:
         return self.backup is None
 
     def split(self, tokens: int, page_size: int = 1) -> "HostCopy":
-        top_side, self.side = _split_side(self.side, tokens // page_size)
-        top = HostCopy(self.slots[:tokens], top_side)
+        top = HostCopy(self.slots[:tokens], *_split_side(self, tokens // page_size))
         top.backup = self.backup
         self.slots = self.slots[tokens:]
         return top

@@ -42,7 +42,7 @@ from .hybrid_state import HybridState
 from .inflight import InFlight
 from .lru import LruIndex
 from .radix import Node, RadixTree
-from .residency import DeviceCopy, HostCopy, StorageCopy, set_mark
+from .residency import DeviceCopy, HostCopy, StorageCopy, held_count, set_mark
 from .sides import Sides
 from .stats import CacheStats
 
@@ -205,16 +205,14 @@ class CacheState(HybridState):
             self.lru.rebuild(self.tree.nodes())
             self._removed = 0
 
-    def _set_device(self, node: Node, pages: np.ndarray, side: dict | None = None) -> None:
+    def _set_device(self, node: Node, pages: np.ndarray) -> None:
         """Give ``node`` the device pages ``pages`` (an array the node may keep) and, for
-        a hybrid spec, the sliding pages ``side`` (default: none)."""
-        if self.sides is not None and side is None:
-            side = self.sides.empty(pages.size)
-        node.device = DeviceCopy(pages, side=side)
+        a hybrid spec, no sliding pages yet."""
+        node.device = DeviceCopy(pages, side=None if self.sides is None else self.sides.empty(pages.size))
         self._owned[pages] = True
 
     def _drop_device(self, node: Node) -> None:
-        if node.device.side is not None:
+        if node.device.held:
             self._drop_sides(node.device, "device")
         self._owned[node.device.pages] = False
         self.allocator.free(self.slots_of(node.device.pages))
@@ -225,7 +223,7 @@ class CacheState(HybridState):
     def _drop_host(self, node: Node) -> None:
         if node.storing is not None:  # a queued write of this copy is dropped with it
             set_mark(node, "store", None)
-        if node.host.side is not None:
+        if node.host.held:
             self._drop_sides(node.host, "host")
         self.host_pool.free(node.host.slots)
         node.host = None
@@ -410,8 +408,8 @@ class CacheState(HybridState):
         host = self.alloc("host", len(node.key))
         if host is None:
             return False
-        side, moved = self.backup_sides(node) if self.sides is not None else (None, None)
-        node.host = HostCopy(host, side)
+        side, moved, held = self.backup_sides(node) if self.sides is not None else (None, None, 0)
+        node.host = HostCopy(host, side, held)
         mark = node.host.backup = InFlight("backup", [node], device=self.slots_of(node.device.pages), host=host)
         mark.side = moved
         self.backups.add(mark)
@@ -524,7 +522,7 @@ class CacheState(HybridState):
         if matched < len(tokens):
             node = self.tree.add_child(path[-1] if path else self.tree.root(salt), tokens[matched:])
             rest = None if side is None else {g: a[max(0, matched - start) // ps:] for g, a in side.items()}
-            node.host = HostCopy(host_slots[matched - start:], rest)
+            node.host = HostCopy(host_slots[matched - start:], rest, held_count(rest))
             node.storage = StorageCopy(stored=True)
             node.store_keys = keys[(matched - start) // self.page_size:]
             self._added(node)
