@@ -22,7 +22,7 @@ from .lru import side_tier
 from .residency import held_count
 from ..compiled import load
 from ..pools.indices import COMPILED, page_token_slots
-from .sides import HOLE, highest, lowest, resumable
+from .sides import HOLE, highest, lowest, resumable, runs
 
 
 class Probe:
@@ -46,19 +46,33 @@ class Probe:
 
 class HybridState:
     # -- matching -------------------------------------------------------------------------------
-    def _side_held(self, path, pages: int) -> tuple[dict, dict]:
-        """Per sliding group, ``(device-held, host-held)`` bool arrays over the first
-        ``pages`` pages of ``path``."""
-        dev, host = {g: [] for g in self.sides.names}, {g: [] for g in self.sides.names}
+    def _side_held(self, path, pages: int) -> dict[str, tuple[list[int], list[int]]]:
+        """Per sliding group, ``(device-held, host-held)``: the indices of the pages of
+        ``path`` whose sliding page the device, or the ready host copy, holds (the first
+        ``pages`` pages and perhaps some after them). Copies that hold none are skipped."""
+        out = {g: ([], []) for g in self.sides.names}
+        at, ps = 0, self.page_size
         for node in path:
-            n = len(node.key) // self.page_size
+            if at >= pages:
+                break
             d, h = node.device, node.host
-            ready = h is not None and h.backup is None
-            for g in self.sides.names:
-                dev[g].append(d.side[g] >= 0 if d is not None else np.zeros(n, dtype=bool))
-                host[g].append(h.side[g] >= 0 if ready else np.zeros(n, dtype=bool))
-        cat = (lambda parts: np.concatenate(parts)[:pages] if parts else np.zeros(0, dtype=bool))
-        return {g: cat(v) for g, v in dev.items()}, {g: cat(v) for g, v in host.items()}
+            for copy, k in ((d, 0), (h if h is not None and h.backup is None else None, 1)):
+                if copy is not None and copy.held:
+                    for g, (dev, host) in out.items():
+                        idx = np.flatnonzero(copy.side[g] >= 0)
+                        (dev, host)[k].extend((idx + at).tolist() if at else idx.tolist())
+            at += len(node.key) // ps
+        return out
+
+    @staticmethod
+    def _held_mask(held: dict[str, tuple[list[int], list[int]]], pages: int) -> dict[str, np.ndarray]:
+        """Per sliding group, a bool array over ``pages`` pages: held on the device or the host."""
+        out = {}
+        for g, (dev, host) in held.items():
+            mask = np.zeros(pages, dtype=bool)
+            mask[[i for i in (*dev, *host) if i < pages]] = True
+            out[g] = mask
+        return out
 
     def _device_windows(self, path, pages: int) -> dict[str, list] | None:
         """Per sliding group, its window before ``pages`` pages of ``path`` as pieces
@@ -89,16 +103,13 @@ class HybridState:
             if not self.has_storage:  # nothing will ask what is held
                 return device_len, 0, Probe(pages, {}, windows=on_device)
             snapshot = list(path)
-
-            def held():
-                dev, host = self._side_held(snapshot, pages)
-                return {g: dev[g] | host[g] for g in dev}
-            return device_len, 0, Probe(pages, None, held, on_device)
-        dev, host = self._side_held(path, pages)
-        both = {g: dev[g] | host[g] for g in dev}
-        p_dev = resumable(windows, dev, device_len // ps, ps)
-        p_all = max(p_dev, resumable(windows, both, pages, ps))
-        return p_dev * ps, (p_all - p_dev) * ps, Probe(pages, both)
+            return device_len, 0, Probe(pages, None, lambda: self._held_mask(self._side_held(snapshot, pages), pages),
+                                        on_device)
+        held = self._side_held(path, pages)
+        p_dev = resumable(windows, {g: runs(dev) for g, (dev, _) in held.items()}, device_len // ps, ps)
+        p_all = max(p_dev, resumable(windows, {g: runs(dev + host) for g, (dev, host) in held.items()}, pages, ps))
+        # NOTE: the masks come from the index lists, not the path: the cut after this may split its last node
+        return p_dev * ps, (p_all - p_dev) * ps, Probe(pages, None, lambda: self._held_mask(held, pages))
 
     def _cut(self, path, tokens: int, split: bool) -> int:
         """Cut ``path`` after ``tokens`` tokens (splitting the node it ends inside when

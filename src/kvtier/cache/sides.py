@@ -29,30 +29,28 @@ from ..pools.indices import page_numbers, page_token_slots
 HOLE = -1
 
 
-def run_lengths(held: np.ndarray) -> np.ndarray:
-    """``out[i]``: how many consecutive ``True`` end at ``held[i]`` (0 where it is False)."""
-    n = held.size
-    if not n:
-        return np.zeros(0, dtype=np.int64)
-    idx = np.arange(1, n + 1, dtype=np.int64)
-    last_gap = np.maximum.accumulate(np.where(held, 0, idx))
-    return idx - last_gap
+def runs(indices: list[int]) -> dict[int, int]:
+    """``out[i]``: for each ``i`` of ``indices``, how many consecutive indices (all in
+    ``indices``) end at ``i``; repeats count once."""
+    out: dict[int, int] = {}
+    for i in sorted(set(indices)):
+        out[i] = out.get(i - 1, 0) + 1
+    return out
 
 
-def resumable(windows: dict[str, int], held: dict[str, np.ndarray], limit: int, page_size: int) -> int:
+def resumable(windows: dict[str, int], held: dict[str, dict[int, int]], limit: int, page_size: int) -> int:
     """The largest ``p <= limit`` (pages) such that each sliding group ``g`` (window
     ``windows[g]`` tokens) holds every page of its window before ``p * page_size``
-    (``held[g][i]``: page ``i`` held; arrays at least ``limit`` long); the full groups
-    are taken to hold ``[0, limit)``."""
-    if limit <= 0:
-        return 0
-    p = np.arange(1, limit + 1, dtype=np.int64)
-    ok = np.ones(limit, dtype=bool)
-    for g, window in windows.items():
-        start = np.maximum(0, p * page_size - window) // page_size
-        ok &= run_lengths(held[g][:limit])[p - 1] >= p - start
-    hits = np.flatnonzero(ok)
-    return int(hits[-1]) + 1 if hits.size else 0
+    (``held[g]``: :func:`runs` of the pages it holds); the full groups are taken to
+    hold ``[0, limit)``. Every window before ``p > 0`` ends with page ``p - 1``, so
+    only the pages the groups hold are tried, from the last."""
+    first = held[next(iter(windows))]
+    for i in sorted((i for i in first if i < limit), reverse=True):
+        p = i + 1
+        if all(held[g].get(i, 0) >= p - max(0, p * page_size - window) // page_size
+               for g, window in windows.items()):
+            return p
+    return 0
 
 
 def lowest(pages: np.ndarray) -> int:
