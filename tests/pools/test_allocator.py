@@ -151,4 +151,8 @@ def test_pages_by_number_round_trip_and_refuse_double_frees():
         a.free_pages(pages[:1])
     with pytest.raises(UsageError, match=r"\[0, 8\)"):
         a.free_pages(np.array([8], dtype=np.int64))
+    with pytest.raises(UsageError, match=r"\[0, 8\)"):
+        a.free_pages(np.array([-1], dtype=np.int64))
     assert a.available_size() == 28
+    a.free_pages(pages[2:].astype(np.int32))  # page numbers of another int dtype
+    assert a.available_size() == 32 and not a.allocated(pages).any()

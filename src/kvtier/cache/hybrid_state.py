@@ -250,9 +250,9 @@ class HybridState:
         ps = self.page_size
         for g, pages in given.items():
             mine = pages >= 0
-            held = mine & self.sides.owned[g][np.maximum(pages, 0)]
-            own = np.full(pages.size, HOLE, dtype=np.int64)
-            if held.any():  # only the node's own page at the same place may be given back
+            fresh = pages[mine]
+            if np.count_nonzero(self.sides.owned[g][fresh]):  # only the node's own page at the same place
+                own = np.full(pages.size, HOLE, dtype=np.int64)
                 at = 0
                 for i, node in enumerate(path):
                     if node.device is None:
@@ -260,13 +260,13 @@ class HybridState:
                     n = (inner if i == len(path) - 1 else len(node.key)) // ps
                     own[at:at + n] = node.device.side[g][:n]
                     at += n
-            bad = held & (pages != own)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise UsageError(f"groups[{g!r}]: device slot {int(pages[i]) * ps} (page {i} of the prompt) already "
-                                 "holds another cached page; pass slots from alloc_device(n, group=...)")
-            fresh = pages[mine & (pages != own)]
-            if fresh.size and not self.sides.device[g].allocated_pages(fresh).all():
+                bad = mine & self.sides.owned[g][np.maximum(pages, 0)] & (pages != own)
+                if bad.any():
+                    i = int(np.flatnonzero(bad)[0])
+                    raise UsageError(f"groups[{g!r}]: device slot {int(pages[i]) * ps} (page {i} of the prompt) "
+                                     "already holds another cached page; pass slots from alloc_device(n, group=...)")
+                fresh = pages[mine & (pages != own)]
+            if fresh.size and np.count_nonzero(self.sides.device[g].allocated_pages(fresh)) != fresh.size:
                 raise UsageError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
                                  "alloc_device(n, group=...)")
 
@@ -304,10 +304,11 @@ class HybridState:
                     taken.setdefault(k, {}).setdefault(g, []).append(local)
                 elif mine[local] != page:
                     drop.append(page)  # the node has its own copy: the engine's is a duplicate
-            self.free_side("device", g, np.array(drop, dtype=np.int64))
-        for k, node in enumerate(path):
-            mine = taken.get(k)
-            if mine and node.host_ready:
+            if drop:
+                self.free_side("device", g, np.array(drop, dtype=np.int64))
+        for k, mine in taken.items():  # (only these changed: the others' LRU entries stand)
+            node = path[k]
+            if node.host_ready:
                 self._backup_new_sides(node, {g: np.array(idx, dtype=np.int64) for g, idx in mine.items()})
             self.lru.push(node)
 

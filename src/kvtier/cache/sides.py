@@ -134,7 +134,8 @@ class Sides:
         ps, pool = self.page_size, self.device[g]
         flat = slots.cpu().numpy().astype(np.int64, copy=False).reshape(-1, ps)
         hole = flat[:, 0] < 0
-        if hole.any():  # pages all -1, the others checked as whole pages
+        holes = np.count_nonzero(hole)
+        if holes:  # pages all -1, the others checked as whole pages
             if not (flat[hole] == HOLE).all():
                 i = int(np.flatnonzero(hole & (flat != HOLE).any(axis=1))[0])
                 raise UsageError(f"{what}: groups[{g!r}] page {i} holds slots {flat[i].tolist()[:4]}..., neither a "
@@ -147,7 +148,7 @@ class Sides:
                                  allowed_devices=(kept.device,), unique=True)
         except ValueError as e:
             raise UsageError(f"{e} (a page of -1 gives none)") from None
-        if not hole.any():
+        if not holes:
             return pages
         out = np.full(hole.size, HOLE, dtype=np.int64)
         out[~hole] = pages

@@ -10,6 +10,8 @@ from ..errors import IntegrityError, UsageError
 from .common import check_sizes
 from .indices import page_numbers, page_token_slots
 
+_max = np.maximum.reduce
+
 
 class PageAllocator:
     """Free list over ``num_pages`` pages of ``page_size`` token slots each.
@@ -62,11 +64,15 @@ class PageAllocator:
         of range, :class:`IntegrityError` for one not allocated (a double free)."""
         if pages.size == 0:
             return
-        if pages.min() < 0 or pages.max() >= self._in_use.size:
+        if pages.dtype != np.int64:
+            pages = pages.astype(np.int64)
+        # NOTE: as uint64 a negative page is huge, so one max checks both ends; ufunc
+        # reductions called directly (``.min()``/``.any()`` add a Python frame each)
+        if int(_max(pages.view(np.uint64))) >= self._in_use.size:
             raise UsageError(f"free_pages: page numbers must be in [0, {self._in_use.size})")
-        not_used = pages[~self._in_use[pages]]
-        if not_used.size:
-            raise IntegrityError(f"free_pages: pages {not_used[:8].tolist()} are not allocated (a double free)")
+        used = self._in_use[pages]
+        if np.count_nonzero(used) != pages.size:
+            raise IntegrityError(f"free_pages: pages {pages[~used][:8].tolist()} are not allocated (a double free)")
         self._in_use[pages] = False
         self._put(pages)
 
@@ -106,6 +112,9 @@ class PageAllocator:
         ring, k = self._ring, pages.size
         tail = (self._head + self._count) % ring.size
         first = min(k, ring.size - tail)
-        ring[tail:tail + first] = pages[:first]
-        ring[:k - first] = pages[first:]
+        if first == k:
+            ring[tail:tail + k] = pages
+        else:  # it wraps
+            ring[tail:] = pages[:first]
+            ring[:k - first] = pages[first:]
         self._count += k
