@@ -156,3 +156,17 @@ def test_pages_by_number_round_trip_and_refuse_double_frees():
     assert a.available_size() == 28
     a.free_pages(pages[2:].astype(np.int32))  # page numbers of another int dtype
     assert a.available_size() == 32 and not a.allocated(pages).any()
+
+
+@pytest.mark.parametrize("count", [1, 16, 17, 40])
+def test_free_pages_refuses_a_page_out_of_range_among_many(count):
+    import numpy as np
+
+    a = PageAllocator(64, 1)
+    pages = a.alloc_pages(count)
+    for bad in (-1, 64, -2**62):
+        with pytest.raises(UsageError, match=r"\[0, 64\)"):
+            a.free_pages(np.concatenate([pages[:-1], [bad]]))
+        assert a.available_size() == 64 - count  # nothing was freed
+    a.free_pages(pages)
+    assert a.available_size() == 64

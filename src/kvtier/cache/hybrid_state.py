@@ -97,6 +97,8 @@ class HybridState:
         being the longest prefix whose every group is on the device, the host hit
         what device and host hold together beyond it."""
         ps, windows = self.page_size, self.sides.windows
+        if not path:  # a miss (most requests of a trace): nothing to look at
+            return 0, 0, Probe(0, {g: np.zeros(0, dtype=bool) for g in windows}, windows={g: [] for g in windows})
         pages = (device_len + host_len) // ps
         on_device = None if host_len else self._device_windows(path, pages)
         if on_device is not None:
@@ -438,8 +440,15 @@ class HybridState:
         """:meth:`CacheState.begin_load` for a hybrid spec: all or nothing, to resume
         after the whole of ``path``. When the pages cannot all be had, nothing loads
         and the handle holds the device hit (``device_len`` tokens) alone."""
+        if not path:  # a miss: an empty handle, no window
+            if reserved is not None and reserved.numel():
+                self.allocator.free(reserved)
+            empty = torch.empty(0, dtype=torch.int64)
+            handle = LoadHandle(self.device_slots([]), layer_num, groups={g: empty.clone() for g in self.sides.names})
+            handle._finish()
+            return handle, None
         target = sum(len(n.key) for n in path)
-        plan = self._plan_load(path, target) if path else None
+        plan = self._plan_load(path, target)
         if plan is not None and not plan[0] and not plan[1]:  # all on the device already
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)

@@ -10,8 +10,6 @@ from ..errors import IntegrityError, UsageError
 from .common import check_sizes
 from .indices import page_numbers, page_token_slots
 
-_max = np.maximum.reduce
-
 
 class PageAllocator:
     """Free list over ``num_pages`` pages of ``page_size`` token slots each.
@@ -66,9 +64,15 @@ class PageAllocator:
             return
         if pages.dtype != np.int64:
             pages = pages.astype(np.int64)
-        # NOTE: as uint64 a negative page is huge, so one max checks both ends; ufunc
-        # reductions called directly (``.min()``/``.any()`` add a Python frame each)
-        if int(_max(pages.view(np.uint64))) >= self._in_use.size:
+        # NOTE: a sliding group frees a window's few pages at a time: ``min`` and ``max``
+        # over a list take a fraction of numpy's reductions there; more pages, as uint64
+        # (a negative page is huge), one reduction checks both ends
+        if pages.size <= 16:
+            ids = pages.tolist()
+            bad = min(ids) < 0 or max(ids) >= self._in_use.size
+        else:
+            bad = int(pages.view(np.uint64).max()) >= self._in_use.size
+        if bad:
             raise UsageError(f"free_pages: page numbers must be in [0, {self._in_use.size})")
         used = self._in_use[pages]
         if np.count_nonzero(used) != pages.size:
