@@ -206,3 +206,16 @@ def test_sliding_pages_have_a_heap_per_tier_and_group():
     assert lru.contains("host:swb", held) and not lru.contains("device:swb", held)
     lru.push(held)  # pushes after a rebuild reach the rebuilt heaps
     assert drain(lru, "host:swb") == [1, 1]
+
+
+def test_one_sliding_group_takes_every_copy_that_holds_a_sliding_page():
+    lru = LruIndex(sides=("swa",))
+    held, none = node(1, 10, host=True), node(2, 5, host=True)
+    held.device.side, held.device.held = {"swa": np.array([-1, 4], dtype=np.int64)}, 1
+    held.host.side, held.host.held = {"swa": np.array([-1, -1], dtype=np.int64)}, 0
+    none.device.side = {"swa": np.array([-1], dtype=np.int64)}
+    lru.push(held)
+    lru.push(none)
+    assert drain(lru, "device:swa") == [1]
+    assert drain(lru, "host:swa") == []
+    assert drain(lru, "device") == [2, 1]

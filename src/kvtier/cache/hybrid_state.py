@@ -528,7 +528,8 @@ class HybridState:
         for g in self.sides.names:
             mine = node.device.side[g]
             held = mine >= 0
-            pages = self.alloc_side("host", g, int(held.sum())) if held.any() else None
+            count = np.count_nonzero(held)
+            pages = self.alloc_side("host", g, count) if count else None
             out = self.sides.holes(n)
             if pages is not None:
                 out[held] = pages

@@ -68,15 +68,22 @@ class LruIndex:
         if device is not None:
             _heappush(self._device, entry)
             if device.held:
-                for g, heap in self._side_heaps["device"]:
-                    if highest(device.side[g]) >= 0:
-                        _heappush(heap, entry)
+                self._push_sides(entry, device, self._side_heaps["device"])
         if host is not None:
             _heappush(self._host, entry)
             if host.held:
-                for g, heap in self._side_heaps["host"]:
-                    if highest(host.side[g]) >= 0:
-                        _heappush(heap, entry)
+                self._push_sides(entry, host, self._side_heaps["host"])
+
+    @staticmethod
+    def _push_sides(entry, copy, heaps) -> None:
+        """``entry`` into the heap of each sliding group that ``copy`` (which holds some
+        sliding page) holds a page of: with one sliding group (every preset), that one."""
+        if len(heaps) == 1:
+            _heappush(heaps[0][1], entry)
+            return
+        for g, heap in heaps:
+            if highest(copy.side[g]) >= 0:
+                _heappush(heap, entry)
 
     def pop(self, tier: str, evictable: Callable[[object], bool]):
         """The least recently used node that ``evictable`` accepts, taken out of the
