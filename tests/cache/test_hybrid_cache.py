@@ -212,6 +212,29 @@ def test_resume_at_keeps_more_points_resumable():
     cache.close()
 
 
+def test_a_nodes_own_sliding_page_given_back_outside_every_window_stays_the_nodes():
+    # a page kept for an earlier commit's resume point (8), handed back at its place by a
+    # commit that does not resume there: it is the node's, not the engine's, to free
+    spec = HYBRID_SPECS["mimo"]  # window 6 tokens, pages of 4: the window before 8 is pages 0 and 1
+    cache = make_cache(spec, 4, sizes(spec, 64, 64), sizes(spec, 64, 64))
+    tokens = list(range(16))
+    got = cache.acquire(tokens)
+    cache.release(cache.commit(got, tokens, cache.alloc_device(16), groups={"swa": cache.alloc_device(16, group="swa")},
+                               resume_at=[8]).acquired)
+    got = cache.acquire(tokens[:8])
+    window = got.groups["swa"].clone()
+    cache.release(got)
+    got = cache.acquire(tokens[:4] + [999] * 12)
+    assert got.device_indices.numel() == 4
+    given = cache.alloc_device(12, group="swa")
+    given[0:4] = window[4:8]  # page 1: the node's own, at the same place
+    cache.release(cache.commit(got, tokens, cache.alloc_device(12), groups={"swa": given}).acquired)  # checked
+    got = cache.acquire(tokens[:8])
+    assert got.device_indices.numel() == 8 and torch.equal(got.groups["swa"], window)
+    cache.release(got)
+    cache.close()
+
+
 def test_a_branch_point_keeps_its_window():
     spec = HYBRID_SPECS["oss"]
     cache = make_cache(spec, 4, sizes(spec, 512, 256), sizes(spec, 512, 256))

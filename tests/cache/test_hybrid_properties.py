@@ -59,9 +59,10 @@ class HybridCacheMachine(RuleBasedStateMachine):
                 self.store.close()
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    @rule(tokens=prompts, keep=st.sampled_from(["all", "tail"]))
-    def serve(self, tokens, keep):
-        self.engine.serve(tokens, keep=keep)  # checks every group's bytes of what it reuses
+    @rule(tokens=prompts, keep=st.sampled_from(["all", "tail"]), resume=st.integers(0, 8))
+    def serve(self, tokens, keep, resume):
+        # checks every group's bytes of what it reuses; ``resume``: a resume point ``resume`` pages in
+        self.engine.serve(tokens, keep=keep, resume_at=(resume * self.engine.ps,) if resume else ())
 
     @rule(tokens=prompts)
     def lock(self, tokens):

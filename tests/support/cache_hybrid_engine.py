@@ -101,11 +101,12 @@ class HybridEngine:
         done = self.cache.commit(got, tokens, new, groups=side, resume_at=resume_at)
         self.cache.release(done.acquired)
 
-    def serve(self, tokens: list[int], keep: str = "all", salt=None) -> int:
+    def serve(self, tokens: list[int], keep: str = "all", salt=None, resume_at=()) -> int:
         """One request: reuse, compute the rest, commit, check, release. ``keep``: which
         sliding pages the engine still has at commit (``all``, or ``tail``: only the
-        window before the end, as an engine that frees out-of-window KV would).
-        Returns the tokens reused."""
+        window before the end, as an engine that frees out-of-window KV would);
+        ``resume_at``: more resume points for the commit (those past the sequence's
+        whole pages are left out). Returns the tokens reused."""
         got = self.cache.acquire(tokens, salt)
         reused = got.device_indices.numel()
         self.check_prefix(tokens, got.device_indices, got.groups, "acquire")
@@ -134,7 +135,7 @@ class HybridEngine:
                 s[drop] = -1
                 side[g] = s
             self.write(g, s, hashes[reused:])
-        done = self.cache.commit(got, tokens, new, groups=side)
+        done = self.cache.commit(got, tokens, new, groups=side, resume_at=[p for p in resume_at if 0 < p <= full])
         self.check_prefix(tokens, done.acquired.device_indices, done.acquired.groups, "commit")
         self.cache.release(done.acquired)
         return reused

@@ -291,7 +291,11 @@ class HybridState:
             rest = pages >= 0
             kept = keep[g]
             rest[kept] = False  # in no window: back to the pool at once
-            self.free_side("device", g, pages[rest])
+            freed = pages[rest]
+            own = self.sides.owned[g][freed]
+            if np.count_nonzero(own):  # a node's own page, given back at its place (check_sides): it stays
+                freed = freed[~own]
+            self.sides.device[g].free_pages(freed)  # the engine's own pages (none is a node's)
             drop = []
             for i, page in zip(kept.tolist(), pages[kept].tolist()):
                 if page < 0:
