@@ -660,8 +660,7 @@ class HierarchicalCache:
                 raise UsageError(f"{what}: groups= is for hybrid (sliding-window) specs; this cache is uniform")
             return None
         given = self._sides.check_given(groups, tokens - skip, what)
-        hole = np.full(skip // self.page_size, -1, dtype=np.int64)
-        return {g: np.concatenate([hole, pages]) for g, pages in given.items()}
+        return {g: self._sides.after_holes(skip // self.page_size, pages) for g, pages in given.items()}
 
     def _check_slots(self, slots: torch.Tensor):
         """The page numbers (numpy) of ``slots``; ``ValueError`` unless they are whole,

@@ -90,6 +90,12 @@ class Sides:
             self._holes = np.full(max(n, 2 * self._holes.size), HOLE, dtype=np.int64)
         return self._holes[:n].copy()
 
+    def after_holes(self, n: int, pages: np.ndarray) -> np.ndarray:
+        """A new array of ``n`` ``-1`` then ``pages`` (one copy, from the kept ``-1`` array)."""
+        if self._holes.size < n:
+            self.holes(n)
+        return np.concatenate((self._holes[:n], pages))
+
     def empty(self, pages: int) -> dict[str, np.ndarray]:
         return {g: self.holes(pages) for g in self.names}
 
