@@ -447,8 +447,8 @@ class HybridState:
         if not path:  # a miss: an empty handle, no window
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)
-            empty = torch.empty(0, dtype=torch.int64)
-            handle = LoadHandle(self.device_slots([]), layer_num, groups={g: empty.clone() for g in self.sides.names})
+            handle = LoadHandle(self.device_slots([]), layer_num,
+                                groups={g: torch.empty(0, dtype=torch.int64) for g in self.sides.names})
             handle._finish()
             return handle, None
         target = sum(len(n.key) for n in path)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .sides import highest
+
 
 def held_count(side: dict | None) -> int:
     """How many sliding pages (entries not ``-1``) the per-group arrays ``side`` hold."""
@@ -30,8 +32,12 @@ def _split_side(copy, pages: int) -> tuple[dict | None, int]:
         return None, 0
     top = {g: a[:pages] for g, a in side.items()}
     copy.side = {g: a[pages:] for g, a in side.items()}
-    held = held_count(top) if copy.held else 0
-    copy.held -= held
+    held = 0
+    if copy.held:
+        for a in top.values():
+            if highest(a) >= 0:  # NOTE: windows end nodes, so the first pages mostly hold none
+                held += int(np.count_nonzero(a >= 0))
+        copy.held -= held
     return top, held
 
 
