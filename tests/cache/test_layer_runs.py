@@ -51,6 +51,28 @@ def test_a_load_copies_in_runs_and_each_layer_is_done_with_its_run(monkeypatch, 
     assert calls == mover.layer_runs(spec.layer_num) == [range(0, 1), range(1, 5), range(5, 11)]
 
 
+def test_a_synchronous_cache_loads_every_layer_in_one_copy(monkeypatch):
+    # its jobs run on the caller's thread: nothing waits on a layer before the load ends
+    spec, page = KVSpec.mha(11, 2, 6, v_head_dim=4, dtype=torch.float64), 4
+    cache = HierarchicalCache(DeviceKVPool(spec, 64, page), HostKVPool(spec, 64, page), synchronous=True)
+    tokens = list(range(100, 112))
+    serve(cache, tokens)
+    cache.evict_device(64)
+    calls, real = [], cache.host_pool.load_to_device_layers
+
+    def load(device_pool, host_indices, device_indices, layers, io_backend):
+        calls.append(layers)
+        real(device_pool, host_indices, device_indices, layers, io_backend)
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_layers", load)
+    got = cache.acquire(tokens)
+    assert got.host_hit == 12 and got.load.error is None
+    assert all(got.load.wait_layer(layer, timeout=0) for layer in range(spec.layer_num))
+    check_prefix(cache, tokens, got.device_indices)
+    assert calls == [range(0, 11)]
+    cache.release(got)
+
+
 @pytest.mark.parametrize("weights, want", [
     ([7] * 6, [(0, 1), (1, 5), (5, 6)]),  # equal layers: as counted
     ([0] * 6, [(0, 1), (1, 5), (5, 6)]),  # nothing to move: as counted

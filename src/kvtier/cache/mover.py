@@ -162,6 +162,8 @@ class Mover:
                 # each layer done once its run is copied
                 if stream is not None:
                     runs = layer_runs(self.layer_num, (1,))
+                elif self.loader.inline:  # run on the caller's thread: no one waits on a layer before the end
+                    runs = [range(self.layer_num)]
                 else:
                     weights = state.sides.groups_host.layer_bytes(host) if mark.side is not None else None
                     runs = layer_runs(self.layer_num, LAYER_RUNS, weights)

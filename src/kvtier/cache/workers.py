@@ -32,6 +32,11 @@ class Worker:
         # process; finishing the queue at exit avoids that when close() was never called.
         atexit.register(self.close)
 
+    @property
+    def inline(self) -> bool:
+        """Whether jobs run on the submitting thread (``submit`` returns when they ran)."""
+        return self._inline
+
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job``; ``CacheClosedError`` once :meth:`close` was called."""
         with self._closing:
