@@ -138,6 +138,11 @@ class Sides:
     def _given_pages(self, g: str, slots: torch.Tensor, what: str) -> np.ndarray:
         """The page numbers of one group's given slots, ``-1`` for pages of all ``-1``."""
         ps, pool = self.page_size, self.device[g]
+        try:  # NOTE: the common case, every page given: one check (a -1 fails it, then the holes are sorted out)
+            return page_numbers(slots, page_size=ps, size=pool.size, what=f"{what}: groups[{g!r}]",
+                                allowed_devices=(slots.device,), unique=True)
+        except ValueError:
+            pass
         flat = slots.cpu().numpy().astype(np.int64, copy=False).reshape(-1, ps)
         hole = flat[:, 0] < 0
         holes = np.count_nonzero(hole)
