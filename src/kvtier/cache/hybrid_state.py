@@ -98,7 +98,7 @@ class HybridState:
         what device and host hold together beyond it."""
         ps, windows = self.page_size, self.sides.windows
         if not path:  # a miss (most requests of a trace): nothing to look at
-            return 0, 0, Probe(0, {g: np.zeros(0, dtype=bool) for g in windows}, windows={g: [] for g in windows})
+            return 0, 0, Probe(0, self.sides.none_held, windows=self.sides.no_windows)
         pages = (device_len + host_len) // ps
         on_device = None if host_len else self._device_windows(path, pages)
         if on_device is not None:

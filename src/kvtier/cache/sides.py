@@ -79,6 +79,9 @@ class Sides:
         self.owned = {g: np.zeros(self.device[g].size // page_size, dtype=bool) for g in self.names}
         self.fetching = dict.fromkeys(self.names, 0)  # host slots prefetches hold outside the tree
         self._holes = np.full(1 << 13, HOLE, dtype=np.int64)
+        # what a match of nothing found, per group (read only: every miss shares them)
+        self.none_held = {g: np.zeros(0, dtype=bool) for g in self.names}
+        self.no_windows = {g: () for g in self.names}
 
     def memory_bytes(self) -> int:
         """Host bytes of the groups' device-page ownership maps and the kept ``-1`` array."""
