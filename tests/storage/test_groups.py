@@ -1,6 +1,7 @@
 """Hybrid models in storage: objects per (group, page), lookups that never report a
 prefix some group cannot restore, and bytes that come back exactly."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +127,9 @@ def test_bad_calls_raise_before_any_io(open_store):
         store.present(keys, {"nope": [0]})
     with pytest.raises(ValueError, match=r"pages\['full'\] holds \[2\]"):
         store.present(keys, {"full": [2]})
+    for bad in (-1, True, 1.0, np.int64(1)):  # only plain ints in range name pages
+        with pytest.raises(ValueError, match=r"pages\['swa'\] holds \["):
+            store.present(keys, {"full": [0, 1], "swa": [0, bad]})
     with pytest.raises(ValueError, match="HybridHostPool of spec"):
         store.batch_get(keys, filled(HYBRID_SPECS["oss"], 2), {"full": slots([0, 1])}, {"full": [0, 1]})
     assert raw.batch_exists(store.keys("full", keys)) == 0

@@ -76,10 +76,13 @@ def _check_keys(keys: Iterable[str]) -> list[str]:
         if not isinstance(k, str) or not k:
             raise UsageError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys); "
                              f"key {i} is {k!r:.60}")
-        try:
-            n = len(k.encode())
-        except UnicodeEncodeError as e:
-            raise UsageError(f"key {i} is not encodable as UTF-8: {e}") from None
+        if k.isascii():  # NOTE: every key kvtier makes (hex digests): its length is its UTF-8 size, no copy
+            n = len(k)
+        else:
+            try:
+                n = len(k.encode())
+            except UnicodeEncodeError as e:
+                raise UsageError(f"key {i} is not encodable as UTF-8: {e}") from None
         if n > MAX_KEY_BYTES:
             raise UsageError(f"key {i} is {n} bytes (UTF-8), over the limit of {MAX_KEY_BYTES}")
     return keys

@@ -62,25 +62,32 @@ class GroupedStorage:
     def _pages(self, keys: list[str], pages: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
         if pages is None:
             return {name: list(range(len(keys))) for name in self.spec.names}
-        if not isinstance(pages, Mapping):
+        if not isinstance(pages, dict) and not isinstance(pages, Mapping):  # (a dict is asked first: cheaper)
             raise UsageError(f"pages must map group names to page numbers, got {type(pages).__name__}")
-        out = {}
+        out, n = {}, len(keys)
         for name, picked in pages.items():
-            self.keys(name, [])  # the name is a group's
+            if name not in self._tags:
+                self.keys(name, [])  # raises: the name is no group's
             picked = list(picked)
-            bad = [i for i in picked if not is_int(i) or not 0 <= i < len(keys)]
-            if bad:
-                raise UsageError(f"pages[{name!r}] holds {bad[:4]}, not page numbers in [0, {len(keys)})")
+            # NOTE: plain ints in range (what the cache passes) are told by C-level passes over
+            # the list; anything else is looked at one by one, to name it
+            if picked and not (set(map(type, picked)) == {int} and min(picked) >= 0 and max(picked) < n):
+                bad = [i for i in picked if not is_int(i) or not 0 <= i < n]
+                if bad:
+                    raise UsageError(f"pages[{name!r}] holds {bad[:4]}, not page numbers in [0, {n})")
             out[name] = picked
         return out
 
-    def _group_keys(self, keys, pages) -> dict[str, list[str]]:
-        keys = _check_keys(keys)
+    def _group_keys(self, keys: list[str], pages) -> dict[str, list[str]]:
+        """Per group, the object keys of its pages of ``keys`` (checked already)."""
         return {name: self.keys(name, [keys[i] for i in picked]) for name, picked in self._pages(keys, pages).items()}
 
     def present(self, keys: Sequence[str], pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:
         """Per group, whether storage holds each of its pages; a fault, or an answer
         of the wrong shape, is all ``False`` for that group (never an exception)."""
+        return self._present(_check_keys(keys), pages)
+
+    def _present(self, keys: list[str], pages) -> dict[str, list[bool]]:
         return {name: self._each(group_keys) for name, group_keys in self._group_keys(keys, pages).items()}
 
     def _each(self, keys: list[str]) -> list[bool]:
@@ -119,7 +126,7 @@ class GroupedStorage:
                     limit = gap + self._leading(self.keys(g.name, keys[gap:limit]))
         ask = {g.name: [i for i in range(limit) if not have[g.name][i]]
                for g in self.spec.groups if not g.attention.is_full}
-        for name, got in self.present(keys, ask).items():
+        for name, got in self._present(keys, ask).items():
             for i, ok in zip(ask[name], got):
                 have[name][i] = ok
         for g in self.spec.groups:
@@ -150,7 +157,7 @@ class GroupedStorage:
                 or host_pool.page_size != self.page_size:
             raise UsageError(f"host_pool must be a HybridHostPool of spec {self.spec.fingerprint()} with page_size "
                              f"{self.page_size}")
-        group_keys = self._group_keys(keys, pages)
+        group_keys = self._group_keys(_check_keys(keys), pages)
         if not isinstance(host_indices, Mapping) or set(host_indices) != set(group_keys):
             got = sorted(host_indices) if isinstance(host_indices, Mapping) else type(host_indices).__name__
             raise UsageError(f"host_indices must name the groups {sorted(group_keys)}, got {got}")
