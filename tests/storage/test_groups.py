@@ -2,6 +2,8 @@
 prefix some group cannot restore, and bytes that come back exactly."""
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -162,3 +164,41 @@ def test_a_faulty_backend_is_a_miss_never_an_exception(mode):
     assert store.reusable(keys, {"full": [True] * 4, "swa": [True] * 4}) == 4
     with pytest.raises(ValueError, match=r"held names groups \['sw'\]"):
         store.reusable(keys, {"sw": [True]})
+
+
+class _AskedStore:
+    """An in-memory store (kvtier's simulated one) that records the keys each lookup asks."""
+
+    def __init__(self) -> None:
+        from kvtier.sim.store import SimStorage
+
+        self.inner, self.asked = SimStorage(), []
+
+    def batch_exists(self, keys):
+        self.asked += list(keys)
+        return self.inner.batch_exists(keys)
+
+    def exists_each(self, keys):
+        self.asked += list(keys)
+        return self.inner.exists_each(keys)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(["mimo", "oss", "all_swa", "long_window"]), n=st.integers(0, 12),
+       stored=st.sets(st.tuples(st.integers(0, 1), st.integers(0, 11))),
+       held=st.sets(st.tuples(st.integers(0, 1), st.integers(0, 11))))
+def test_reusable_is_the_rule_over_what_storage_and_the_tiers_hold(name, n, stored, held):
+    spec = HYBRID_SPECS[name]
+    names = spec.names
+    store = _AskedStore()
+    grouped = GroupedStorage(store, spec, PAGE)
+    keys = keys_for(n)
+    for g, i in stored:
+        if g < len(names) and i < n:
+            store.inner.batch_set(grouped.keys(names[g], [keys[i]]), None, None)
+    tiers = {g: [(k, i) in held for i in range(n)] for k, g in enumerate(names)}
+    present = {g: [tiers[g][i] or store.inner.exists_each(grouped.keys(g, [keys[i]]))[0] for i in range(n)]
+               for g in names}
+    assert grouped.reusable(keys, tiers) == spec.reusable_pages(PAGE, present)
+    if all(tiers[g] == sorted(tiers[g], reverse=True) for g in names if spec.group(g).attention.is_full):
+        assert len(store.asked) == len(set(store.asked))  # the cache's case: no key is asked twice

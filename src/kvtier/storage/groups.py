@@ -116,16 +116,38 @@ class GroupedStorage:
         for name in self.spec.names:
             mine = [x is True for x in (held or {}).get(name, ())][:len(keys)]
             have[name] = mine + [False] * (len(keys) - len(mine))
-        # NOTE: a full group is a leading run, so one batch_exists from its first gap
-        # answers it; sliding groups are then asked only about pages below that run.
+        # NOTE: a full group is a leading run, so a batch_exists from its first gap answers
+        # it (one, when what the caller holds is a leading run: the cache's case; pages it
+        # holds after a stored run carry it on); sliding groups are then asked only about
+        # pages below that run.
         limit = len(keys)
         for g in self.spec.groups:
             if g.attention.is_full:
-                gap = next((i for i in range(limit) if not have[g.name][i]), limit)
-                if gap < limit:
-                    limit = gap + self._leading(self.keys(g.name, keys[gap:limit]))
-        ask = {g.name: [i for i in range(limit) if not have[g.name][i]]
-               for g in self.spec.groups if not g.attention.is_full}
+                mine, at = have[g.name], 0
+                while True:
+                    at = next((i for i in range(at, limit) if not mine[i]), limit)
+                    if at == limit:
+                        break
+                    at += self._leading(self.keys(g.name, keys[at:limit]))
+                    if at == limit or not mine[at]:
+                        limit = at
+                        break
+        # NOTE: first only the windows before ``limit``: when storage holds them (a request
+        # resuming where an earlier one ended) that is the answer, and the other pages of
+        # the sliding groups (mostly never stored: outside every window) go unasked
+        sliding = [g for g in self.spec.groups if not g.attention.is_full]
+        first = {g.name: [i for i in g.attention.needed_pages(limit * self.page_size, self.page_size)
+                          if not have[g.name][i]] for g in sliding}
+        asked = self._present(keys, first) if any(first.values()) else {}
+        if all(all(got) for got in asked.values()):
+            return limit  # every full group holds [0, limit) and every window before it is held
+        for name, got in asked.items():
+            for i, ok in zip(first[name], got):
+                have[name][i] = ok
+        ask = {}
+        for g in sliding:
+            done = set(first[g.name])
+            ask[g.name] = [i for i in range(limit) if not have[g.name][i] and i not in done]
         for name, got in self._present(keys, ask).items():
             for i, ok in zip(ask[name], got):
                 have[name][i] = ok
