@@ -360,10 +360,10 @@ class Mover:
                     if local.size:
                         picked[g], slots[g] = local.tolist(), state.sides.slots(pages[c:c + k][local])
                 got = self.guard.get_groups(self.grouped, chunk, state.sides.groups_host, slots, picked)
-                ok = np.ones(k, dtype=bool)
+                n = k  # the chunk's pages before the first that some group missed (picked: ascending)
                 for name, answers in got.items():
-                    ok[np.asarray(picked[name], dtype=np.int64)] &= np.asarray(answers, dtype=bool)
-                n = int(np.argmin(ok)) if not ok.all() else k
+                    if not all(answers):
+                        n = min(n, picked[name][answers.index(False)])
                 if n:
                     with state.lock:
                         adopted = state.adopt_host(tokens[:start + (c + n) * ps], host[c * ps:(c + n) * ps],

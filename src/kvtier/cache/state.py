@@ -42,7 +42,7 @@ from .hybrid_state import HybridState
 from .inflight import InFlight
 from .lru import LruIndex
 from .radix import Node, RadixTree
-from .residency import DeviceCopy, HostCopy, StorageCopy, held_count, set_mark
+from .residency import DeviceCopy, HostCopy, StorageCopy, set_mark
 from .sides import Sides
 from .stats import CacheStats
 
@@ -512,17 +512,23 @@ class CacheState(HybridState):
             self._added(node)
         if matched < start:
             return False
-        ps = self.page_size
+        ps, cut, kept = self.page_size, (matched - start) // self.page_size, 0
         if side is not None:
             for g, pages in side.items():
-                self.sides.fetching[g] -= int((pages >= 0).sum()) * ps
-                self.free_side("host", g, pages[:(matched - start) // ps])
+                n = int(np.count_nonzero(pages >= 0))
+                self.sides.fetching[g] -= n * ps
+                if cut:  # pages someone cached meanwhile: theirs stay, these go back
+                    gone = pages[:cut]
+                    gone = gone[gone >= 0]
+                    self.free_side("host", g, gone)
+                    n -= gone.size
+                kept += n
         if matched > start:  # someone cached part of it meanwhile: keep theirs
             self.host_pool.free(host_slots[:matched - start])
         if matched < len(tokens):
             node = self.tree.add_child(path[-1] if path else self.tree.root(salt), tokens[matched:])
-            rest = None if side is None else {g: a[max(0, matched - start) // ps:] for g, a in side.items()}
-            node.host = HostCopy(host_slots[matched - start:], rest, held_count(rest))
+            rest = None if side is None else {g: a[cut:] for g, a in side.items()} if cut else side
+            node.host = HostCopy(host_slots[matched - start:], rest, kept)
             node.storage = StorageCopy(stored=True)
             node.store_keys = keys[(matched - start) // self.page_size:]
             self._added(node)
