@@ -129,6 +129,9 @@ def test_bad_calls_raise_before_any_io(open_store):
         store.present(keys, {"nope": [0]})
     with pytest.raises(ValueError, match=r"pages\['full'\] holds \[2\]"):
         store.present(keys, {"full": [2]})
+    with pytest.raises(ValueError, match=r"pages\['full'\] holds \[2\]"):
+        store.present(keys, {"full": range(3)})  # a range too: every page in range
+    assert store.present(keys, {"full": range(2), "swa": range(1, 2)}) == {"full": [False, False], "swa": [False]}
     for bad in (-1, True, 1.0, np.int64(1)):  # only plain ints in range name pages
         with pytest.raises(ValueError, match=r"pages\['swa'\] holds \["):
             store.present(keys, {"full": [0, 1], "swa": [0, bad]})

@@ -232,7 +232,7 @@ class Mover:
         elif self.grouped is not None:
             keys, slots, sides = job
             host = {name: slots for name in self.state.sides.full}
-            pages = {name: list(range(len(keys))) for name in self.state.sides.full}
+            pages = {name: range(len(keys)) for name in self.state.sides.full}
             for name, (picked, side_slots) in sides.items():
                 if picked:
                     host[name], pages[name] = side_slots, picked
@@ -354,7 +354,7 @@ class Mover:
             for c, chunk in self._chunks(handle, tokens, salt, start, parent_key):
                 k = len(chunk)
                 slots = {name: host[c * ps:(c + k) * ps] for name in full}
-                picked = {name: list(range(k)) for name in full}
+                picked = {name: range(k) for name in full}
                 for g, pages in side.items():
                     local = np.flatnonzero(pages[c:c + k] >= 0)
                     if local.size:

@@ -68,6 +68,9 @@ class GroupedStorage:
         for name, picked in pages.items():
             if name not in self._tags:
                 self.keys(name, [])  # raises: the name is no group's
+            if type(picked) is range and picked.step == 1 and 0 <= picked.start and picked.stop <= n:
+                out[name] = picked  # a run of pages (every page of a full group): nothing to look at
+                continue
             picked = list(picked)
             # NOTE: plain ints in range (what the cache passes) are told by C-level passes over
             # the list; anything else is looked at one by one, to name it
@@ -80,7 +83,8 @@ class GroupedStorage:
 
     def _group_keys(self, keys: list[str], pages) -> dict[str, list[str]]:
         """Per group, the object keys of its pages of ``keys`` (checked already)."""
-        return {name: self.keys(name, [keys[i] for i in picked]) for name, picked in self._pages(keys, pages).items()}
+        return {name: self.keys(name, keys[picked.start:picked.stop] if type(picked) is range else
+                                [keys[i] for i in picked]) for name, picked in self._pages(keys, pages).items()}
 
     def present(self, keys: Sequence[str], pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:
         """Per group, whether storage holds each of its pages; a fault, or an answer
@@ -180,7 +184,7 @@ class GroupedStorage:
             raise UsageError(f"host_pool must be a HybridHostPool of spec {self.spec.fingerprint()} with page_size "
                              f"{self.page_size}")
         group_keys = self._group_keys(_check_keys(keys), pages)
-        if not isinstance(host_indices, Mapping) or set(host_indices) != set(group_keys):
+        if not isinstance(host_indices, (dict, Mapping)) or set(host_indices) != set(group_keys):
             got = sorted(host_indices) if isinstance(host_indices, Mapping) else type(host_indices).__name__
             raise UsageError(f"host_indices must name the groups {sorted(group_keys)}, got {got}")
         for name, gk in group_keys.items():  # every group's numbers before any group's bytes move
