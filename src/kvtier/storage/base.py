@@ -68,7 +68,7 @@ class StorageStats:
 def _check_keys(keys: Iterable[str]) -> list[str]:
     """``keys`` as a list (any iterable is read exactly once), each a non-empty str of at
     most ``MAX_KEY_BYTES`` UTF-8 bytes; ``ValueError`` naming the first bad key otherwise."""
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+    if type(keys) is not list and (isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable)):
         raise UsageError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys), "
                          f"got {type(keys).__name__}")
     keys = list(keys)
