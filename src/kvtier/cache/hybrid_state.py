@@ -24,6 +24,8 @@ from ..compiled import load
 from ..pools.indices import COMPILED, page_token_slots
 from .sides import HOLE, highest, lowest, resumable, runs
 
+_NONE = np.empty(0, dtype=np.int64)
+
 
 class Probe:
     """What a hybrid match found resident, for the storage lookup after it: its
@@ -411,16 +413,20 @@ class HybridState:
         """Device pages for a planned load, all or nothing: ``(full pages per whole
         node, {group: device pages in load order}, {group: host pages})``, or ``None``
         (every page taken is given back)."""
-        full, side_host, got_side = [], {g: [] for g in self.sides.names}, {}
+        ps, full, side_host, got_side = self.page_size, [], {g: [] for g in self.sides.names}, {}
+        # NOTE: the reserved slots as page numbers once, taken node by node as slices
+        ready = self._pages(reserved) if reserved is not None and reserved.numel() else _NONE
+        used = 0
         for node, _ in whole:
-            n = len(node.key)
-            if reserved is not None and reserved.numel() >= n:
-                slots, reserved = reserved[:n], reserved[n:]
+            n = len(node.key) // ps
+            if ready.size - used >= n:
+                pages, used = ready[used:used + n], used + n
             else:
-                slots = self.alloc("device", n)
-            if slots is None:
-                break
-            full.append(self._pages(slots))
+                slots = self.alloc("device", n * ps)
+                if slots is None:
+                    break
+                pages = self._pages(slots)
+            full.append(pages)
         for node, missing in whole + partial:
             for g, idx in missing.items():
                 side_host[g].append(node.host.side[g][idx])
@@ -430,8 +436,8 @@ class HybridState:
                 pages = self.alloc_side("device", g, side_host[g].size)
                 if pages is not None:
                     got_side[g] = pages
-        if reserved is not None and reserved.numel():
-            self.allocator.free(reserved)
+        if used < ready.size:
+            self.allocator.free(reserved[used * ps:])
         if len(full) < len(whole) or len(got_side) < len(self.sides.names):
             for pages in full:
                 self.allocator.free(self.slots_of(pages))
@@ -493,7 +499,7 @@ class HybridState:
             return handle, None
         empty = torch.empty(0, dtype=torch.int64)
         mark = InFlight("load", nodes,
-                        device=torch.cat([self.slots_of(n.device.pages) for n, _ in whole]) if whole else empty,
+                        device=self.slots_of([n.device.pages for n, _ in whole]) if whole else empty,
                         host=torch.cat([n.host.slots for n, _ in whole]) if whole else empty)
         mark.side = ({g: self.sides.slots(side_dev[g]) for g in self.sides.names},
                      {g: self.sides.slots(side_host[g]) for g in self.sides.names})
