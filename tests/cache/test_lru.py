@@ -219,3 +219,19 @@ def test_one_sliding_group_takes_every_copy_that_holds_a_sliding_page():
     assert drain(lru, "device:swa") == [1]
     assert drain(lru, "host:swa") == []
     assert drain(lru, "device") == [2, 1]
+
+
+def test_a_rebuild_of_the_sliding_heaps_alone_keeps_the_others():
+    lru = LruIndex(sides=("swa",))
+    held, plain = node(1, 10), node(2, 5)
+    held.device.side, held.device.held = {"swa": np.array([4], dtype=np.int64)}, 1
+    plain.device.side = {"swa": np.array([-1], dtype=np.int64)}
+    lru.push(held)
+    lru.push(plain)
+    lru.push(plain)  # a duplicate in the device heap
+    gone = node(3, 1)
+    gone.device.side, gone.device.held = {"swa": np.array([5], dtype=np.int64)}, 1
+    lru.push(gone)  # then removed from the tree: its entries are dead
+    lru.rebuild([held, plain], sides_only=True)
+    assert drain(lru, "device:swa") == [1]  # the dead entry is gone
+    assert drain(lru, "device") == [3, 2, 2, 1]  # as pushed (pop drops what its caller refuses)

@@ -100,16 +100,22 @@ class LruIndex:
                 return node
         return None
 
-    def rebuild(self, nodes: Iterable) -> None:
-        """Drop every entry and index ``nodes`` afresh (compaction)."""
-        entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes]
-        self._heaps = {"device": [e for e in entries if e[-1].device is not None],
-                       "host": [e for e in entries if e[-1].host is not None]}
+    def rebuild(self, nodes: Iterable, sides_only: bool = False) -> None:
+        """Drop every entry and index ``nodes`` afresh (compaction); ``sides_only``: only
+        the sliding groups' heaps (the others pop at every eviction of their tier)."""
+        if sides_only:
+            entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes
+                       if (n.device is not None and n.device.held) or (n.host is not None and n.host.held)]
+        else:
+            entries = [(n.last_access, n.serial, next(self._seq), n) for n in nodes]
+            self._heaps["device"] = [e for e in entries if e[-1].device is not None]
+            self._heaps["host"] = [e for e in entries if e[-1].host is not None]
         for g in self._sides:
             for t in TIERS:
                 self._heaps[side_tier(t, g)] = [e for e in entries if _has_side(getattr(e[-1], t), g)]
-        for heap in self._heaps.values():
-            heapq.heapify(heap)
+        for name, heap in self._heaps.items():
+            if not sides_only or name not in TIERS:
+                heapq.heapify(heap)
         self._bind()
 
     def memory_bytes(self) -> int:

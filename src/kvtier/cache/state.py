@@ -201,8 +201,11 @@ class CacheState(HybridState):
         # the entries of nodes that full-page eviction removed (each holding its node and
         # key) would stay until the duplicate bound; compacting after as many removals as
         # half the live nodes keeps them a bounded share of the tree, at O(1) amortized
-        if len(self.lru) > 4 * self._nodes + 1024 or self._removed > self._nodes // 2 + 64:
+        if len(self.lru) > 4 * self._nodes + 1024:
             self.lru.rebuild(self.tree.nodes())
+            self._removed = 0
+        elif self._removed > self._nodes // 2 + 64:
+            self.lru.rebuild(self.tree.nodes(), sides_only=True)
             self._removed = 0
 
     def _set_device(self, node: Node, pages: np.ndarray) -> None:
