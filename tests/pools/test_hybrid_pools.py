@@ -135,6 +135,12 @@ def test_bad_input_is_refused_before_any_byte_moves():
         HybridHostPool(spec, {"full": 4 * PAGE}, PAGE)
     with pytest.raises(ValueError, match="HybridDevicePool of spec"):
         host.backup_from_device_all_layer(HybridDevicePool(HYBRID_SPECS["oss"], 4 * PAGE, PAGE), {}, {})
+    full = {"full": slots([0], PAGE)}
+    with pytest.raises(ValueError, match=f"device pool page_size {2 * PAGE} != host pool page_size {PAGE}"):
+        host.backup_from_device_all_layer(HybridDevicePool(spec, 8 * PAGE, 2 * PAGE), full, full)
+    with pytest.raises(ValueError, match="io_backend"):
+        host.load_to_device_layers(src, full, full, range(0, 6), io_backend="nope")
+    assert all(torch.equal(bits(b), before[(name, n)]) for name, p in host for n, b in p.buffers.items())
     with pytest.raises(ValueError, match="one page size"):
         HybridHostPool.from_pools(spec, {"full": HostKVPool(spec.group("full").spec, 8, 4),
                                          "swa": HostKVPool(spec.group("swa").spec, 8, 8)})

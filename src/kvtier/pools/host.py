@@ -237,6 +237,11 @@ class HostKVPool:
                              f"{self.spec.fingerprint()}")
         if device_pool.page_size != self.page_size:
             raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size {self.page_size}")
+        return self._check_slots(device_pool, host_indices, device_indices, dst_is_host)
+
+    def _check_slots(self, device_pool, host_indices, device_indices, dst_is_host: bool):
+        """:meth:`_check_transfer`'s page numbers, for a device pool known to match this
+        one (a hybrid pool's group, checked once for every group)."""
         host_pages = page_numbers(host_indices, page_size=self.page_size, size=self.size, what="host_indices",
                                   allowed_devices=(_CPU, self.device), unique=dst_is_host)
         dev_pages = page_numbers(device_indices, page_size=self.page_size, size=device_pool.size,

@@ -23,6 +23,7 @@ from .._checks import layer_range
 from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..spec import KVSpec
+from ..transfer import check_io_backend
 from .common import check_names
 from .device import DeviceKVPool
 from .host import HostKVPool
@@ -162,9 +163,8 @@ class HybridHostPool(_GroupPools):
                                      device_indices: Mapping[str, torch.Tensor], io_backend: str = "direct") -> None:
         """Copy whole pages of every group in ``host_indices`` (every layer), device -> host.
         Every group's numbers are checked before any group's bytes move."""
-        host, dev = self._named(device_pool, host_indices, device_indices)
-        checked = [(name, self.pools[name]._check_transfer(device_pool.pools[name], host[name], dev[name],
-                                                           io_backend, dst_is_host=True))
+        host, dev = self._named(device_pool, host_indices, device_indices, io_backend)
+        checked = [(name, self.pools[name]._check_slots(device_pool.pools[name], host[name], dev[name], True))
                    for name in self.spec.names if name in host]
         for name, (host_pages, dev_pages) in checked:
             self.pools[name]._backup_pages(device_pool.pools[name], host_pages, dev_pages, io_backend)
@@ -188,14 +188,14 @@ class HybridHostPool(_GroupPools):
         group's layers inside a range of model layers are a range of its own). Every
         group's numbers are checked before any group's bytes move."""
         layers = layer_range("layers", layers, self.spec.layer_num)
-        host, dev = self._named(device_pool, host_indices, device_indices)
+        host, dev = self._named(device_pool, host_indices, device_indices, io_backend)
         local: dict[str, list[int]] = {}
         for layer in layers:
             group, i = self.spec.group_of(layer)
             if group.name in host:
                 local.setdefault(group.name, []).append(i)
-        checked = [(name, self.pools[name]._check_transfer(device_pool.pools[name], host[name], dev[name],
-                                                           io_backend, dst_is_host=False)) for name in local]
+        checked = [(name, self.pools[name]._check_slots(device_pool.pools[name], host[name], dev[name], False))
+                   for name in local]
         for name, (host_pages, dev_pages) in checked:
             got = local[name]
             self.pools[name]._load_pages(device_pool.pools[name], host_pages, dev_pages, range(got[0], got[-1] + 1),
@@ -212,13 +212,20 @@ class HybridHostPool(_GroupPools):
             out.append(0 if slots is None else slots.numel() * pool.spec.bytes_per_token // pool.spec.layer_num)
         return out
 
-    def _named(self, device_pool, host_indices, device_indices):
-        """The per-group indices, after checking the pool and the group names."""
+    def _named(self, device_pool, host_indices, device_indices, io_backend: str | None = None):
+        """The per-group indices, after checking the pool, its page size, ``io_backend``
+        (when given: then every group's pools are known to match, and each group checks
+        only its numbers) and the group names."""
         if not isinstance(device_pool, HybridDevicePool) or (device_pool.spec is not self.spec
                                                              and device_pool.spec != self.spec):
             got = device_pool.spec.fingerprint() if isinstance(device_pool, HybridDevicePool) else \
                 type(device_pool).__name__
             raise UsageError(f"device_pool must be a HybridDevicePool of spec {self.spec.fingerprint()}, got {got}")
+        if io_backend is not None:
+            check_io_backend(io_backend)
+            if device_pool.page_size != self.page_size:
+                raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size "
+                                 f"{self.page_size}")
         host = self._indices("host_indices", host_indices)
         dev = self._indices("device_indices", device_indices)
         if host.keys() != dev.keys():
