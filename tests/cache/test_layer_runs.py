@@ -28,12 +28,14 @@ def test_runs_grow_then_repeat_the_last_length_and_cover_every_layer_once(layers
     assert [layer for r in runs for layer in r] == list(range(layers))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
-def test_a_load_copies_in_runs_and_each_layer_is_done_with_its_run(monkeypatch, layout):
-    spec, page = KVSpec.mha(11, 2, 6, v_head_dim=4, dtype=torch.float64), 4
-    cache = HierarchicalCache(DeviceKVPool(spec, 64, page), HostKVPool(spec, 64, page, layout=layout))
-    tokens = list(range(100, 112))
-    serve(cache, tokens)
+SPEC, PAGE, TOKENS = KVSpec.mha(11, 2, 6, v_head_dim=4, dtype=torch.float64), 4, list(range(100, 112))
+
+
+def host_only_prompt(monkeypatch, layout: str = "page_first", **kw) -> tuple[HierarchicalCache, list]:
+    """A cache (``kw``: its options) holding ``TOKENS`` on the host only, and the list
+    each host -> device copy appends its layers to."""
+    cache = HierarchicalCache(DeviceKVPool(SPEC, 64, PAGE), HostKVPool(SPEC, 64, PAGE, layout=layout), **kw)
+    serve(cache, TOKENS)
     cache.evict_device(64)
     calls, real = [], cache.host_pool.load_to_device_layers
 
@@ -42,33 +44,28 @@ def test_a_load_copies_in_runs_and_each_layer_is_done_with_its_run(monkeypatch, 
         real(device_pool, host_indices, device_indices, layers, io_backend)
 
     monkeypatch.setattr(cache.host_pool, "load_to_device_layers", load)
-    m = cache.match_prefix(tokens)
+    return cache, calls
+
+
+@pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
+def test_a_load_copies_in_runs_and_each_layer_is_done_with_its_run(monkeypatch, layout):
+    cache, calls = host_only_prompt(monkeypatch, layout=layout)
+    m = cache.match_prefix(TOKENS)
     with cache.locked(m):
         handle = cache.load_back(m)
         assert handle.wait(timeout=10) and handle.error is None
-        assert all(handle.wait_layer(layer, timeout=0) for layer in range(spec.layer_num))
-        check_prefix(cache, tokens, handle.device_indices)
-    assert calls == mover.layer_runs(spec.layer_num) == [range(0, 1), range(1, 5), range(5, 11)]
+        assert all(handle.wait_layer(layer, timeout=0) for layer in range(SPEC.layer_num))
+        check_prefix(cache, TOKENS, handle.device_indices)
+    assert calls == mover.layer_runs(SPEC.layer_num) == [range(0, 1), range(1, 5), range(5, 11)]
 
 
 def test_a_synchronous_cache_loads_every_layer_in_one_copy(monkeypatch):
     # its jobs run on the caller's thread: nothing waits on a layer before the load ends
-    spec, page = KVSpec.mha(11, 2, 6, v_head_dim=4, dtype=torch.float64), 4
-    cache = HierarchicalCache(DeviceKVPool(spec, 64, page), HostKVPool(spec, 64, page), synchronous=True)
-    tokens = list(range(100, 112))
-    serve(cache, tokens)
-    cache.evict_device(64)
-    calls, real = [], cache.host_pool.load_to_device_layers
-
-    def load(device_pool, host_indices, device_indices, layers, io_backend):
-        calls.append(layers)
-        real(device_pool, host_indices, device_indices, layers, io_backend)
-
-    monkeypatch.setattr(cache.host_pool, "load_to_device_layers", load)
-    got = cache.acquire(tokens)
+    cache, calls = host_only_prompt(monkeypatch, synchronous=True)
+    got = cache.acquire(TOKENS)
     assert got.host_hit == 12 and got.load.error is None
-    assert all(got.load.wait_layer(layer, timeout=0) for layer in range(spec.layer_num))
-    check_prefix(cache, tokens, got.device_indices)
+    assert all(got.load.wait_layer(layer, timeout=0) for layer in range(SPEC.layer_num))
+    check_prefix(cache, TOKENS, got.device_indices)
     assert calls == [range(0, 11)]
     cache.release(got)
 
