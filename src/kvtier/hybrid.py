@@ -254,7 +254,10 @@ class HybridSpec:
                 best = min(best, next((i for i in range(best) if not held[i]), best))
         sliding = [(g.attention, _runs(present[g.name], best)) for g in self.groups if not g.attention.is_full]
         for p in range(best, 0, -1):
-            if all(run[p - 1] >= p - a.needed_pages(p * page_size, page_size).start for a, run in sliding):
+            # NOTE: every window before p ends with page p - 1: where a group lacks it, p is out
+            # at once (most p of a long prefix), without working out the window
+            if all(run[p - 1] for _, run in sliding) and \
+                    all(run[p - 1] >= p - a.needed_pages(p * page_size, page_size).start for a, run in sliding):
                 return p
         return 0
 

@@ -129,8 +129,9 @@ class GroupedStorage:
             if g.attention.is_full:
                 mine, at = have[g.name], 0
                 while True:
-                    at = next((i for i in range(at, limit) if not mine[i]), limit)
-                    if at == limit:
+                    try:
+                        at = mine.index(False, at, limit)
+                    except ValueError:  # none missing from ``at`` on
                         break
                     at += self._leading(self.keys(g.name, keys[at:limit]))
                     if at == limit or not mine[at]:
