@@ -59,7 +59,8 @@ class GroupedStorage:
             raise UsageError(f"unknown group {name!r}; this spec has {list(self.spec.names)}")
         return list(keys) if not tag else [k + tag for k in keys]
 
-    def _pages(self, keys: list[str], pages: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
+    def _pages(self, keys: list[str], pages: Mapping[str, Sequence[int]] | None) -> dict[str, Sequence[int]]:
+        """Per group, its page numbers in ``pages`` (a list, or a ``range`` of them as is), checked."""
         if pages is None:
             return {name: list(range(len(keys))) for name in self.spec.names}
         if not isinstance(pages, dict) and not isinstance(pages, Mapping):  # (a dict is asked first: cheaper)
