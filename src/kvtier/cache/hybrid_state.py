@@ -184,16 +184,18 @@ class HybridState:
         return pieces
 
     # -- side pages in and out ------------------------------------------------------------------
-    def free_side(self, tier: str, g: str, pages: np.ndarray) -> None:
-        """Give sliding group ``g``'s pages ``pages`` (holes skipped) back to its ``tier`` pool."""
+    def free_side(self, tier: str, g: str, pages: np.ndarray) -> int:
+        """Give sliding group ``g``'s pages ``pages`` (holes skipped) back to its ``tier``
+        pool; returns how many that was."""
         pages = pages[pages >= 0]
         if not pages.size:
-            return
+            return 0
         if tier == "device":
             self.sides.owned[g][pages] = False
             self.sides.device[g].free_pages(pages)
         else:
             self.sides.host[g].free_pages(pages)
+        return pages.size
 
     def _drop_sides(self, copy, tier: str) -> None:
         for g, pages in copy.side.items():
@@ -221,12 +223,10 @@ class HybridState:
             if node is None:
                 break
             copy = getattr(node, tier)
-            pages = copy.side[g]
-            held = pages[pages >= 0]
-            self.free_side(tier, g, held)
-            pages[:] = HOLE
-            copy.held -= held.size
-            freed += held.size * self.page_size
+            n = self.free_side(tier, g, copy.side[g])
+            copy.side[g][:] = HOLE
+            copy.held -= n
+            freed += n * self.page_size
             self.lru.push(node)
         return freed
 

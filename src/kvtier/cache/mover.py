@@ -343,9 +343,7 @@ class Mover:
         if host is not None and done * ps < host.numel():
             state.free_fetch(host[done * ps:])
         for g, pages in side.items():
-            rest = pages[done:]
-            state.sides.fetching[g] -= int((rest >= 0).sum()) * ps
-            state.free_side("host", g, rest)
+            state.sides.fetching[g] -= state.free_side("host", g, pages[done:]) * ps
 
     def _prefetch_groups(self, handle, tokens, salt, last, start, host, side, parent_key) -> None:
         state, ps, done = self.state, self.state.page_size, 0

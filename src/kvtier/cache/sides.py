@@ -87,17 +87,19 @@ class Sides:
         """Host bytes of the groups' device-page ownership maps and the kept ``-1`` array."""
         return sum(sys.getsizeof(a) for a in (*self.owned.values(), self._holes))
 
-    def holes(self, n: int) -> np.ndarray:
-        """A new ``(n,)`` int64 array of ``-1`` (a copy of a kept one: faster than a fill)."""
+    def _kept_holes(self, n: int) -> np.ndarray:
+        """A view of ``n`` ``-1`` of the kept array (grown as needed): copy before writing."""
         if self._holes.size < n:
             self._holes = np.full(max(n, 2 * self._holes.size), HOLE, dtype=np.int64)
-        return self._holes[:n].copy()
+        return self._holes[:n]
+
+    def holes(self, n: int) -> np.ndarray:
+        """A new ``(n,)`` int64 array of ``-1`` (a copy of a kept one: faster than a fill)."""
+        return self._kept_holes(n).copy()
 
     def after_holes(self, n: int, pages: np.ndarray) -> np.ndarray:
         """A new array of ``n`` ``-1`` then ``pages`` (one copy, from the kept ``-1`` array)."""
-        if self._holes.size < n:
-            self.holes(n)
-        return np.concatenate((self._holes[:n], pages))
+        return np.concatenate((self._kept_holes(n), pages))
 
     def empty(self, pages: int) -> dict[str, np.ndarray]:
         return {g: self.holes(pages) for g in self.names}

@@ -521,10 +521,7 @@ class CacheState(HybridState):
                 n = int(np.count_nonzero(pages >= 0))
                 self.sides.fetching[g] -= n * ps
                 if cut:  # pages someone cached meanwhile: theirs stay, these go back
-                    gone = pages[:cut]
-                    gone = gone[gone >= 0]
-                    self.free_side("host", g, gone)
-                    n -= gone.size
+                    n -= self.free_side("host", g, pages[:cut])
                 kept += n
         if matched > start:  # someone cached part of it meanwhile: keep theirs
             self.host_pool.free(host_slots[:matched - start])

@@ -23,6 +23,13 @@ from .views import PageViews
 _CPU = torch.device("cpu")
 
 
+def check_same_page_size(device_pool, host_pool) -> None:
+    """``UsageError`` unless a transfer's device and host pools have one page size."""
+    if device_pool.page_size != host_pool.page_size:
+        raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size "
+                         f"{host_pool.page_size}")
+
+
 def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
     accel = torch.cuda.is_available()
     if pin_memory is None:
@@ -235,8 +242,7 @@ class HostKVPool:
         if device_pool.spec is not self.spec and device_pool.spec != self.spec:
             raise UsageError(f"device pool spec {device_pool.spec.fingerprint()} differs from host pool spec "
                              f"{self.spec.fingerprint()}")
-        if device_pool.page_size != self.page_size:
-            raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size {self.page_size}")
+        check_same_page_size(device_pool, self)
         return self._check_slots(device_pool, host_indices, device_indices, dst_is_host)
 
     def _check_slots(self, device_pool, host_indices, device_indices, dst_is_host: bool):

@@ -26,7 +26,7 @@ from ..spec import KVSpec
 from ..transfer import check_io_backend
 from .common import check_names
 from .device import DeviceKVPool
-from .host import HostKVPool
+from .host import HostKVPool, check_same_page_size
 
 
 def as_hybrid(spec: KVSpec | HybridSpec) -> HybridSpec:
@@ -223,9 +223,7 @@ class HybridHostPool(_GroupPools):
             raise UsageError(f"device_pool must be a HybridDevicePool of spec {self.spec.fingerprint()}, got {got}")
         if io_backend is not None:
             check_io_backend(io_backend)
-            if device_pool.page_size != self.page_size:
-                raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size "
-                                 f"{self.page_size}")
+            check_same_page_size(device_pool, self)
         host = self._indices("host_indices", host_indices)
         dev = self._indices("device_indices", device_indices)
         if host.keys() != dev.keys():
