@@ -231,6 +231,10 @@ def test_a_nodes_own_sliding_page_given_back_outside_every_window_stays_the_node
     cache.release(cache.commit(got, tokens, cache.alloc_device(12), groups={"swa": given}).acquired)  # checked
     got = cache.acquire(tokens[:8])
     assert got.device_indices.numel() == 8 and torch.equal(got.groups["swa"], window)
+    fresh = []  # every page the pool still hands out (the node's stays locked, so nothing is evicted)
+    while (slots := cache.alloc_device(4, group="swa")) is not None:
+        fresh += slots.tolist()
+    assert not set(fresh) & set(window[4:8].tolist()), "the node's page was handed out again"
     cache.release(got)
     cache.close()
 

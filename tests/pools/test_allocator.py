@@ -170,3 +170,31 @@ def test_free_pages_refuses_a_page_out_of_range_among_many(count):
         assert a.available_size() == 64 - count  # nothing was freed
     a.free_pages(pages)
     assert a.available_size() == 64
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "free", "release"]), st.integers(1, 40)), max_size=30))
+def test_pages_by_number_against_a_set_model(ops):
+    """alloc_pages / free_pages / release of few pages (a bytearray's flags) and of many
+    (numpy's) keep one state: ``allocated`` and the free count agree with a set."""
+    a, held, used = PageAllocator(64, 1), [], set()
+    for op, k in ops:
+        if op == "alloc":
+            got = a.alloc_pages(k)
+            if k > 64 - len(used):
+                assert got is None
+                continue
+            assert len(set(got.tolist())) == k and not set(got.tolist()) & used
+            used |= set(got.tolist())
+            held.append(got)
+        elif held:
+            got = held.pop(k % len(held))
+            (a.free_pages if op == "free" else a.release)(got)
+            used -= set(got.tolist())
+            with pytest.raises(IntegrityError, match="not allocated"):
+                a.free_pages(got)  # a double free, refused whole
+            if held and held[-1].size:  # a freed page among held ones: nothing is freed
+                with pytest.raises(IntegrityError, match="not allocated"):
+                    a.free_pages(np.concatenate([held[-1], got[:1]]))
+        assert a.available_size() == 64 - len(used)
+        assert set(np.flatnonzero(a.allocated(np.arange(64))).tolist()) == used

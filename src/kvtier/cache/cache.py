@@ -523,9 +523,8 @@ class HierarchicalCache:
                 raise UsageError("commit: this Acquired was already released (or committed)")
             del tokens[full:]  # our own copy: whole pages only, without copying again
             walked = state.check_insert(tokens, pages, salt)
-            if side is not None:
-                state.check_sides(side, walked)
-            already, new = state.insert(tokens, pages, salt, walked, side, resume_at)
+            owned = state.check_sides(side, walked) if side is not None else None
+            already, new = state.insert(tokens, pages, salt, walked, side, resume_at, owned)
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
             path = state.match_all(tokens, salt)  # the whole sequence: the engine goes on using its slots
@@ -629,9 +628,8 @@ class HierarchicalCache:
         del tokens[usable:]  # our own copy: whole pages only, without copying again
         with self._lock:
             walked = self._state.check_insert(tokens, pages, salt)
-            if side is not None:
-                self._state.check_sides(side, walked)
-            already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at)
+            owned = self._state.check_sides(side, walked) if side is not None else None
+            already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at, owned)
         self._stats.add(inserted_tokens=new)
         return already
 

@@ -100,7 +100,7 @@ class HybridState:
         what device and host hold together beyond it."""
         ps, windows = self.page_size, self.sides.windows
         if not path:  # a miss (most requests of a trace): nothing to look at
-            return 0, 0, Probe(0, self.sides.none_held, windows=self.sides.no_windows)
+            return 0, 0, self._miss
         pages = (device_len + host_len) // ps
         on_device = None if host_len else self._device_windows(path, pages)
         if on_device is not None:
@@ -247,11 +247,12 @@ class HybridState:
         return highest(h.side[g]) >= 0
 
     # -- inserting ------------------------------------------------------------------------------
-    def check_sides(self, given: dict[str, np.ndarray], walked) -> None:
+    def check_sides(self, given: dict[str, np.ndarray], walked) -> set[str]:
         """``ValueError`` unless every sliding page the engine gives is its own: not
-        held by a node (but that node's own page at the same place), and allocated."""
+        held by a node (but that node's own page at the same place), and allocated.
+        Returns the groups where some given page is such a node's own (mostly none)."""
         path, _, inner = walked
-        ps = self.page_size
+        ps, owned = self.page_size, set()
         for g, pages in given.items():
             mine = pages >= 0
             fresh = pages[mine]
@@ -270,15 +271,19 @@ class HybridState:
                     raise UsageError(f"groups[{g!r}]: device slot {int(pages[i]) * ps} (page {i} of the prompt) "
                                      "already holds another cached page; pass slots from alloc_device(n, group=...)")
                 fresh = pages[mine & (pages != own)]
+                owned.add(g)
             if fresh.size and np.count_nonzero(self.sides.device[g].allocated_pages(fresh)) != fresh.size:
                 raise UsageError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
                                  "alloc_device(n, group=...)")
+        return owned
 
-    def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int, resume_at=()) -> None:
+    def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int, resume_at=(), owned=None) -> None:
         """Take the engine's sliding pages (``given``, one per page of ``tokens`` tokens
         along ``path``) where a resume point's window needs them and the node has
         none; free the rest. Marks the sequence's end as a resume point; ``resume_at``:
-        more of them (token offsets, whole pages, within the sequence)."""
+        more of them (token offsets, whole pages, within the sequence). ``owned``: what
+        :meth:`check_sides` returned for ``given``, the lock held since (its checks then
+        stand: the pages are not looked at again); ``None`` looks."""
         ps = self.page_size
         path[-1].ends = True
         points, pos, starts = {tokens, *self.sides.retention_points(tokens), *resume_at}, 0, []
@@ -292,14 +297,23 @@ class HybridState:
         for g, pages in given.items():
             rest = pages >= 0
             kept = keep[g]
-            rest[kept] = False  # in no window: back to the pool at once
-            freed = pages[rest]
-            own = self.sides.owned[g][freed]
-            if np.count_nonzero(own):  # a node's own page, given back at its place (check_sides): it stays
-                freed = freed[~own]
-            self.sides.device[g].free_pages(freed)  # the engine's own pages (none is a node's)
+            if type(kept) is range:  # one window: slices
+                rest[kept.start:kept.stop] = False
+                kept_pages, kept = pages[kept.start:kept.stop].tolist(), kept
+            else:
+                rest[kept] = False
+                kept_pages, kept = pages[kept].tolist(), kept.tolist()
+            freed = pages[rest]  # in no window: back to the pool at once
+            if owned is None or g in owned:
+                own = self.sides.owned[g][freed]
+                if np.count_nonzero(own):  # a node's own page, given back at its place (check_sides): it stays
+                    freed = freed[~own]
+            if owned is None:
+                self.sides.device[g].free_pages(freed)  # the engine's own pages (none is a node's)
+            else:  # check_sides found them allocated (and _given_pages distinct)
+                self.sides.device[g].release_pages(freed)
             drop = []
-            for i, page in zip(kept.tolist(), pages[kept].tolist()):
+            for i, page in zip(kept, kept_pages):
                 if page < 0:
                     continue
                 k = bisect.bisect_right(starts, i) - 1
@@ -535,10 +549,11 @@ class HybridState:
         if not node.device.held:
             return self.sides.empty(n), ({}, {}), 0
         side, dev, host, taken = {}, {}, {}, 0
+        one = len(self.sides.names) == 1  # then the copy's count is that group's
         for g in self.sides.names:
             mine = node.device.side[g]
             held = mine >= 0
-            count = np.count_nonzero(held)
+            count = node.device.held if one else np.count_nonzero(held)
             pages = self.alloc_side("host", g, count) if count else None
             out = self.sides.holes(n)
             if pages is not None:
@@ -562,7 +577,8 @@ class HybridState:
     # -- integrity ------------------------------------------------------------------------------
     def check_side_integrity(self, nodes) -> None:
         """Side arrays one int64 entry per page, each copy's count of them exact, each
-        page held once per tier and group, the ownership map exact, no side slot leaked."""
+        page held once per tier and group and allocated, the ownership map exact, no side
+        slot leaked."""
         ps = self.page_size
         for node in nodes:
             for copy in (node.device, node.host):
@@ -582,6 +598,8 @@ class HybridState:
                 raise IntegrityError(f"a page of sliding group {g!r} is held twice")
             if sorted(np.flatnonzero(self.sides.owned[g]).tolist()) != sorted(dev):
                 raise IntegrityError(f"sliding group {g!r}: ownership map is stale")
+            if dev and not self.sides.device[g].allocated_pages(np.array(dev, dtype=np.int64)).all():
+                raise IntegrityError(f"sliding group {g!r}: a node holds a device page its pool counts as free")
             pool = self.sides.host[g]
             if pool.available_size() + len(host) * ps + self.sides.fetching[g] != pool.size:
                 raise IntegrityError(f"sliding group {g!r}: host slots leaked")

@@ -51,6 +51,11 @@ class LruIndex:
         """Keep direct references to the heaps :meth:`push` fills (after any rebuild)."""
         self._device, self._host = self._heaps["device"], self._heaps["host"]
         self._side_heaps = {t: [(g, self._heaps[side_tier(t, g)]) for g in self._sides] for t in TIERS}
+        # with one sliding group (every preset), its heap in each tier: a copy holding some
+        # sliding page holds one of that group
+        one = len(self._sides) == 1
+        self._device_side = self._side_heaps["device"][0][1] if one else None
+        self._host_side = self._side_heaps["host"][0][1] if one else None
 
     def __len__(self) -> int:
         return max(len(h) for h in self._heaps.values())
@@ -68,19 +73,22 @@ class LruIndex:
         if device is not None:
             _heappush(self._device, entry)
             if device.held:
-                self._push_sides(entry, device, self._side_heaps["device"])
+                if self._device_side is not None:
+                    _heappush(self._device_side, entry)
+                else:
+                    self._push_sides(entry, device, self._side_heaps["device"])
         if host is not None:
             _heappush(self._host, entry)
             if host.held:
-                self._push_sides(entry, host, self._side_heaps["host"])
+                if self._host_side is not None:
+                    _heappush(self._host_side, entry)
+                else:
+                    self._push_sides(entry, host, self._side_heaps["host"])
 
     @staticmethod
     def _push_sides(entry, copy, heaps) -> None:
         """``entry`` into the heap of each sliding group that ``copy`` (which holds some
-        sliding page) holds a page of: with one sliding group (every preset), that one."""
-        if len(heaps) == 1:
-            _heappush(heaps[0][1], entry)
-            return
+        sliding page) holds a page of."""
         for g, heap in heaps:
             if highest(copy.side[g]) >= 0:
                 _heappush(heap, entry)

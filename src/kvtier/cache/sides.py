@@ -109,14 +109,20 @@ class Sides:
         start = max(0, prefix - self.windows[g]) // self.page_size
         return range(start, -(-prefix // self.page_size)) if prefix else range(0)
 
-    def keep_pages(self, pages: int, points) -> dict[str, np.ndarray]:
+    def keep_pages(self, pages: int, points) -> dict[str, range | np.ndarray]:
         """Per group, the ascending indices of the pages (of ``pages``) that lie in the
-        window before some resume point of ``points`` (token offsets)."""
-        out = {}
+        window before some resume point of ``points`` (token offsets): the window's
+        ``range`` for one point (a sequence's end alone: the common case), else an
+        int64 array."""
+        end, out = pages * self.page_size, {}
         for g in self.names:
+            if len(points) == 1:
+                for r in points:
+                    out[g] = self.window_pages(g, min(r, end))
+                continue
             held = set()
             for r in points:
-                held.update(self.window_pages(g, min(r, pages * self.page_size)))
+                held.update(self.window_pages(g, min(r, end)))
             out[g] = np.array(sorted(held), dtype=np.int64)
         return out
 

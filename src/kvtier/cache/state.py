@@ -38,7 +38,7 @@ from ..pools.indices import COMPILED, page_token_slots
 from ..storage.keys import extend_keys
 from .footprint import Footprint
 from .handles import LoadHandle
-from .hybrid_state import HybridState
+from .hybrid_state import HybridState, Probe
 from .inflight import InFlight
 from .lru import LruIndex
 from .radix import Node, RadixTree
@@ -99,6 +99,7 @@ class CacheState(HybridState):
         self.lock = threading.RLock()
         self.tree = RadixTree(self.page_size)
         self.sides = sides
+        self._miss = None if sides is None else Probe(0, sides.none_held, windows=sides.no_windows)  # shared
         self.lru = LruIndex(sides.names if sides is not None else ())
         self._nodes = 0
         self._removed = 0  # hybrid: nodes removed since the LRU index was last compacted
@@ -119,6 +120,10 @@ class CacheState(HybridState):
         path, matched, made = self.tree.match(tokens, salt)
         for node in made:
             self._added(node)
+        if self.sides is not None and not path:  # a hybrid miss: no window to look for, nothing to cut
+            if probe is not None:
+                probe.append(self._miss)
+            return path, 0, 0
         device_len, host_len = _tier_lens(path, matched, len(path[-1].key) if path else 0)
         if self.sides is not None:
             device_len, host_len, found = self._hybrid_lens(path, device_len, host_len)
@@ -565,7 +570,7 @@ class CacheState(HybridState):
         return walked
 
     def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked,
-               side: dict | None = None, resume_at=()) -> tuple[int, int]:
+               side: dict | None = None, resume_at=(), owned=None) -> tuple[int, int]:
         """Cache ``tokens`` (whole pages) whose KV is in the device pages ``pages`` (an
         array the tree may keep); ``walked`` is what :meth:`check_insert` returned, with
         the lock held since. Hybrid: ``side`` holds the engine's sliding pages
@@ -587,8 +592,9 @@ class CacheState(HybridState):
             self._added(node)
             path.append(node)
         if self.sides is not None and path:
-            self.adopt_sides(path, side if side is not None else self.sides.empty(len(tokens) // ps), len(tokens),
-                             resume_at)
+            if side is None:
+                side, owned = self.sides.empty(len(tokens) // ps), None
+            self.adopt_sides(path, side, len(tokens), resume_at, owned)
         if self.write_policy == "write_through":
             for node in path:
                 self.begin_backup(node)

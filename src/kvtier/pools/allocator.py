@@ -11,6 +11,10 @@ from .common import check_sizes
 from .indices import page_numbers, page_token_slots
 
 
+#: up to this many pages, an alloc or free marks them one by one (see ``_flags``)
+_FEW = 16
+
+
 class PageAllocator:
     """Free list over ``num_pages`` pages of ``page_size`` token slots each.
 
@@ -31,7 +35,11 @@ class PageAllocator:
         self._ring = np.arange(pages, dtype=np.int64)
         self._head = 0
         self._count = pages
-        self._in_use = np.zeros(pages, dtype=bool)
+        # NOTE: one flag per page, seen two ways: ``_in_use`` (numpy) for many pages at a
+        # time, ``_flags`` (the same bytes) for a few, where indexing a bytearray from
+        # Python costs a fraction of a numpy call's fixed cost
+        self._flags = bytearray(pages)
+        self._in_use = np.frombuffer(self._flags, dtype=bool) if pages else np.zeros(0, dtype=bool)
 
     def available_size(self) -> int:
         """Free token slots."""
@@ -54,7 +62,12 @@ class PageAllocator:
         if k > self._count:
             return None
         pages = self._take(k)
-        self._in_use[pages] = True
+        if k <= _FEW:
+            flags = self._flags
+            for p in pages.tolist():
+                flags[p] = 1
+        else:
+            self._in_use[pages] = True
         return pages
 
     def free_pages(self, pages: np.ndarray) -> None:
@@ -64,21 +77,36 @@ class PageAllocator:
             return
         if pages.dtype != np.int64:
             pages = pages.astype(np.int64)
-        # NOTE: a sliding group frees a window's few pages at a time: ``min`` and ``max``
-        # over a list take a fraction of numpy's reductions there; more pages, as uint64
-        # (a negative page is huge), one reduction checks both ends
-        if pages.size <= 16:
-            ids = pages.tolist()
-            bad = min(ids) < 0 or max(ids) >= self._in_use.size
+        # NOTE: a sliding group frees a window's few pages at a time: checked and cleared
+        # over a list and the bytearray; more pages, as uint64 (a negative page is huge),
+        # one reduction checks both ends
+        n = self._in_use.size
+        if pages.size <= _FEW:
+            ids, flags = pages.tolist(), self._flags
+            if min(ids) < 0 or max(ids) >= n:
+                raise UsageError(f"free_pages: page numbers must be in [0, {n})")
+            if not all([flags[p] for p in ids]):
+                raise IntegrityError(f"free_pages: pages {[p for p in ids if not flags[p]][:8]} are not allocated "
+                                     "(a double free)")
+            for p in ids:
+                flags[p] = 0
         else:
-            bad = int(pages.view(np.uint64).max()) >= self._in_use.size
-        if bad:
-            raise UsageError(f"free_pages: page numbers must be in [0, {self._in_use.size})")
-        used = self._in_use[pages]
-        if np.count_nonzero(used) != pages.size:
-            raise IntegrityError(f"free_pages: pages {pages[~used][:8].tolist()} are not allocated (a double free)")
-        self._in_use[pages] = False
+            if int(pages.view(np.uint64).max()) >= n:
+                raise UsageError(f"free_pages: page numbers must be in [0, {n})")
+            used = self._in_use[pages]
+            if np.count_nonzero(used) != pages.size:
+                raise IntegrityError(f"free_pages: pages {pages[~used][:8].tolist()} are not allocated "
+                                     "(a double free)")
+            self._in_use[pages] = False
         self._put(pages)
+
+    def release(self, pages: np.ndarray) -> None:
+        """:meth:`free_pages` for pages the caller has checked under the same lock: in
+        range, distinct and handed out (say by :meth:`allocated`). Nothing is checked
+        again: a wrong page corrupts the free list."""
+        if pages.size:
+            self._in_use[pages] = False
+            self._put(pages)
 
     def allocated(self, page_ids: torch.Tensor | np.ndarray) -> np.ndarray:
         """``(n,)`` bool numpy array: which of the (valid) ``page_ids`` (a tensor or numpy

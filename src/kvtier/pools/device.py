@@ -124,6 +124,11 @@ class DeviceKVPool:
         """Return pages by number (int64 numpy), as :meth:`alloc_pages` gave them."""
         self._allocator.free_pages(pages)
 
+    def release_pages(self, pages) -> None:
+        """:meth:`free_pages` unchecked, for pages the caller found allocated and distinct
+        under its own lock (``PageAllocator.release``)."""
+        self._allocator.release(pages)
+
 
 def _stack_view(layers: list[torch.Tensor], page_size: int) -> torch.Tensor | None:
     """A view in ``DEVICE_LAYOUT``'s order over per-layer ``(size, head, dim)`` tensors when
