@@ -95,3 +95,25 @@ def test_known_key_values_never_change(args, want):
     for i in range(1, len(want)):  # continuing the chain from any key gives the same tail
         tail = form[i * page_size:]
         assert extend_keys(want[i - 1], tail, page_size, namespace, salt, hash) == want[i:]
+
+
+def test_the_keys_check_names_each_bad_key_as_one_by_one():
+    from kvtier.storage.base import MAX_KEY_BYTES, _check_keys
+
+    good = [f"ns:{i:032x}" for i in range(5)]
+    assert _check_keys(good) == good and _check_keys(good) is not good  # a list of its own
+    assert _check_keys(tuple(good)) == good
+    long_ok = ["x" * MAX_KEY_BYTES]  # one key at the limit: fits
+    assert _check_keys(long_ok) == long_ok
+    two_long = ["x" * 40_000, "y" * 40_000]  # each fits, together over the limit: still fine
+    assert _check_keys(two_long) == two_long
+    assert _check_keys(["é" * 10, *good]) == ["é" * 10, *good]
+
+    class Key(str):
+        pass
+    assert _check_keys([Key("a"), "b"]) == ["a", "b"]
+    for keys, match in (([*good, ""], "key 5 is ''"), ([*good, 7], "key 5 is 7"), ([b"ab", *good], "key 0 is b'ab'"),
+                        ([*good, "x" * (MAX_KEY_BYTES + 1)], "key 5 is 65536 bytes"),
+                        ([*good, "é" * 40_000], "key 5 is 80000 bytes"), (["\ud800"], "not encodable")):
+        with pytest.raises(ValueError, match=match):
+            _check_keys(keys)

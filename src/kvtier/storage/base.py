@@ -72,6 +72,15 @@ def _check_keys(keys: Iterable[str]) -> list[str]:
         raise UsageError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys), "
                          f"got {type(keys).__name__}")
     keys = list(keys)
+    # NOTE: every key kvtier makes is ASCII (hex digests), a few dozen bytes: joined, they
+    # are checked by C loops (str only, ASCII, none empty, and no key longer than all of
+    # them together), a fifth of the loop below; anything else is looked at key by key
+    try:
+        joined = "".join(keys)
+    except TypeError:  # a key that is no str: the loop names it
+        joined = None
+    if joined is not None and len(joined) <= MAX_KEY_BYTES and joined.isascii() and all(keys):
+        return keys
     for i, k in enumerate(keys):
         if not isinstance(k, str) or not k:
             raise UsageError(f"keys must be a list of non-empty str (see kvtier.storage.page_keys); "
