@@ -51,6 +51,8 @@ class GroupedStorage:
         self.storage, self.page_size = storage, page_size
         self.spec = as_hybrid(spec).full
         self._tags = {name: group_tag(self.spec, name) for name in self.spec.names}
+        self._full = [g for g in self.spec.groups if g.attention.is_full]
+        self._sliding = [g for g in self.spec.groups if not g.attention.is_full]
 
     def keys(self, name: str, keys: Sequence[str]) -> list[str]:
         """Group ``name``'s object keys for the page keys ``keys``."""
@@ -83,9 +85,17 @@ class GroupedStorage:
         return out
 
     def _group_keys(self, keys: list[str], pages) -> dict[str, list[str]]:
-        """Per group, the object keys of its pages of ``keys`` (checked already)."""
-        return {name: self.keys(name, keys[picked.start:picked.stop] if type(picked) is range else
-                                [keys[i] for i in picked]) for name, picked in self._pages(keys, pages).items()}
+        """Per group, the object keys of its pages of ``keys`` (checked already): :meth:`keys`
+        of them, tagged as they are picked."""
+        out = {}
+        for name, picked in self._pages(keys, pages).items():
+            tag = self._tags[name]
+            if type(picked) is range:
+                part = keys[picked.start:picked.stop]
+                out[name] = [k + tag for k in part] if tag else part
+            else:
+                out[name] = [keys[i] + tag for i in picked] if tag else [keys[i] for i in picked]
+        return out
 
     def present(self, keys: Sequence[str], pages: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[bool]]:
         """Per group, whether storage holds each of its pages; a fault, or an answer
@@ -114,34 +124,34 @@ class GroupedStorage:
         storage holds and, per group, what the caller holds elsewhere
         (``held[name][i]``: page ``i`` is on the device or the host)."""
         keys = _check_keys(keys)
-        unknown = sorted(set(held or {}) - set(self.spec.names))
-        if unknown:
+        held = held or {}
+        if not held.keys() <= self._tags.keys():
+            unknown = sorted(set(held) - set(self._tags))
             raise UsageError(f"held names groups {unknown}; this spec has {list(self.spec.names)}")
         have = {}
-        for name in self.spec.names:
-            mine = [x is True for x in (held or {}).get(name, ())][:len(keys)]
+        for name in self._tags:
+            mine = [x is True for x in held.get(name, ())][:len(keys)]
             have[name] = mine + [False] * (len(keys) - len(mine))
         # NOTE: a full group is a leading run, so a batch_exists from its first gap answers
         # it (one, when what the caller holds is a leading run: the cache's case; pages it
         # holds after a stored run carry it on); sliding groups are then asked only about
         # pages below that run.
         limit = len(keys)
-        for g in self.spec.groups:
-            if g.attention.is_full:
-                mine, at = have[g.name], 0
-                while True:
-                    try:
-                        at = mine.index(False, at, limit)
-                    except ValueError:  # none missing from ``at`` on
-                        break
-                    at += self._leading(self.keys(g.name, keys[at:limit]))
-                    if at == limit or not mine[at]:
-                        limit = at
-                        break
+        for g in self._full:
+            mine, at = have[g.name], 0
+            while True:
+                try:
+                    at = mine.index(False, at, limit)
+                except ValueError:  # none missing from ``at`` on
+                    break
+                at += self._leading(self.keys(g.name, keys[at:limit]))
+                if at == limit or not mine[at]:
+                    limit = at
+                    break
         # NOTE: first only the windows before ``limit``: when storage holds them (a request
         # resuming where an earlier one ended) that is the answer, and the other pages of
         # the sliding groups (mostly never stored: outside every window) go unasked
-        sliding = [g for g in self.spec.groups if not g.attention.is_full]
+        sliding = self._sliding
         first = {g.name: [i for i in g.attention.needed_pages(limit * self.page_size, self.page_size)
                           if not have[g.name][i]] for g in sliding}
         asked = self._present(keys, first) if any(first.values()) else {}
@@ -181,8 +191,8 @@ class GroupedStorage:
         return self._move("batch_get", keys, host_pool, host_indices, pages)
 
     def _move(self, op, keys, host_pool, host_indices, pages) -> dict[str, list[bool]]:
-        if not isinstance(host_pool, HybridHostPool) or host_pool.spec.full != self.spec \
-                or host_pool.page_size != self.page_size:
+        if not isinstance(host_pool, HybridHostPool) or host_pool.page_size != self.page_size \
+                or (host_pool.spec is not self.spec and host_pool.spec.full != self.spec):
             raise UsageError(f"host_pool must be a HybridHostPool of spec {self.spec.fingerprint()} with page_size "
                              f"{self.page_size}")
         group_keys = self._group_keys(_check_keys(keys), pages)
