@@ -6,6 +6,7 @@ window they need."""
 import logging
 import shutil
 import tempfile
+from array import array
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -63,6 +64,20 @@ class HybridCacheMachine(RuleBasedStateMachine):
     def serve(self, tokens, keep, resume):
         # checks every group's bytes of what it reuses; ``resume``: a resume point ``resume`` pages in
         self.engine.serve(tokens, keep=keep, resume_at=(resume * self.engine.ps,) if resume else ())
+
+    @rule(tokens=prompts)
+    def the_rules_shortcut_agrees_with_its_search(self, tokens):
+        """A match's device and host hits, with the shortcut for a hit whose windows are
+        held at its end and with the page-by-page search alone, are the same."""
+        state = self.cache._state
+        with self.cache._lock:
+            shortcut = state.peek(array("q", tokens), b"")[1:3]
+            state._windows_held = lambda path, pages: False  # the search alone
+            try:
+                searched = state.peek(array("q", tokens), b"")[1:3]
+            finally:
+                del state._windows_held
+        assert shortcut == searched
 
     @rule(tokens=prompts)
     def lock(self, tokens):

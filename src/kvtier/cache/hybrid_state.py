@@ -104,16 +104,56 @@ class HybridState:
         pages = (device_len + host_len) // ps
         on_device = None if host_len else self._device_windows(path, pages)
         if on_device is not None:
-            if not self.has_storage:  # nothing will ask what is held
-                return device_len, 0, Probe(pages, {}, windows=on_device)
-            snapshot = list(path)
-            return device_len, 0, Probe(pages, None, lambda: self._held_mask(self._side_held(snapshot, pages), pages),
-                                        on_device)
+            return device_len, 0, self._probe(path, pages, on_device)
+        if self._windows_held(path, pages):  # the common host hit: it resumes at its end
+            # NOTE: then the device part resumes at its own end when its windows are on the
+            # device (none are needed before page 0); else the search below finds where
+            p_dev = 0 if not device_len else device_len // ps if self._device_windows(path, device_len // ps) \
+                else None
+            if p_dev is not None:
+                return p_dev * ps, pages * ps - p_dev * ps, self._probe(path, pages, None)
         held = self._side_held(path, pages)
         p_dev = resumable(windows, {g: runs(dev) for g, (dev, _) in held.items()}, device_len // ps, ps)
         p_all = max(p_dev, resumable(windows, {g: runs(dev + host) for g, (dev, host) in held.items()}, pages, ps))
         # NOTE: the masks come from the index lists, not the path: the cut after this may split its last node
         return p_dev * ps, (p_all - p_dev) * ps, Probe(pages, None, lambda: self._held_mask(held, pages))
+
+    def _probe(self, path, pages: int, windows) -> Probe:
+        """The probe of a match that resumes after all ``pages`` pages of ``path`` (so the
+        cut after it splits nothing): what is held is worked out from the path on first
+        use, when storage asks."""
+        if not self.has_storage:  # nothing will ask what is held
+            return Probe(pages, {}, windows=windows)
+        snapshot = list(path)
+        return Probe(pages, None, lambda: self._held_mask(self._side_held(snapshot, pages), pages), windows)
+
+    def _windows_held(self, path, pages: int) -> bool:
+        """Whether each sliding group's window before ``pages`` pages of ``path`` is
+        held, page by page, on the device or in a ready host copy."""
+        ps = self.page_size
+        for g in self.sides.names:
+            w = self.sides.window_pages(g, pages * ps)
+            need = len(w)
+            for node in reversed(path):
+                end = node.depth // ps
+                at = end - len(node.key) // ps
+                if end <= w.start:
+                    break
+                if at >= w.stop:
+                    continue
+                lo, hi = max(w.start, at) - at, min(w.stop, end) - at
+                d, h = node.device, node.host
+                dev = d.side[g][lo:hi].tolist() if d is not None and d.held else None
+                host = h.side[g][lo:hi].tolist() if h is not None and h.held and h.backup is None else None
+                if dev is None and host is None:
+                    return False
+                for i in range(hi - lo):
+                    if (dev is None or dev[i] < 0) and (host is None or host[i] < 0):
+                        return False
+                need -= hi - lo
+            if need:
+                return False
+        return True
 
     def _cut(self, path, tokens: int, split: bool) -> int:
         """Cut ``path`` after ``tokens`` tokens (splitting the node it ends inside when

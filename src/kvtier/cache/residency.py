@@ -30,8 +30,12 @@ def _split_side(copy, pages: int) -> tuple[dict | None, int]:
     side = copy.side
     if side is None:
         return None, 0
-    top = {g: a[:pages] for g, a in side.items()}
-    copy.side = {g: a[pages:] for g, a in side.items()}
+    if len(side) == 1:  # one sliding group (every preset): no comprehension frames
+        for g, a in side.items():
+            top, copy.side = {g: a[:pages]}, {g: a[pages:]}
+    else:
+        top = {g: a[:pages] for g, a in side.items()}
+        copy.side = {g: a[pages:] for g, a in side.items()}
     held = 0
     if copy.held:
         for a in top.values():
