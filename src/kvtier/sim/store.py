@@ -16,7 +16,9 @@ class SimStorage(Storage):
     def __init__(self, capacity_pages: int | None = None, **options) -> None:
         super().__init__(**options)
         self.capacity_pages = capacity_pages
-        self._keys: OrderedDict[str, None] = OrderedDict()
+        # NOTE: only a bounded store needs the LRU order; an unbounded one keeps a plain dict
+        # (its update takes a fraction of an OrderedDict's, which links every key it adds)
+        self._keys: dict[str, None] = OrderedDict() if capacity_pages is not None else {}
         self._lock = threading.Lock()
 
     def batch_exists(self, keys) -> int:
