@@ -149,7 +149,8 @@ class StorageGuard:
                    for name, picked in pages.items())
 
     def _per_key(self, kind: str, op: str, got, n: int) -> list[bool]:
-        if not isinstance(got, (list, tuple)) or len(got) != n or not all(isinstance(x, bool) for x in got):
+        # NOTE: the types seen once each (a C loop), not an isinstance per answer
+        if not isinstance(got, (list, tuple)) or len(got) != n or (n and set(map(type, got)) != {bool}):
             self._fault(kind, "answer", f"{op} answered {got!r:.80} for {n} keys")
             return [False] * n
         return list(got)

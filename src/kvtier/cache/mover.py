@@ -11,6 +11,7 @@ and cancels it, the later job has not started copying yet.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 from array import array
@@ -348,15 +349,19 @@ class Mover:
     def _prefetch_groups(self, handle, tokens, salt, last, start, host, side, parent_key) -> None:
         state, ps, done = self.state, self.state.page_size, 0
         full = state.sides.full
+        # the pages each sliding group fetches (a window's few, ascending): a chunk takes its own by bisection
+        fetched = {g: np.flatnonzero(pages >= 0).tolist() for g, pages in side.items()}
         try:
             for c, chunk in self._chunks(handle, tokens, salt, start, parent_key):
                 k = len(chunk)
                 slots = {name: host[c * ps:(c + k) * ps] for name in full}
                 picked = {name: range(k) for name in full}
                 for g, pages in side.items():
-                    local = np.flatnonzero(pages[c:c + k] >= 0)
-                    if local.size:
-                        picked[g], slots[g] = local.tolist(), state.sides.slots(pages[c:c + k][local])
+                    at = fetched[g]
+                    lo, hi = bisect.bisect_left(at, c), bisect.bisect_left(at, c + k)
+                    if lo < hi:
+                        picked[g] = [i - c for i in at[lo:hi]]
+                        slots[g] = state.sides.slots(pages[at[lo:hi]])
                 got = self.guard.get_groups(self.grouped, chunk, state.sides.groups_host, slots, picked)
                 n = k  # the chunk's pages before the first that some group missed (picked: ascending)
                 for name, answers in got.items():
