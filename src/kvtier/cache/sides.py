@@ -102,6 +102,9 @@ class Sides:
         return np.concatenate((self._kept_holes(n), pages))
 
     def empty(self, pages: int) -> dict[str, np.ndarray]:
+        """Per group, a new array of ``pages`` ``-1``."""
+        if len(self.names) == 1:  # (every preset: no comprehension frame)
+            return {self.names[0]: self.holes(pages)}
         return {g: self.holes(pages) for g in self.names}
 
     def window_pages(self, g: str, prefix: int) -> range:

@@ -114,6 +114,8 @@ class HostKVPool:
         self.raw: torch.Tensor | None = raw
         self.buffers: dict[str, torch.Tensor] = buffers
         self.page_views: dict[str, PageViews] = {}
+        # (the spec's properties build these anew each time; every transfer asks)
+        self._names, self._page_bytes = spec.names, page_size * spec.bytes_per_token
         for name, buf in self.buffers.items():
             canon = self._layout.canonical(buf)  # (page, slot, layer, head, dim)
             self.page_views[name] = PageViews.build(canon, tuple(canon.unbind(2)))
@@ -134,7 +136,7 @@ class HostKVPool:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every layer and component."""
-        return self.page_size * self.spec.bytes_per_token
+        return self._page_bytes
 
     @property
     def regions(self) -> list[tuple[int, int]]:
@@ -178,7 +180,7 @@ class HostKVPool:
 
     def _backup_pages(self, device_pool: DeviceKVPool, host_pages, dev_pages, io_backend: str) -> None:
         """The copy of :meth:`backup_from_device_all_layer`, on pages it checked."""
-        views = [(self.page_views[n], device_pool.page_views[n]) for n in self.spec.names]
+        views = [(self.page_views[n], device_pool.page_views[n]) for n in self._names]
         copy_pages(views, host_pages, dev_pages, layer=None, nbytes=len(host_pages) * self.page_bytes,
                    io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
 
@@ -213,7 +215,7 @@ class HostKVPool:
             if pairs is not None and copy_layer(pairs, dev_pages, host_pages, nbytes=nbytes, io_backend=io_backend,
                                                 threads=self.copy_threads, workers=self.copy_workers):
                 return
-        views = [(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names]
+        views = [(device_pool.page_views[n], self.page_views[n]) for n in self._names]
         copy_pages(views, dev_pages, host_pages, layer=layers, nbytes=nbytes,
                    io_backend=io_backend, threads=self.copy_threads, workers=self.copy_workers)
 
@@ -229,7 +231,7 @@ class HostKVPool:
         except TypeError:  # NOTE: a subclass that defines __eq__ alone cannot be a key: copy_pages' path
             return None
         if layer not in by_layer:
-            by_layer[layer] = layer_pairs([(device_pool.page_views[n], self.page_views[n]) for n in self.spec.names],
+            by_layer[layer] = layer_pairs([(device_pool.page_views[n], self.page_views[n]) for n in self._names],
                                           layer)
         return by_layer[layer]
 

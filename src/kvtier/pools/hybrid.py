@@ -165,7 +165,7 @@ class HybridHostPool(_GroupPools):
         Every group's numbers are checked before any group's bytes move."""
         host, dev = self._named(device_pool, host_indices, device_indices, io_backend)
         checked = [(name, self.pools[name]._check_slots(device_pool.pools[name], host[name], dev[name], True))
-                   for name in self.spec.names if name in host]
+                   for name in self.pools if name in host]  # (the pools are in the spec's order)
         for name, (host_pages, dev_pages) in checked:
             self.pools[name]._backup_pages(device_pool.pools[name], host_pages, dev_pages, io_backend)
 
