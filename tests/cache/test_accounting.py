@@ -156,6 +156,22 @@ def test_memory_bytes_grow_with_the_nodes_and_return_after_eviction():
         cache.memory_bytes()
 
 
+def test_a_stream_of_full_hits_keeps_the_metadata_bounded():
+    # every release offers the path's nodes to the LRU index again; with no node added,
+    # nothing else compacts it: 30,000 hits would leave some 60,000 stale entries (MBs)
+    cache = make_cache(device_tokens=256, host_tokens=256)
+    serve(cache, A)
+    got = cache.acquire(A)
+    cache.release(got)
+    before = cache.memory_bytes()
+    for _ in range(30_000):
+        got = cache.acquire(A)
+        assert got.device_hit == len(A)
+        cache.release(got)
+    assert cache.memory_bytes() - before < 200_000  # the bound: 4 entries a node and 1,024 more
+    cache.close()
+
+
 def test_memory_bytes_count_a_buffer_that_views_share_once():
     base = np.arange(16, dtype=np.int64)
     views = Footprint()

@@ -7,7 +7,9 @@ touches a node; a stale entry is pushed again with the node's current stamp when
 it reaches the top, so the heap's minimum is always the true LRU node among the
 entries. A node is pushed whenever it may have become evictable (created, split,
 unlocked, a transfer settled, a child left the tier); an entry whose node is not
-evictable when it surfaces is dropped.
+evictable when it surfaces is dropped. The cache rebuilds the index once the fullest
+heap holds more than four entries a live node and 1,024 more, checked as nodes are
+added and after every unlock (a stream of full hits adds no node, and evicts nothing).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class LruIndex:
         self._host_side = self._side_heaps["host"][0][1] if one else None
 
     def __len__(self) -> int:
-        return max(len(h) for h in self._heaps.values())
+        """Entries of the fullest heap, stale ones included (asked after every unlock)."""
+        return max(map(len, self._heaps.values()))
 
     def push(self, node) -> None:
         """Index ``node`` in the heap of each tier it has a copy in (only such a node

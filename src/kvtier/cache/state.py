@@ -197,11 +197,19 @@ class CacheState(HybridState):
         for freed in self.tree.unlock(node):
             if not freed.is_root:
                 self._settle(freed)
+        # NOTE: each unlocked node was pushed again; with no node added (a stream of full
+        # hits) nothing else would bound the heaps' stale entries
+        self._bound_lru()
 
     # -- residency primitives -----------------------------------------------------------------------
     def _added(self, node: Node) -> None:
         self._nodes += 1
         self.lru.push(node)
+        self._bound_lru()
+
+    def _bound_lru(self) -> None:
+        """Compact the LRU index once its stale entries (a node pushed again whenever it
+        may have become evictable) outnumber the live ones a few times over."""
         # NOTE: a hybrid cache's sliding heaps pop only when a sliding pool runs short, so
         # the entries of nodes that full-page eviction removed (each holding its node and
         # key) would stay until the duplicate bound; compacting after as many removals as
