@@ -523,7 +523,7 @@ class HierarchicalCache:
                 raise UsageError("commit: this Acquired was already released (or committed)")
             del tokens[full:]  # our own copy: whole pages only, without copying again
             walked = state.check_insert(tokens, pages, salt)
-            owned = state.check_sides(side, walked) if side is not None else None
+            owned = state.check_sides(side, walked) if side is not None else frozenset()
             already, new = state.insert(tokens, pages, salt, walked, side, resume_at, owned)
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
@@ -628,7 +628,7 @@ class HierarchicalCache:
         del tokens[usable:]  # our own copy: whole pages only, without copying again
         with self._lock:
             walked = self._state.check_insert(tokens, pages, salt)
-            owned = self._state.check_sides(side, walked) if side is not None else None
+            owned = self._state.check_sides(side, walked) if side is not None else frozenset()
             already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at, owned)
         self._stats.add(inserted_tokens=new)
         return already

@@ -130,27 +130,19 @@ class HybridState:
     def _windows_held(self, path, pages: int) -> bool:
         """Whether each sliding group's window before ``pages`` pages of ``path`` is
         held, page by page, on the device or in a ready host copy."""
-        ps = self.page_size
         for g in self.sides.names:
-            w = self.sides.window_pages(g, pages * ps)
+            w = self.sides.window_pages(g, pages * self.page_size)
             need = len(w)
-            for node in reversed(path):
-                end = node.depth // ps
-                at = end - len(node.key) // ps
-                if end <= w.start:
-                    break
-                if at >= w.stop:
-                    continue
-                lo, hi = max(w.start, at) - at, min(w.stop, end) - at
+            for node, _, span in self._window_spans(path, w):
                 d, h = node.device, node.host
-                dev = d.side[g][lo:hi].tolist() if d is not None and d.held else None
-                host = h.side[g][lo:hi].tolist() if h is not None and h.held and h.backup is None else None
+                dev = d.side[g][span].tolist() if d is not None and d.held else None
+                host = h.side[g][span].tolist() if h is not None and h.held and h.backup is None else None
                 if dev is None and host is None:
                     return False
-                for i in range(hi - lo):
+                for i in range(span.stop - span.start):
                     if (dev is None or dev[i] < 0) and (host is None or host[i] < 0):
                         return False
-                need -= hi - lo
+                need -= span.stop - span.start
             if need:
                 return False
         return True
@@ -204,11 +196,11 @@ class HybridState:
             out[g] = torch.from_numpy(slots)
         return out
 
-    def _window_pieces(self, path, g: str, w: range) -> list:
-        """Group ``g``'s window ``w`` (page indices) along ``path`` as pieces ``(first page,
-        the device's page numbers from there)``, holes included; pages not on the device
-        are left out."""
-        ps, pieces = self.page_size, []
+    def _window_spans(self, path, w: range):
+        """The nodes of ``path`` that window ``w`` (page indices) lies in, from the path's
+        end, each as ``(node, the window's first page in it, those pages' slice of the
+        node's own)``."""
+        ps = self.page_size
         # NOTE: from the path's end, by each node's depth: only the nodes past the prefix
         # and those the window lies in are visited (a path of one node per page took
         # 0.3 us a node from the root)
@@ -216,12 +208,17 @@ class HybridState:
             end = node.depth // ps
             at = end - len(node.key) // ps
             if end <= w.start:
-                break
-            if at >= w.stop or node.device is None:  # past the prefix, or not on the device: holes
-                continue
-            lo, hi = max(w.start, at), min(w.stop, end)
-            pieces.append((lo, node.device.side[g][lo - at:hi - at]))
-        return pieces
+                return
+            if at < w.stop:  # (else past the prefix)
+                lo = max(w.start, at)
+                yield node, lo, slice(lo - at, min(w.stop, end) - at)
+
+    def _window_pieces(self, path, g: str, w: range) -> list:
+        """Group ``g``'s window ``w`` (page indices) along ``path`` as pieces ``(first page,
+        the device's page numbers from there)``, holes included; pages not on the device
+        are left out."""
+        return [(lo, node.device.side[g][span]) for node, lo, span in self._window_spans(path, w)
+                if node.device is not None]
 
     # -- side pages in and out ------------------------------------------------------------------
     def free_side(self, tier: str, g: str, pages: np.ndarray) -> int:
@@ -317,13 +314,13 @@ class HybridState:
                                  "alloc_device(n, group=...)")
         return owned
 
-    def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int, resume_at=(), owned=None) -> None:
+    def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int, resume_at=(), owned=frozenset()) -> None:
         """Take the engine's sliding pages (``given``, one per page of ``tokens`` tokens
         along ``path``) where a resume point's window needs them and the node has
         none; free the rest. Marks the sequence's end as a resume point; ``resume_at``:
-        more of them (token offsets, whole pages, within the sequence). ``owned``: what
-        :meth:`check_sides` returned for ``given``, the lock held since (its checks then
-        stand: the pages are not looked at again); ``None`` looks."""
+        more of them (token offsets, whole pages, within the sequence). ``given`` passed
+        :meth:`check_sides`, which returned ``owned``, with the lock held since: its
+        checks stand, and the pages are not looked at again."""
         ps = self.page_size
         path[-1].ends = True
         points, pos, starts = {tokens, *self.sides.retention_points(tokens), *resume_at}, 0, []
@@ -339,19 +336,18 @@ class HybridState:
             kept = keep[g]
             if type(kept) is range:  # one window: slices
                 rest[kept.start:kept.stop] = False
-                kept_pages, kept = pages[kept.start:kept.stop].tolist(), kept
+                kept_pages = pages[kept.start:kept.stop].tolist()
             else:
                 rest[kept] = False
                 kept_pages, kept = pages[kept].tolist(), kept.tolist()
             freed = pages[rest]  # in no window: back to the pool at once
-            if owned is None or g in owned:
+            if g in owned:
                 own = self.sides.owned[g][freed]
                 if np.count_nonzero(own):  # a node's own page, given back at its place (check_sides): it stays
                     freed = freed[~own]
-            if owned is None:
-                self.sides.device[g].free_pages(freed)  # the engine's own pages (none is a node's)
-            else:  # check_sides found them allocated (and _given_pages distinct)
-                self.sides.device[g].release_pages(freed)
+            # NOTE: the engine's own pages, none a node's: check_sides found them allocated
+            # (and _given_pages distinct), so they go back unchecked
+            self.sides.device[g].release_pages(freed)
             drop = []
             for i, page in zip(kept, kept_pages):
                 if page < 0:

@@ -578,10 +578,11 @@ class CacheState(HybridState):
         return walked
 
     def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked,
-               side: dict | None = None, resume_at=(), owned=None) -> tuple[int, int]:
+               side: dict | None = None, resume_at=(), owned=frozenset()) -> tuple[int, int]:
         """Cache ``tokens`` (whole pages) whose KV is in the device pages ``pages`` (an
         array the tree may keep); ``walked`` is what :meth:`check_insert` returned, with
-        the lock held since. Hybrid: ``side`` holds the engine's sliding pages
+        the lock held since. Hybrid: ``side`` holds the engine's sliding pages, which
+        :meth:`check_sides` passed and answered ``owned`` for, the lock held since too
         (:meth:`adopt_sides`). Returns ``(tokens already on the device, new tokens)``."""
         path, matched, made = self.tree.match(tokens, salt, walked)
         for node in made:
@@ -600,8 +601,8 @@ class CacheState(HybridState):
             self._added(node)
             path.append(node)
         if self.sides is not None and path:
-            if side is None:
-                side, owned = self.sides.empty(len(tokens) // ps), None
+            if side is None:  # no page given: nothing to check, none to free
+                side, owned = self.sides.empty(len(tokens) // ps), frozenset()
             self.adopt_sides(path, side, len(tokens), resume_at, owned)
         if self.write_policy == "write_through":
             for node in path:
