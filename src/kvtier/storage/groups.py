@@ -167,9 +167,8 @@ class GroupedStorage:
         for name, got in self._present(keys, ask).items():
             for i, ok in zip(ask[name], got):
                 have[name][i] = ok
-        for g in self.spec.groups:
-            if g.attention.is_full:
-                have[g.name][:limit] = [True] * limit
+        for g in self._full:
+            have[g.name][:limit] = [True] * limit
         return self.spec.reusable_pages(self.page_size, {name: v[:limit] for name, v in have.items()})
 
     def _leading(self, keys: list[str]) -> int:
