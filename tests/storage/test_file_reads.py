@@ -394,23 +394,45 @@ def test_a_filesystem_without_direct_io_reads_buffered(monkeypatch, tmp_path):
     assert store.direct_io is False
 
 
+def _cached_share(path) -> float | None:
+    """The share of ``path``'s pages in the page cache (None where it cannot be counted)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        cached = pageio.cached_pages(fd, 0, size)
+    finally:
+        os.close(fd)
+    return None if cached is None else cached / -(-size // 4096)
+
+
 @NEEDS_DIRECT
+@pytest.mark.parametrize("native", ["compiled", "python"])
 @pytest.mark.parametrize("layout", ["page_head", "page_first"])
-def test_direct_writes_round_trip_bit_exactly(tmp_path, monkeypatch, layout):
+def test_direct_writes_round_trip_bit_exactly(tmp_path, monkeypatch, layout, native):
     """With ``direct_writes``, aligned pages are written with O_DIRECT (in place or from
-    staging) and read back bit-exactly, from a new store too; unaligned ones buffered."""
+    staging; by the compiled writer, or the per-file path where it is not used): their
+    files are out of the page cache once written, unaligned ones (written buffered) in
+    it; all read back bit-exactly, from a new store too."""
     if not _direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    if native == "python":
+        monkeypatch.setattr(pageio, "write_pages", lambda *a, **k: None)
+    elif not pageio.compiled():
+        unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
     store = kvtier.storage.open(f"file://{tmp_path}?direct_writes=true")
-    made = []
-    real = store._create
-    monkeypatch.setattr(store, "_create", lambda d, tmp, direct: made.append(direct) or real(d, tmp, direct))
     host, idx = filled_host(ALIGNED, 4, page_size=16, layout=layout, seed=13)
     keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="w")
     assert store.batch_set(keys, host, idx) == [True] * 4
+    aligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("direct-probe"))
     small, sidx = filled_host(SPEC, 2, seed=14)  # 480-byte parts: no O_DIRECT
     assert store.batch_set(keys_for(2), small, sidx) == [True] * 2
-    assert made == [True] * 4 + [False] * 2 and store.direct_writes
+    unaligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and str(p) not in aligned
+                       and not p.name.startswith("direct-probe"))
+    assert len(aligned) == 4 and len(unaligned) == 2 and store.direct_writes
+    shares = [_cached_share(p) for p in aligned + unaligned]
+    if None in shares:
+        unavailable("the page cache's residency cannot be counted here (cachestat, Linux 6.5)")
+    assert shares == [0.0] * 4 + [1.0] * 2
     for reader_store in (store, kvtier.storage.open(f"file://{tmp_path}")):
         reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout="page_head")
         assert reader_store.batch_get(keys, reader, ridx) == [True] * 4

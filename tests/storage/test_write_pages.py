@@ -155,6 +155,136 @@ def test_files_up_to_the_whole_write_size_go_in_one_call(tmp_path, monkeypatch, 
     assert (tmp_path / "a").read_bytes() == _expected_file("a#f", _gathered(pool, _pieces(range(4)), 1))
 
 
+ALIGNED_SIZES = [2 * 4096] * 4  # every part a multiple of a block: files that O_DIRECT can write
+
+
+def _aligned_parts(staged: bool) -> list:
+    """Parts of a layout of ``ALIGNED_SIZES``, each in two block-aligned pieces in the pool
+    (in place) or gathered from 8 rows of 1 KiB at a 2 KiB stride (staged)."""
+    layout = FileLayout("k#f", ALIGNED_SIZES)
+    if staged:
+        return [(k, layout.offsets[k], [(k * 16384, STEP, n, (8, n // 8), (2048, 1))])
+                for k, n in enumerate(ALIGNED_SIZES)]
+    return [(k, layout.offsets[k], [(3 * 4096 * k, STEP, n // 2), (3 * 4096 * k + n, STEP, n // 2)])
+            for k, n in enumerate(ALIGNED_SIZES)]
+
+
+def _cached(path) -> int | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return pageio.cached_pages(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _needs_direct(tmp_path) -> None:
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    probe.unlink()
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs Linux's O_DIRECT")
+@pytest.mark.parametrize("how", ["in-place", "staged-once", "staged-twice"])
+def test_direct_writes_make_the_same_files_out_of_the_page_cache(tmp_path, how):
+    """With ``direct``, a file aligned for O_DIRECT is written with it (one request for
+    the whole file, in flight while the next file is made; staged parts in a stretch of
+    their own where staging holds two files' parts, else after the last write is done):
+    the same bytes as a buffered write, none of them left in the page cache; a file that
+    is not aligned (a part of 100 bytes over a block) is written buffered, as without it."""
+    _needs_direct(tmp_path)
+    layout = FileLayout("k#f", ALIGNED_SIZES)
+    parts = _aligned_parts(how != "in-place")
+    # block-aligned, as the store's arena is: one file's staged parts, or two
+    staging = None if how == "in-place" else _pool()[:32768 * (2 if how == "staged-twice" else 1)]
+    pool = _filled()
+    names = {f"d{i}": (0, 3, 1, 2)[i % 4] for i in range(12)}  # pages in turn: a stretch reused too early shows
+    files = [(str(tmp_path / f".{n}.tmp"), str(tmp_path / n), FileLayout(f"{n}#f", ALIGNED_SIZES).prefix(), page)
+             for n, page in names.items()]
+    plain = [(str(tmp_path / f".p{n}.tmp"), str(tmp_path / f"p{n}"), prefix, page) for (_, _, prefix, page), n
+             in zip(files, names)]
+    for batch, direct in ((files, True), (plain, False)):
+        assert list(pageio.write_pages(pool, layout.header_len, layout.total, parts, batch, False, *MODES, staging,
+                                       direct)) == [0] * len(names)
+    unaligned = _files(tmp_path, {"u": 2})  # its last part 100 bytes over a block
+    assert list(pageio.write_pages(pool, LAYOUT.header_len, LAYOUT.total, _pieces(range(4)), unaligned, False,
+                                   *MODES, None, True)) == [0]
+    counts = [_cached(tmp_path / n) for n in [*names, *(f"p{n}" for n in names), "u"]]
+    if None in counts:
+        unavailable("the page cache's residency cannot be counted here (cachestat, Linux 6.5)")
+    pages_each = layout.total // 4096
+    assert counts == [0] * len(names) + [pages_each] * len(names) + [-(-LAYOUT.total // 4096)]
+    for n, page in names.items():
+        data = (tmp_path / n).read_bytes()
+        assert data == (tmp_path / f"p{n}").read_bytes()
+        want = FileLayout(f"{n}#f", ALIGNED_SIZES)
+        gathered = _gathered(pool, parts, page)
+        assert data[:want.header_len] == want.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
+        assert [data[o:o + len(g)] for o, g in zip(want.offsets, gathered)] == gathered
+    assert (tmp_path / "u").read_bytes() == _expected_file("u#f", _gathered(pool, _pieces(range(4)), 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, *(f"p{n}" for n in names), "u"])
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs Linux's O_DIRECT")
+@pytest.mark.parametrize("files_staged", [1, 2])
+def test_a_staged_direct_write_in_flight_keeps_its_bytes(tmp_path, files_staged):
+    """Large staged files written with O_DIRECT one after another (each write in flight
+    while the next file is made and staged): every file holds its own page's bytes,
+    whether the staging holds one file's parts (each waits for the last write) or two."""
+    _needs_direct(tmp_path)
+    sizes, rows = [1 << 20] * 2, 256  # 2 MiB files: each write is still in flight when the next is staged
+    layout = FileLayout("k#f", sizes)
+    step = 4 << 20
+    raw = np.zeros(3 * step + 4096, dtype=np.uint8)
+    pool = raw[-raw.ctypes.data % 4096:][:3 * step]
+    pool[:] = RNG.integers(0, 256, pool.size, dtype=np.uint8)
+    # each part 256 rows of 4 KiB at an 8 KiB stride
+    parts = [(k, layout.offsets[k], [(k * (2 << 20), step, n, (rows, n // rows), (2 * n // rows, 1))])
+             for k, n in enumerate(sizes)]
+    raw_staging = np.zeros(files_staged * sum(sizes) + 4096, dtype=np.uint8)
+    staging = raw_staging[-raw_staging.ctypes.data % 4096:][:files_staged * sum(sizes)]
+    pages = [i % 3 for i in range(8)]
+    files = [(str(tmp_path / f".f{i}.tmp"), str(tmp_path / f"f{i}"), layout.prefix(), page)
+             for i, page in enumerate(pages)]
+    assert list(pageio.write_pages(pool, layout.header_len, layout.total, parts, files, False, *MODES, staging,
+                                   True)) == [0] * len(pages)
+    for i, page in enumerate(pages):
+        gathered = _gathered(pool, parts, page)
+        data = (tmp_path / f"f{i}").read_bytes()
+        assert [data[o:o + len(g)] for o, g in zip(layout.offsets, gathered)] == gathered, f"file {i}"
+        assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs Linux's O_DIRECT")
+def test_a_direct_file_that_fails_is_its_own_and_leaves_nothing(tmp_path):
+    """Among direct writes in flight one after another, a file that cannot be made (a
+    file where its directory should be, a temporary name taken) gets its errno and
+    leaves nothing; the files before and after it are written whole."""
+    _needs_direct(tmp_path)
+    layout = FileLayout("k#f", ALIGNED_SIZES)
+    (tmp_path / "blocked").write_text("a file where a directory should be")
+    (tmp_path / ".taken.tmp").write_text("someone else's")
+    pool = _filled()
+    prefix = layout.prefix()
+    files = [(str(tmp_path / ".a.tmp"), str(tmp_path / "a"), prefix, 0),
+             (str(tmp_path / "blocked" / ".x.tmp"), str(tmp_path / "blocked" / "x"), prefix, 1),
+             (str(tmp_path / ".b.tmp"), str(tmp_path / "b"), prefix, 2),
+             (str(tmp_path / ".taken.tmp"), str(tmp_path / "taken"), prefix, 3),
+             (str(tmp_path / ".c.tmp"), str(tmp_path / "c"), prefix, 3)]
+    parts = _aligned_parts(False)
+    assert list(pageio.write_pages(pool, layout.header_len, layout.total, parts, files, False, *MODES, None,
+                                   True)) == [0, errno.ENOTDIR, 0, errno.EEXIST, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".taken.tmp", "a", "b", "blocked", "c"]
+    assert (tmp_path / ".taken.tmp").read_text() == "someone else's"
+    for name, page in (("a", 0), ("b", 2), ("c", 3)):
+        gathered = _gathered(pool, parts, page)
+        data = (tmp_path / name).read_bytes()
+        assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
+        assert [data[o:o + len(g)] for o, g in zip(layout.offsets, gathered)] == gathered
+
+
 def test_an_object_written_again_is_replaced_whole(tmp_path):
     pool = _filled()
     assert _write(pool, _pieces(range(4)), _files(tmp_path, {"a": 0})) == [0]

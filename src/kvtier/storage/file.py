@@ -303,6 +303,15 @@ def _runs(indices: list[int]) -> list[list[int]]:
     return runs
 
 
+def _follow(parts: list, start: int) -> bool:
+    """Whether ``parts`` (``(offset, buffers)`` each) follow each other from ``start``, no gap between."""
+    for offset, bufs in parts:
+        if offset != start:
+            return False
+        start += sum(len(b) for b in bufs)
+    return True
+
+
 def _aligned(bufs: list, offset: int) -> bool:
     """Whether a read of ``bufs`` at ``offset`` meets direct I/O's alignment (every buffer's
     address and length, and the offset, multiples of ``ALIGN``)."""
@@ -480,12 +489,12 @@ class FileStorage(ThreadedStorage):
         copies = _Page(plan, host_pool, parts, order)
         field = file_field(plan, plan.write_parts)
         stored = [False] * len(keys)
-        # O_DIRECT writes (each buffer in one request) stay on the Python path
-        compiled = pageio.compiled() and not self.direct_writes and copies.compiled([part_name(p) for p in parts])
+        compiled = pageio.compiled() and copies.compiled([part_name(p) for p in parts])
         t0 = time.perf_counter()
 
         def set_chunk(chunk: range) -> None:
-            _, head, staging = self._scratch(head_room, copies)
+            # direct writes: two files' staging, one for the write in flight, one for the next file
+            _, head, staging = self._scratch(head_room, copies, 2 if compiled and self.direct_writes else 1)
             try:
                 written = self._write_compiled(keys, pages, plan, field, copies, chunk, staging) if compiled else ()
             except Exception as e:  # an unexpected fault of the compiled writer: its step's pages are not stored
@@ -600,7 +609,7 @@ class FileStorage(ThreadedStorage):
             files = [(_tmp_path(stem, file_name), f"{stem}.{file_name}", layout.prefix(name), pages[i])
                      for (i, name), stem in zip(todo, stems)]
             status = pageio.write_pages(copies.flat, layout.header_len, layout.total, parts, files, self.fsync,
-                                        self._file_mode, self._dir_mode, staging)
+                                        self._file_mode, self._dir_mode, staging, self.direct_writes)
             if status is None:  # switched off meanwhile (KVTIER_NATIVE=0)
                 return written
             for (i, _), stem, s in zip(todo, stems, status):
@@ -819,19 +828,26 @@ class FileStorage(ThreadedStorage):
         """Write ``parts`` (``(offset, buffers)`` each) and then the header (into ``head``)
         to a new file, renamed to ``<stem>.<name>`` once whole. Each chunk of a part is hashed just
         before it is written, so the kernel's copy reads it from the CPU's cache; the
-        zeros between parts are holes of the file."""
+        zeros between parts are holes of the file. With ``direct_writes``, a file whose
+        parts are aligned and follow the header is hashed first and written with O_DIRECT
+        in one call."""
         shard, tmp = stem.rsplit("/", 1)[0], _tmp_path(stem, name)
-        direct = self.direct_writes and all(_aligned(bufs, offset) for offset, bufs in parts)
+        direct = (self.direct_writes and _follow(parts, layout.header_len)
+                  and all(_aligned(bufs, offset) for offset, bufs in parts))
         fd = self._create(shard, tmp, direct)
         try:
             try:
                 if stat.S_IMODE(os.fstat(fd).st_mode) != self._file_mode:  # the umask took bits
                     os.fchmod(fd, self._file_mode)
                 pageio.preallocate(fd, layout.total)  # one extent: a cold read is one disk request
-                # a direct write moves each buffer in one call: the disk wants large requests
-                sums = pageio.move(fd, parts, write=True, chunk=0 if direct else pageio.WRITE_CHUNK)
-                head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
-                pageio.io_all(os.pwritev, fd, [head], 0)
+                if direct:  # hashed first, then the whole file in one call: the disk wants large requests
+                    # (aligned parts follow the header and each other with no zeros between)
+                    head[:] = np.frombuffer(layout.header([_checksum(bufs) for _, bufs in parts]), dtype=np.uint8)
+                    pageio.io_all(os.pwritev, fd, [head, *(b for _, bufs in parts for b in bufs)], 0)
+                else:
+                    sums = pageio.move(fd, parts, write=True, chunk=pageio.WRITE_CHUNK)
+                    head[:] = np.frombuffer(layout.header(sums), dtype=np.uint8)
+                    pageio.io_all(os.pwritev, fd, [head], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:

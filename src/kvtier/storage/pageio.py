@@ -221,7 +221,7 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
 
 
 def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsync: bool, mode: int,
-                dir_mode: int, staging=None) -> bytes | None:
+                dir_mode: int, staging=None, direct: bool = False) -> bytes | None:
     """Page files of one layout (``header_len``, ``total`` bytes) written from ``pool`` (a
     contiguous buffer) in one compiled call, the GIL released; None where the compiled
     loop is not used (see :func:`compiled`).
@@ -237,15 +237,18 @@ def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsy
     (the prefix, the checksums, zeros); a file no longer than ``WHOLE_WRITE_BYTES`` in
     one call, header first (each write call is a round of the file system's own: a call
     per piece of every part cost puts a fifth or more); fsync'd with ``fsync``, and
-    renamed to its path.
+    renamed to its path. With ``direct``, a file whose header and parts (addresses,
+    lengths, offsets) are multiples of 4096 bytes is written with O_DIRECT: its parts in
+    one call (as vLLM's fs tier writes a block, where a call per part waited on the disk
+    for each), made by a thread beside the caller's while it hashes them and writes the
+    header; others buffered, as without it.
     Per file one status: 0 written, else the errno of what failed (at most 255); a
     file that fails leaves nothing behind. Raises ``ValueError`` (nothing written) for
     a piece of any page outside ``pool`` or parts that do not end the file."""
     if not compiled() or not hasattr(_pageio[0], "write_pages"):  # an extension built before it
         return None
-    extra = () if staging is None else (staging,)
     chunk = 0 if total <= WHOLE_WRITE_BYTES else WRITE_CHUNK  # 0: the whole file in one call
-    return _pageio[0].write_pages(pool, header_len, total, parts, files, chunk, fsync, mode, dir_mode, *extra)
+    return _pageio[0].write_pages(pool, header_len, total, parts, files, chunk, fsync, mode, dir_mode, staging, direct)
 
 
 def _skip(bufs: list, n: int) -> list:
