@@ -48,6 +48,17 @@ class MatchResult:
                           storage_len=storage_len, last_node=last_node, path=path,
                           tokens=array("q") if tokens is None else tokens, salt=salt, peeked=peeked, groups=groups)
 
+    @classmethod
+    def made(cls, device_indices: torch.Tensor, device_len: int, host_len: int, storage_len: int,
+             last_node: object, path: tuple, tokens: array, salt: bytes, groups: dict | None) -> "MatchResult":
+        """A result with every field given (not peeked): what ``__init__`` makes, without
+        the call through the type and its defaults (0.6 -> 0.4 us, a full hit's 2%)."""
+        self = object.__new__(cls)
+        self.__dict__.update(device_indices=device_indices, device_len=device_len, host_len=host_len,
+                             storage_len=storage_len, last_node=last_node, path=path, tokens=tokens, salt=salt,
+                             peeked=False, groups=groups)
+        return self
+
     @property
     def cached_len(self) -> int:
         """Tokens whose KV the device can have without recomputation (device + host)."""
