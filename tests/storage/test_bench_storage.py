@@ -64,3 +64,24 @@ def test_every_file_put_starts_with_the_last_ones_writeback_done(monkeypatch):
     assert events.count("sync") == 3 * clients
     assert [e for e in events if e == "put"] == ["put"] * 3 and all(
         events[i - 1] == "sync" for i, e in enumerate(events) if e == "put")
+
+
+def _result(direct_writes: bool, kvtier_put: float, o_direct_put: float | None) -> dict:
+    rows = [{"backend": "file", "op": "put", "kvtier_median_gbps": kvtier_put, "raw_median_gbps": 9.0},
+            {"backend": "file vs vllm fs buffered", "op": "put", "kvtier_median_gbps": kvtier_put,
+             "raw_median_gbps": 0.8},
+            {"backend": "file vs vllm fs o_direct", "op": "get", "kvtier_median_gbps": 1.0, "raw_median_gbps": 9.0}]
+    if o_direct_put is not None:
+        rows.append({"backend": "file vs vllm fs o_direct", "op": "put", "kvtier_median_gbps": kvtier_put,
+                     "raw_median_gbps": o_direct_put})
+    return {"config": {"direct_writes": direct_writes}, "rows": rows}
+
+
+def test_the_write_mode_advice_comes_where_o_direct_puts_beat_buffered_ones():
+    """Only where vLLM's O_DIRECT puts beat kvtier's buffered ones in the median rounds,
+    and never for a run that wrote with O_DIRECT already or had no O_DIRECT peer."""
+    advice = bench.write_mode_advice(_result(False, 0.86, 2.10))
+    assert "2.10 GB/s" in advice and "0.86" in advice and "direct_writes=true" in advice
+    assert bench.write_mode_advice(_result(False, 9.6, 2.4)) is None
+    assert bench.write_mode_advice(_result(True, 0.86, 2.10)) is None
+    assert bench.write_mode_advice(_result(False, 0.86, None)) is None

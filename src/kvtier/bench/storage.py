@@ -221,6 +221,24 @@ def _measure(name, store, raw, host, idx, keys, payload, objects, repeat, peers=
     return rows
 
 
+def write_mode_advice(result: dict) -> str | None:
+    """A line for an operator where this run's O_DIRECT puts (vLLM's fs tier's) beat
+    kvtier's buffered ones: on such a machine buffered writes are the slow ones (a page
+    cache that takes new memory slowly, a disk whose writeback stalls), and
+    ``direct_writes`` writes with O_DIRECT too. None elsewhere, and for a run that
+    already wrote with it."""
+    if result["config"]["direct_writes"]:
+        return None
+    puts = {r["backend"]: r for r in result["rows"] if r["op"] == "put"}
+    direct = puts.get("file vs vllm fs o_direct")
+    if direct is None or direct["raw_median_gbps"] <= direct["kvtier_median_gbps"]:
+        return None
+    return (f"O_DIRECT puts (vLLM's fs tier) ran at {direct['raw_median_gbps']:.2f} GB/s here, kvtier's buffered "
+            f"ones at {direct['kvtier_median_gbps']:.2f} (median rounds): buffered writes are the slow ones on this "
+            "machine. A file store opened with direct_writes=true (--direct-writes here) writes with O_DIRECT too; "
+            "warm gets then read from disk.")
+
+
 def _nothing() -> None:
     pass
 

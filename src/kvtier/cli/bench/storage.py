@@ -61,4 +61,7 @@ def command(args: argparse.Namespace) -> int:
                 ["backend", "op", "objects", "GB", "kvtier GB/s", "raw/peer GB/s", "x raw/peer", "x median"], rows)
     for name, why in result["skipped"].items():
         print(f"skipped {name}: {why}")
+    advice = storage.write_mode_advice(result)
+    if advice:
+        print(advice)
     return 0
