@@ -7,7 +7,9 @@
  * staged pieces gathered from the pool into staging, the file's bytes written in as
  * few calls as its chunks allow (write_body), fsync where asked, and the rename to the
  * object's name. A file that fails anywhere is removed and gets its errno as its
- * status: the caller's own path writes it again and judges the fault.
+ * status: the caller's own path writes it again and judges the fault. With direct,
+ * an aligned file is written with O_DIRECT in one request left in flight while the
+ * next file is made (write_direct).
  *
  * NOTE: the Python loop spent about as long on a page_first page's gather (numpy's
  * copyto of its strided pieces, 0.23 ms a 1.4 MiB page) and its file calls as the
@@ -449,8 +451,10 @@ const char write_pages_doc[] =
     "no longer than ``chunk`` (or ``chunk`` 0), in one call from offset 0 with its header\n"
     "first, fsync'd with ``fsync``, and renamed to its path. With ``direct``, a file whose\n"
     "header and parts (addresses, lengths and offsets) are multiples of 4096 bytes is\n"
-    "written with O_DIRECT, in one call from offset 0 with its header first (others, or\n"
-    "all where the file system refuses O_DIRECT, as without it). One status byte per\n"
+    "written with O_DIRECT in one request from offset 0, header first, left in flight\n"
+    "while the next file is made (staged parts in a second stretch of ``staging`` where\n"
+    "it holds two files' worth); others, or all where the file system refuses O_DIRECT,\n"
+    "as without it. One status byte per\n"
     "file: 0 written, else the errno of what failed (255 for one above 254); a file that\n"
     "fails leaves nothing behind.";
 

@@ -238,10 +238,12 @@ def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsy
     one call, header first (each write call is a round of the file system's own: a call
     per piece of every part cost puts a fifth or more); fsync'd with ``fsync``, and
     renamed to its path. With ``direct``, a file whose header and parts (addresses,
-    lengths, offsets) are multiples of 4096 bytes is written with O_DIRECT: its parts in
-    one call (as vLLM's fs tier writes a block, where a call per part waited on the disk
-    for each), made by a thread beside the caller's while it hashes them and writes the
-    header; others buffered, as without it.
+    lengths, offsets) are multiples of 4096 bytes is written with O_DIRECT in one
+    request, header first (as vLLM's fs tier writes a block, where a call per part
+    waited on the disk for each), left in flight (the thread's Linux AIO context) while
+    the next file is made, staged and hashed; others buffered, as without it. ``staging``
+    then holds two files' staged parts where it can (else each file waits for the last
+    one's write before it is staged).
     Per file one status: 0 written, else the errno of what failed (at most 255); a
     file that fails leaves nothing behind. Raises ``ValueError`` (nothing written) for
     a piece of any page outside ``pool`` or parts that do not end the file."""
