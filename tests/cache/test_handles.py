@@ -6,7 +6,10 @@ import threading
 import pytest
 import torch
 
-from kvtier.cache.handles import LoadHandle
+from array import array
+from dataclasses import FrozenInstanceError, fields
+
+from kvtier.cache.handles import LoadHandle, MatchResult
 
 
 def handle(layers=4, depends=()):
@@ -75,3 +78,17 @@ def test_a_layer_outside_the_handle_is_an_index_error_even_when_finished():
     with pytest.raises(IndexError):
         h.wait_layer(4)
     assert h.wait_layer(-1)  # Python's negative index, as a list of events took it
+
+
+def test_the_caches_own_match_result_is_the_one_init_makes():
+    """``MatchResult.made`` (the cache's constructor, every field given) sets each field as
+    ``__init__`` does (the same objects), is not peeked and stays frozen."""
+    args = (torch.arange(8), 8, 4, 0, object(), ("a", "b"), array("q", range(12)), b"t")
+    groups = {"swa": torch.full((8,), -1)}
+    made = MatchResult.made(*args, groups)
+    init = MatchResult(*args, groups=groups)
+    assert [getattr(made, f.name) is getattr(init, f.name) or getattr(made, f.name) == getattr(init, f.name)
+            for f in fields(MatchResult)] == [True] * len(fields(MatchResult))
+    assert made.peeked is False and made.cached_len == 12 and made.groups is groups
+    with pytest.raises(FrozenInstanceError):
+        made.device_len = 0
