@@ -18,7 +18,8 @@ from kvtier.storage.pagefile import ALIGN
 from kvtier.layout import LAYOUTS
 from tests.support.pools import SPECS, bits
 from tests.support.services import unavailable
-from tests.support.storage import blank_host, filled_host, flat_pages, shard_flat
+from tests.support.storage import (blank_host, cached_pages_of, direct_allowed, filled_host, flat_pages,
+                                   shard_flat)
 
 SPEC = SPECS["asym"]  # one file a page of 4 parts (head groups of the 4 K and 4 V heads), 480 bytes each
 
@@ -234,17 +235,6 @@ NEEDS_DIRECT = pytest.mark.skipif(not (hasattr(os, "O_DIRECT") and hasattr(os, "
                                   reason="needs Linux's O_DIRECT and RWF_NOWAIT")
 
 
-def _direct_allowed(directory) -> bool:
-    probe = directory / "direct-probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-
-
 @NEEDS_DIRECT
 @pytest.mark.parametrize("layout", ["page_head", "page_first"])
 def test_cold_aligned_pages_read_with_direct_io_bit_exactly(tmp_path, monkeypatch, layout):
@@ -252,7 +242,7 @@ def test_cold_aligned_pages_read_with_direct_io_bit_exactly(tmp_path, monkeypatc
     compiler, KVTIER_NATIVE=0): files whose header is not cached are read with O_DIRECT
     (aligned parts, in place or staged), cached ones buffered; both bit-exact, a damaged
     part still a miss."""
-    if not _direct_allowed(tmp_path):
+    if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     monkeypatch.setenv("KVTIER_NATIVE", "0")
     host, idx = filled_host(ALIGNED, 4, page_size=16, seed=11, layout=layout)  # files of the reader's order
@@ -298,7 +288,7 @@ def test_the_compiled_reader_reads_cached_files_and_cold_ones_with_direct_io(tmp
     written (cached) buffered straight into the pool, once dropped from the page cache
     with O_DIRECT through staging (copied out once the file checks out), both
     bit-exact; a damaged part is a miss (judged and deleted by the per-file path)."""
-    if not _direct_allowed(tmp_path):
+    if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     host, idx = filled_host(ALIGNED, 4, page_size=16, layout=layout, seed=15)
     store = kvtier.storage.open(f"file://{tmp_path}")
@@ -396,13 +386,8 @@ def test_a_filesystem_without_direct_io_reads_buffered(monkeypatch, tmp_path):
 
 def _cached_share(path) -> float | None:
     """The share of ``path``'s pages in the page cache (None where it cannot be counted)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        cached = pageio.cached_pages(fd, 0, size)
-    finally:
-        os.close(fd)
-    return None if cached is None else cached / -(-size // 4096)
+    cached = cached_pages_of(path)
+    return None if cached is None else cached / -(-os.path.getsize(path) // 4096)
 
 
 @NEEDS_DIRECT
@@ -413,7 +398,7 @@ def test_direct_writes_round_trip_bit_exactly(tmp_path, monkeypatch, layout, nat
     staging; by the compiled writer, or the per-file path where it is not used): their
     files are out of the page cache once written, unaligned ones (written buffered) in
     it; all read back bit-exactly, from a new store too."""
-    if not _direct_allowed(tmp_path):
+    if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     if native == "python":
         monkeypatch.setattr(pageio, "write_pages", lambda *a, **k: None)
@@ -423,11 +408,10 @@ def test_direct_writes_round_trip_bit_exactly(tmp_path, monkeypatch, layout, nat
     host, idx = filled_host(ALIGNED, 4, page_size=16, layout=layout, seed=13)
     keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="w")
     assert store.batch_set(keys, host, idx) == [True] * 4
-    aligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("direct-probe"))
+    aligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())
     small, sidx = filled_host(SPEC, 2, seed=14)  # 480-byte parts: no O_DIRECT
     assert store.batch_set(keys_for(2), small, sidx) == [True] * 2
-    unaligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and str(p) not in aligned
-                       and not p.name.startswith("direct-probe"))
+    unaligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and str(p) not in aligned)
     assert len(aligned) == 4 and len(unaligned) == 2 and store.direct_writes
     shares = [_cached_share(p) for p in aligned + unaligned]
     if None in shares:

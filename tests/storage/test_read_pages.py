@@ -16,6 +16,7 @@ from kvtier.bench.storage import evict_cached
 from kvtier.storage import pageio
 from kvtier.storage.pagefile import ALIGN, FileLayout
 from tests.support.services import unavailable
+from tests.support.storage import direct_allowed
 
 RNG = np.random.default_rng(17)
 SIZES = [2 * ALIGN, 2 * ALIGN, 2 * ALIGN, ALIGN + 100]  # the last part unaligned, as a rep part may be
@@ -137,22 +138,13 @@ def test_a_piece_outside_the_pool_is_refused_before_any_byte_moves(tmp_path):
     assert not pool.any()
 
 
-def _direct_allowed(directory) -> bool:
-    try:
-        os.close(os.open(directory / "direct-probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600))
-        return hasattr(os, "O_DIRECT")
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("wanted", [range(4), [1, 3], [0, 1]], ids=["all", "gaps", "first-two"])
 def test_cold_files_are_read_with_direct_io_bit_exactly(tmp_path, wanted):
     """Out of the page cache, with ``direct``: read with O_DIRECT (so still not cached
     after), one request per run of parts, the unaligned last part buffered; the same
     bytes as a cached read."""
-    if not _direct_allowed(tmp_path):
+    if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
-    (tmp_path / "direct-probe").unlink()
     pages = {"a": 1, "b": 3}
     contents = {name: _write(tmp_path / name, f"{name}#f") for name in pages}
     files, layout = _files(tmp_path, pages)
@@ -202,7 +194,7 @@ def test_staged_parts_are_copied_out_only_once_their_file_checks_out(tmp_path, d
     rows; a file with a damaged part moves no byte into the pool, staged or not. With
     staging for two files or more, a cold file is judged while the next one is read
     into the next stretch."""
-    if direct and not _direct_allowed(tmp_path):
+    if direct and not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     pages = {"a": 0, "b": 3}
     contents = {name: _write(tmp_path / name, f"{name}#f") for name in pages}
@@ -235,9 +227,8 @@ def test_cold_files_are_judged_in_order_while_the_next_is_read(tmp_path):
     """A batch of cold files among missing and damaged ones: each cold file is hashed
     while the next is read, and every status is its own file's (a damaged file between
     good ones is not read, the good ones after it are)."""
-    if not _direct_allowed(tmp_path):
+    if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
-    (tmp_path / "direct-probe").unlink()
     pages = {"a": 0, "b": 2, "c": 3}
     contents = {name: _write(tmp_path / name, f"{name}#f") for name in pages}
     bad = _write(tmp_path / "d", "d#f")
@@ -262,9 +253,8 @@ def test_staged_cold_and_warm_files_of_one_batch_keep_apart(tmp_path):
     """Staging for four files: warm files are read into its first stretch, cold ones in
     turn into the others; a batch of cold, warm, cold, missing and cold files lands
     bit-exactly, each at its page."""
-    if not _direct_allowed(tmp_path):
+    if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
-    (tmp_path / "direct-probe").unlink()
     cold_dir, warm_dir = tmp_path / "cold", tmp_path / "warm"
     cold_dir.mkdir(), warm_dir.mkdir()
     where = {"a": cold_dir, "b": warm_dir, "c": cold_dir, "d": cold_dir}

@@ -19,7 +19,7 @@ from kvtier.storage import pageio
 from kvtier.storage.pagefile import FileLayout
 from tests.storage.test_read_pages import SIZES, STEP, _pieces, _pool, _staged
 from tests.support.services import unavailable
-from tests.support.storage import file_size_limit
+from tests.support.storage import cached_pages_of, direct_allowed, file_size_limit
 
 RNG = np.random.default_rng(23)
 LAYOUT = FileLayout("a#f", SIZES)
@@ -169,21 +169,9 @@ def _aligned_parts(staged: bool) -> list:
             for k, n in enumerate(ALIGNED_SIZES)]
 
 
-def _cached(path) -> int | None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return pageio.cached_pages(fd, 0, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
 def _needs_direct(tmp_path) -> None:
-    probe = tmp_path / "probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
+    if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
-    probe.unlink()
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs Linux's O_DIRECT")
@@ -211,7 +199,7 @@ def test_direct_writes_make_the_same_files_out_of_the_page_cache(tmp_path, how):
     unaligned = _files(tmp_path, {"u": 2})  # its last part 100 bytes over a block
     assert list(pageio.write_pages(pool, LAYOUT.header_len, LAYOUT.total, _pieces(range(4)), unaligned, False,
                                    *MODES, None, True)) == [0]
-    counts = [_cached(tmp_path / n) for n in [*names, *(f"p{n}" for n in names), "u"]]
+    counts = [cached_pages_of(tmp_path / n) for n in [*names, *(f"p{n}" for n in names), "u"]]
     if None in counts:
         unavailable("the page cache's residency cannot be counted here (cachestat, Linux 6.5)")
     pages_each = layout.total // 4096

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import signal
 
 import torch
 
 from kvtier import HostKVPool, KVSpec
+from kvtier.storage import pageio
 from tests.support.pools import bits, random_device_pool
 
 
@@ -106,3 +108,27 @@ def file_size_limit(nbytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def cached_pages_of(path) -> int | None:
+    """How many of the file ``path``'s pages the page cache holds (``pageio.cached_pages``:
+    None where that cannot be counted)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return pageio.cached_pages(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def direct_allowed(directory) -> bool:
+    """Whether a file in ``directory`` opens with O_DIRECT (the probe file removed again)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / "direct-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
