@@ -259,6 +259,19 @@ static int finish_file(const writer_t *w, int fd, const char *tmp, const char *p
     return err;
 }
 
+/* A file's status byte for errno err (0: written; 255 for one above 254). */
+static unsigned char status_of(int err) {
+    return (unsigned char)(err > 254 ? 255 : err);
+}
+
+/* The staged file fd written (write_body) and finished (finish_file): 0, or the errno
+ * of what failed (nothing left behind). */
+static int write_rest(writer_t *w, int fd, const char *tmp, const char *path, const char *prefix,
+                      Py_ssize_t prefix_len) {
+    int err = write_body(w, fd, prefix, prefix_len) < 0 ? (errno ? errno : EIO) : 0;
+    return finish_file(w, fd, tmp, path, err);
+}
+
 #ifdef __linux__
 /* Each thread's Linux AIO context, kept for the thread's life and ended with it: an
  * io_destroy waits for an RCU grace period (about 30 ms on this VM, as long as a whole
@@ -349,7 +362,7 @@ static void pipe_drain(const writer_t *w, pipe_t *q, const files_t *fs, unsigned
 #endif
     Py_ssize_t f = q->file;
     int done = finish_file(w, q->fd, PyBytes_AS_STRING(fs->tmps[f]), PyBytes_AS_STRING(fs->paths[f]), err);
-    status[f] = (unsigned char)(done > 254 ? 255 : done);
+    status[f] = status_of(done);
 }
 
 /* The write of file f (fd, its n stretches in slot s) started, or where AIO cannot be
@@ -389,18 +402,16 @@ static void write_direct(writer_t *w, pipe_t *q, const files_t *fs, Py_ssize_t f
     int s = q->busy ? 1 - q->slot : 0;
     if (q->one_stage)
         pipe_drain(w, q, fs, status); /* room for one file's staged parts: the last one's go first */
-    int fd = create_file(w, tmp), err = 0;
+    int fd = create_file(w, tmp);
     if (fd < 0) {
-        status[f] = (unsigned char)(errno > 254 ? 255 : errno);
+        status[f] = status_of(errno);
         return;
     }
     stage(sh, q->staging[s], fs->pages[f]);
     page_spans(sh, q->staging[s], fs->pages[f], w->spans, 0);
     w->head = q->head[s];
     if (!direct_ok(w) || !set_direct(fd)) {
-        err = write_body(w, fd, fs->prefixes[f], fs->prefix_lens[f]) < 0 ? (errno ? errno : EIO) : 0;
-        err = finish_file(w, fd, tmp, path, err);
-        status[f] = (unsigned char)(err > 254 ? 255 : err);
+        status[f] = status_of(write_rest(w, fd, tmp, path, fs->prefixes[f], fs->prefix_lens[f]));
         return;
     }
     hash_parts(sh, w->spans, w->state, w->sums);
@@ -415,8 +426,7 @@ static void write_direct(writer_t *w, pipe_t *q, const files_t *fs, Py_ssize_t f
     int rc = pipe_start(q, fd, s, n, (size_t)sh->total, f);
     if (q->busy)
         return; /* in flight: pipe_drain finishes it */
-    err = finish_file(w, fd, tmp, path, rc < 0 ? (errno ? errno : EIO) : 0);
-    status[f] = (unsigned char)(err > 254 ? 255 : err);
+    status[f] = status_of(finish_file(w, fd, tmp, path, rc < 0 ? (errno ? errno : EIO) : 0));
 }
 
 /* One page's file written to tmp and renamed to path; 0, or the errno of what failed
@@ -429,8 +439,7 @@ static int write_file(writer_t *w, const char *tmp, const char *path, const char
         return errno ? errno : EIO;
     stage(sh, sh->staging, page);
     page_spans(sh, sh->staging, page, w->spans, 0);
-    int err = write_body(w, fd, prefix, prefix_len) < 0 ? (errno ? errno : EIO) : 0;
-    return finish_file(w, fd, tmp, path, err);
+    return write_rest(w, fd, tmp, path, prefix, prefix_len);
 }
 
 const char write_pages_doc[] =
@@ -562,9 +571,8 @@ PyObject *write_pages(PyObject *self, PyObject *args) {
         w.head = q.head[0];
     } else {
         for (Py_ssize_t f = 0; f < fs.n; f++) {
-            int err = write_file(&w, PyBytes_AS_STRING(fs.tmps[f]), PyBytes_AS_STRING(fs.paths[f]), fs.prefixes[f],
-                                 fs.prefix_lens[f], fs.pages[f]);
-            status[f] = (unsigned char)(err > 254 ? 255 : err);
+            status[f] = status_of(write_file(&w, PyBytes_AS_STRING(fs.tmps[f]), PyBytes_AS_STRING(fs.paths[f]),
+                                             fs.prefixes[f], fs.prefix_lens[f], fs.pages[f]));
         }
     }
     Py_END_ALLOW_THREADS
