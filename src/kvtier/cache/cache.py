@@ -221,20 +221,17 @@ class HierarchicalCache:
         """The longest cached prefix of ``token_ids`` (whole pages), tier by tier.
         Counts as one request in the statistics and the pages' hit counts."""
         tokens, salt = token_array(token_ids), canonical_salt(salt)
-        if self._closed:
-            self._check_open()
+        self._check_open()
         # NOTE: the steps a uniform spec without storage skips are tested here, not called:
         # a call that returns at once costs 60-80 ns, a full hit's 10.8 us had eight
         hybrid, stored = self._sides is not None, self.storage is not None
         probe = [] if hybrid else None
         with self._lock:
-            state = self._state
-            path, device_len, host_len = state.match(tokens, salt, probe)
+            path, device_len, host_len = self._state.match(tokens, salt, probe)
             if self._selective:
                 self._hit(path)
             parent_key = self._parent_key(path) if stored else None
-            device = state.device_slots(path)
-            last = path[-1] if path else state.tree.root(salt)
+            device, last = self._ends(path, salt)
             groups = self._groups(path, device_len, probe) if hybrid else None
             asked = self._probe_keys(tokens, probe, salt) if hybrid and stored else None
         storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0] if stored else 0
