@@ -216,6 +216,26 @@ def test_direct_writes_make_the_same_files_out_of_the_page_cache(tmp_path, how):
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs Linux's O_DIRECT")
+def test_a_direct_write_keeps_the_zeros_of_block_aligned_gaps(tmp_path):
+    """Parts whole blocks further apart than the format puts them: every stretch aligned,
+    but zeros between two parts, which one request of the stretches back to back would
+    drop. The file holds each part at its offset and zeros between, as a buffered write."""
+    _needs_direct(tmp_path)
+    layout, shift = FileLayout("g#f", ALIGNED_SIZES), 2 * 4096
+    parts = [(k, offset + (k > 1) * shift, pieces) for k, offset, pieces in _aligned_parts(False)]
+    pool = _filled()
+    files = [(str(tmp_path / ".g.tmp"), str(tmp_path / "g"), layout.prefix(), 1)]
+    assert list(pageio.write_pages(pool, layout.header_len, layout.total + shift, parts, files, False, *MODES, None,
+                                   True)) == [0]
+    data, gathered = (tmp_path / "g").read_bytes(), _gathered(pool, parts, 1)
+    offsets = [offset for _, offset, _ in parts]
+    assert len(data) == layout.total + shift
+    assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
+    assert [data[o:o + len(g)] for o, g in zip(offsets, gathered)] == gathered
+    assert data[offsets[1] + len(gathered[1]):offsets[2]] == bytes(shift)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs Linux's O_DIRECT")
 @pytest.mark.parametrize("files_staged", [1, 2])
 def test_a_staged_direct_write_in_flight_keeps_its_bytes(tmp_path, files_staged):
     """Large staged files written with O_DIRECT one after another (each write in flight

@@ -113,21 +113,26 @@ static void hash_written(writer_t *w, int nd) {
     }
 }
 
-/* Whether a file whose parts are in spans can be written with O_DIRECT: its header
- * and every stretch of its parts (address, length and file offset) multiples of ALIGN,
- * so that no zeros lie between them. */
+/* Whether a file whose parts are in spans can be written with O_DIRECT as one request
+ * of its header and stretches back to back: the header and every stretch (address and
+ * length) multiples of ALIGN, each part starting where the one before ends (the first
+ * where the header ends), the last ending the file. A layout with zeros between parts
+ * (write_body writes them) is not. */
 static int direct_ok(const writer_t *w) {
     const shape_t *sh = w->sh;
     if (sh->header_len % ALIGN)
         return 0;
+    long long at = sh->header_len;
     for (Py_ssize_t p = 0; p < sh->nparts; p++) {
-        if (sh->parts[p].offset % ALIGN)
+        if (sh->parts[p].offset != at)
             return 0;
-        for (Py_ssize_t b = sh->parts[p].first; b < sh->parts[p].first + sh->parts[p].count; b++)
+        for (Py_ssize_t b = sh->parts[p].first; b < sh->parts[p].first + sh->parts[p].count; b++) {
             if ((uintptr_t)w->spans[b].at % ALIGN || w->spans[b].len % ALIGN)
                 return 0;
+            at += (long long)w->spans[b].len;
+        }
     }
-    return 1;
+    return at == sh->total;
 }
 
 /* O_DIRECT set on fd: 1, or 0 where the file system refuses it (the file is then
