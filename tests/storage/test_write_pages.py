@@ -265,6 +265,43 @@ def test_a_staged_direct_write_in_flight_keeps_its_bytes(tmp_path, files_staged)
         assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT") or not hasattr(os, "fork"), reason="needs Linux's O_DIRECT and fork")
+def test_a_forked_child_writes_direct_files_whole(tmp_path):
+    """The writer keeps an AIO context per thread, and a fork does not carry it over: a
+    child whose thread took the parent's (stale) context writes each direct file itself,
+    whole and out of the page cache, as the parent does with its own."""
+    _needs_direct(tmp_path)
+    layout, parts, pool = FileLayout("k#f", ALIGNED_SIZES), _aligned_parts(False), _filled()
+
+    def batch(tag: str) -> list:
+        return [(str(tmp_path / f".{tag}{i}.tmp"), str(tmp_path / f"{tag}{i}"), layout.prefix(), i % 4)
+                for i in range(6)]
+
+    def write(files) -> list:
+        return list(pageio.write_pages(pool, layout.header_len, layout.total, parts, files, False, *MODES, None,
+                                       True))
+
+    assert write(batch("p")) == [0] * 6  # this thread's context is made here
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code alone
+        try:
+            os._exit(0 if write(batch("c")) == [0] * 6 else 1)
+        except BaseException:
+            os._exit(2)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert write(batch("q")) == [0] * 6  # and the parent's context still serves it
+    counts = [cached_pages_of(tmp_path / f"{tag}{i}") for tag in "pcq" for i in range(6)]  # (before reading them)
+    for i in range(6):
+        gathered = _gathered(pool, parts, i % 4)
+        for tag in "pcq":
+            data = (tmp_path / f"{tag}{i}").read_bytes()
+            assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
+            assert [data[o:o + len(g)] for o, g in zip(layout.offsets, gathered)] == gathered, f"{tag}{i}"
+    if None in counts:
+        unavailable("the page cache's residency cannot be counted here (cachestat, Linux 6.5)")
+    assert counts == [0] * 18
+
+
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs Linux's O_DIRECT")
 def test_a_direct_file_that_fails_is_its_own_and_leaves_nothing(tmp_path):
     """Among direct writes in flight one after another, a file that cannot be made (a
