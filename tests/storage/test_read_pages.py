@@ -6,6 +6,7 @@ status; a piece outside the pool is refused before any byte moves."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -136,6 +137,66 @@ def test_a_piece_outside_the_pool_is_refused_before_any_byte_moves(tmp_path):
         pageio.read_pages(pool, layout.header_len, layout.total, 4, [(0, layout.offsets[0], [(-1, 0, 1)])],
                           files[:1], False)
     assert not pool.any()
+
+
+BIG = 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("nsums, piece, message", [
+    (2 ** 61, (0, 0, 16), "2305843009213693952 checksums exceed the header"),  # 8 * nsums wraps to 0
+    (4, (BIG - 7, 0, 16), "outside the pool"),  # start + bytes wraps negative
+    (4, (0, 0, 2 * ALIGN, (2, ALIGN), (BIG, 1)), "reach past 2"),  # the rows' reach wraps
+    (4, (0, 0, 2 * ALIGN, (2 ** 62, 2, ALIGN), (0, ALIGN, 1)), "reach past 2"),  # the item count wraps
+    (4, (0, BIG, 16), "page 1 puts piece 0 outside"),  # page * step past the pool
+], ids=["checksums", "start", "stride", "dims", "step"])
+def test_numbers_that_wrap_past_2_63_are_refused_before_any_byte_moves(tmp_path, nsums, piece, message):
+    """Sizes and offsets whose sums or products pass 2^63 (which wrapped and passed the
+    pool's and the header's bounds, then read or wrote far outside them): ValueError,
+    of an intact file, with the pool untouched."""
+    _write(tmp_path / "a", "a#f")
+    files, layout = _files(tmp_path, {"a": 1})
+    pool, staging = _pool(), _pool()
+    with pytest.raises(ValueError, match=message):
+        pageio.read_pages(pool, layout.header_len, layout.total, nsums, [(0, layout.offsets[0], [piece])], files,
+                          False, staging)
+    assert not pool.any()
+
+
+def test_a_files_list_emptied_during_the_call_is_read_whole(tmp_path):
+    """The call reads the files' prefixes with the GIL released: another thread that
+    empties the caller's list meanwhile (it held the only reference to each prefix) and
+    allocates as much again, which takes the freed memory, changes nothing: every file
+    is read."""
+    n, size, prefix_len = 32, 4 << 20, 60 << 10  # prefixes below malloc's mmap threshold: freed, then reused
+    header_len = (prefix_len + 8 + ALIGN - 1) // ALIGN * ALIGN
+    part = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    part[0] = 0  # (not the pool's 1s: its first byte tells when the first file lands)
+    digest = xxhash.xxh3_64_intdigest(part).to_bytes(8, "little")
+    files = []
+    for i in range(n):
+        prefix = os.urandom(prefix_len)
+        with open(tmp_path / f"f{i}", "wb") as f:
+            f.write(prefix + digest + bytes(header_len - prefix_len - 8) + part.tobytes())
+        files.append((str(tmp_path / f"f{i}"), prefix, 0))
+    del prefix
+    raw = np.zeros(size + ALIGN, dtype=np.uint8)
+    pool = raw[-raw.ctypes.data % ALIGN:][:size]
+    pool[:] = 1  # (its memory touched first: the call is then the files' reads)
+    got = {}
+
+    def read():
+        parts = [(0, header_len, [(0, 0, size)])]
+        got["status"] = list(pageio.read_pages(pool, header_len, header_len + size, 1, parts, files, False))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while pool[0] == 1 and reader.is_alive() and time.monotonic() < deadline:
+        pass  # until the call is under way: the first of its files landed
+    files.clear()
+    taken = [os.urandom(prefix_len) for _ in range(2 * n)]  # noqa: F841 (held until the call is done)
+    reader.join()
+    assert got == {"status": [pageio.READ] * n} and np.array_equal(pool, part)
 
 
 @pytest.mark.parametrize("wanted", [range(4), [1, 3], [0, 1]], ids=["all", "gaps", "first-two"])

@@ -3,7 +3,24 @@
 #include "_pageio.h"
 #include "../_lines.h"
 
+#include <limits.h>
 #include <string.h>
+
+/* a * b of non-negative a and b into *out: 0, or -1 where it would pass LLONG_MAX. */
+static int mul_nn(long long a, long long b, long long *out) {
+    if (a && b > LLONG_MAX / a)
+        return -1;
+    *out = a * b;
+    return 0;
+}
+
+/* a + b of non-negative a and b into *out: 0, or -1 where it would pass LLONG_MAX. */
+static int add_nn(long long a, long long b, long long *out) {
+    if (b > LLONG_MAX - a)
+        return -1;
+    *out = a + b;
+    return 0;
+}
 
 /* Piece k's dims and byte strides (None, None: in place) and its extent in the pool;
  * 0, or -1 with an exception set. */
@@ -30,18 +47,25 @@ static int parse_dims(shape_t *sh, Py_ssize_t k, long long nbytes, PyObject *dim
             PyErr_Format(PyExc_ValueError, "%s: piece %zd: dims must be positive, strides not negative", sh->what, k);
             goto done;
         }
-        count *= sh->dims[k][i];
-        if (i < nd - 1)
-            extent += (sh->dims[k][i] - 1) * sh->strides[k][i];
+        long long reach = 0; /* NOTE: checked, as every sum here: a wrapped extent would pass the pool's bound */
+        if (mul_nn(count, sh->dims[k][i], &count) < 0 ||
+            (i < nd - 1 && (mul_nn(sh->dims[k][i] - 1, sh->strides[k][i], &reach) < 0 ||
+                            add_nn(extent, reach, &extent) < 0)))
+            goto too_far;
     }
-    long long item = count ? nbytes / count : 0, row = sh->dims[k][nd - 1] * item;
+    long long item = count ? nbytes / count : 0, row = sh->dims[k][nd - 1] * item; /* (row <= nbytes) */
     if (!item || item * count != nbytes || sh->strides[k][nd - 1] != item) {
         PyErr_Format(PyExc_ValueError, "%s: piece %zd: %lld bytes in dims of %lld items, the last dim "
                      "contiguous", sh->what, k, nbytes, count);
         goto done;
     }
-    sh->ndim[k] = (int)nd, sh->extent[k] = extent + row;
+    if (add_nn(extent, row, &extent) < 0)
+        goto too_far;
+    sh->ndim[k] = (int)nd, sh->extent[k] = extent;
     rc = 0;
+    goto done;
+too_far:
+    PyErr_Format(PyExc_ValueError, "%s: piece %zd: dims and strides reach past 2^63 bytes", sh->what, k);
 done:
     Py_XDECREF(d);
     Py_XDECREF(s);
@@ -140,7 +164,8 @@ int parse_parts(PyObject *parts_obj, shape_t *sh) {
                 goto done;
             }
             part_staged = sh->ndim[k] > 0;
-            if (sh->start[k] < 0 || sh->step[k] < 0 || nbytes < 0 || sh->start[k] + sh->extent[k] > sh->flat_len) {
+            if (sh->start[k] < 0 || sh->step[k] < 0 || nbytes < 0 || sh->extent[k] > sh->flat_len ||
+                sh->start[k] > sh->flat_len - sh->extent[k]) {
                 PyErr_Format(PyExc_ValueError, "%s: piece (%lld, %lld, %lld) outside the pool's %lld bytes", sh->what,
                              sh->start[k], sh->step[k], nbytes, sh->flat_len);
                 goto done;
@@ -148,7 +173,8 @@ int parse_parts(PyObject *parts_obj, shape_t *sh) {
             sh->len[k] = (size_t)nbytes;
             sh->stage_at[k] = staged + part_bytes;
             part_bytes += nbytes;
-            end += nbytes;
+            if (add_nn(end, nbytes, &end) < 0)
+                end = LLONG_MAX; /* past any file: refused below */
         }
         if (part_staged == 1)
             staged += (part_bytes + ALIGN - 1) / ALIGN * ALIGN;
@@ -189,7 +215,10 @@ done:
 }
 
 int parse_files(const shape_t *sh, PyObject *files_obj, int with_tmp, files_t *fs) {
-    PyObject *seq = PySequence_Fast(files_obj, "files must be a sequence");
+    /* NOTE: a tuple of the caller's file tuples, not the caller's list itself: the
+     * prefixes are read with the GIL released, and a list another thread empties
+     * meanwhile would free them */
+    PyObject *seq = PySequence_Tuple(files_obj);
     if (!seq)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), m = n ? n : 1;
@@ -214,7 +243,8 @@ int parse_files(const shape_t *sh, PyObject *files_obj, int with_tmp, files_t *f
             goto done;
         fs->prefixes[f] = PyBytes_AS_STRING(prefix), fs->prefix_lens[f] = PyBytes_GET_SIZE(prefix);
         fs->pages[f] = page;
-        if (fs->prefix_lens[f] + 8 * sh->nsums > sh->header_len) {
+        if (sh->nsums < 0 || fs->prefix_lens[f] > sh->header_len ||
+            sh->nsums > (sh->header_len - fs->prefix_lens[f]) / 8) {
             PyErr_Format(PyExc_ValueError, "%s: file %zd: a prefix of %zd bytes and %zd checksums exceed the "
                          "header's %lld bytes", sh->what, f, fs->prefix_lens[f], sh->nsums, sh->header_len);
             goto done;
