@@ -1,7 +1,13 @@
 """File backend reads: staging reused across steps, calls and threads; a bad object in the
 middle of a batch; a fault mid-batch; every copy width of the page plans."""
 
+import contextlib
+import errno
+import io
+import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,6 +22,7 @@ from kvtier.bench.storage import evict_cached
 from kvtier.storage import pageio
 from kvtier.storage.pagefile import ALIGN
 from kvtier.layout import LAYOUTS
+from tests.support import seccomp
 from tests.support.pools import SPECS, bits
 from tests.support.services import unavailable
 from tests.support.storage import (blank_host, cached_pages_of, direct_allowed, filled_host, flat_pages,
@@ -382,6 +389,63 @@ def test_a_filesystem_without_direct_io_reads_buffered(monkeypatch, tmp_path):
     assert store.batch_get(keys, reader, ridx) == [True] * 2
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
     assert store.direct_io is False
+
+
+@pytest.fixture
+def tmpfs_dir():
+    """A new directory on a tmpfs (``/dev/shm``), removed after the test."""
+    mounts = Path("/proc/mounts").read_text().split("\n") if Path("/proc/mounts").exists() else []
+    if not any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts if line):
+        pytest.skip("no tmpfs at /dev/shm here")
+    path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_TMPFS_ROUND_TRIP = """
+import json, os, torch
+import kvtier.storage
+from kvtier import KVSpec
+from kvtier.storage import pageio
+from tests.support.storage import blank_host, filled_host, flat_pages
+root, spec = {root!r}, KVSpec.mha(2, 2, 64)
+store = kvtier.storage.open(f"file://{{root}}")
+host, idx = filled_host(spec, 3, page_size=16, layout="page_head", seed=5)
+keys = kvtier.storage.page_keys(list(range(48)), 16, namespace="t")
+put = store.batch_set(keys, host, idx)
+reader, ridx = blank_host(spec, 48, page_size=16, layout="page_head")
+got = store.batch_get(keys, reader, ridx)
+same = all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
+fd = os.open(root, os.O_RDONLY)
+print(json.dumps({{"compiled": pageio.compiled(), "cachestat": pageio.cached_pages(fd, 0, 1) is not None,
+                  "put": put, "got": got, "same": same, "errors": store.stats()["errors"]}}))
+"""
+
+
+@pytest.mark.parametrize("how", ["python", "compiled"])
+def test_a_store_on_tmpfs_reads_its_pages_where_the_page_cache_cannot_be_counted(tmpfs_dir, monkeypatch, how):
+    """Where ``cachestat`` cannot be asked (the Python path, a kernel before 6.5, a sandbox
+    that forbids it), the cold check asks for a file's header without waiting; tmpfs
+    answers that with EOPNOTSUPP, which made every get of a store on it an error and a
+    miss. A tmpfs file is in memory: it is read as cached. The compiled path runs in a
+    child whose ``cachestat`` fails with ENOSYS, as on an older kernel."""
+    code = _TMPFS_ROUND_TRIP.format(root=str(tmpfs_dir))
+    if how == "python":
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "<tmpfs round trip>", "exec"), {"__name__": "tmpfs_round_trip"})
+        result = json.loads(out.getvalue())
+    else:
+        if not seccomp.available():
+            pytest.skip("no seccomp filter for this machine's system call numbers")
+        child = seccomp.run_denied("cachestat", errno.ENOSYS, code)
+        assert child.returncode == 0, child.stderr[-2000:]
+        result = json.loads(child.stdout)
+        if not result["compiled"]:
+            unavailable("kvtier.storage._pageio is not built or bound")
+    assert result["cachestat"] is False  # (the check that takes the header's path)
+    assert result == {**result, "put": [True] * 3, "got": [True] * 3, "same": True, "errors": 0}
 
 
 def _cached_share(path) -> float | None:

@@ -240,10 +240,14 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
 #if defined(__linux__) && defined(RWF_NOWAIT)
             struct iovec iov = {r->head, header_len};
             ssize_t n = preadv2(r->fd, &iov, 1, 0, RWF_NOWAIT);
-            if (n < 0 && errno != EAGAIN)
-                goto out;
-            cold = n != (ssize_t)header_len;
-            have_head = !cold;
+            if (n < 0 && (errno == EOPNOTSUPP || errno == EINVAL || errno == ENOSYS)) {
+                cold = 0; /* a file system that cannot be asked without waiting (tmpfs): read as cached */
+            } else {
+                if (n < 0 && errno != EAGAIN)
+                    goto out;
+                cold = n != (ssize_t)header_len;
+                have_head = !cold;
+            }
 #else
             cold = 0;
 #endif

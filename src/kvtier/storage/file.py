@@ -81,6 +81,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # Cold reads bypass the page cache where the platform and the filesystem allow it
 _O_DIRECT, _RWF_NOWAIT = getattr(os, "O_DIRECT", 0), getattr(os, "RWF_NOWAIT", 0)
+#: what a file system that cannot read without waiting answers ``RWF_NOWAIT`` with (tmpfs: EOPNOTSUPP)
+_NO_NOWAIT = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PROBE = 16 * _PAGE  # bytes of a large file whose cached pages are counted at each of three places
 
@@ -792,6 +794,10 @@ class FileStorage(ThreadedStorage):
             have = os.preadv(fd, [head], 0, _RWF_NOWAIT) == len(head)
         except BlockingIOError:
             have = False
+        except OSError as e:
+            if e.errno not in _NO_NOWAIT:
+                raise
+            return False, False  # a file system that cannot be asked without waiting (tmpfs): read as cached
         return not have, have
 
     def _open_direct(self, path: str, st, direct: list) -> bool:
