@@ -265,11 +265,18 @@ def test_a_staged_direct_write_in_flight_keeps_its_bytes(tmp_path, files_staged)
         assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
 
 
+def _aio_rings() -> int:
+    """How many Linux AIO rings this process has mapped (one per context it made)."""
+    with open("/proc/self/maps") as maps:
+        return sum("[aio]" in line for line in maps)
+
+
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT") or not hasattr(os, "fork"), reason="needs Linux's O_DIRECT and fork")
 def test_a_forked_child_writes_direct_files_whole(tmp_path):
-    """The writer keeps an AIO context per thread, and a fork does not carry it over: a
-    child whose thread took the parent's (stale) context writes each direct file itself,
-    whole and out of the page cache, as the parent does with its own."""
+    """The writer keeps an AIO context per thread, and a fork does not carry it over (the
+    child's kernel refuses the parent's): the child's thread makes its own (its ring is
+    mapped in the child once it writes) and writes each direct file whole and out of the
+    page cache, as the parent does with its own."""
     _needs_direct(tmp_path)
     layout, parts, pool = FileLayout("k#f", ALIGNED_SIZES), _aligned_parts(False), _filled()
 
@@ -285,7 +292,9 @@ def test_a_forked_child_writes_direct_files_whole(tmp_path):
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code alone
         try:
-            os._exit(0 if write(batch("c")) == [0] * 6 else 1)
+            rings = _aio_rings()
+            written = write(batch("c"))
+            os._exit(0 if written == [0] * 6 and _aio_rings() == rings + 1 else 1)
         except BaseException:
             os._exit(2)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

@@ -280,13 +280,23 @@ static int write_rest(writer_t *w, int fd, const char *tmp, const char *path, co
 #ifdef __linux__
 /* Each thread's Linux AIO context, kept for the thread's life and ended with it: an
  * io_destroy waits for an RCU grace period (about 30 ms on this VM, as long as a whole
- * call of 8 MiMo-like pages). */
+ * call of 8 MiMo-like pages). Kept with the process it was made in: a forked child's
+ * thread keeps the key's value, but the context is its parent's, which the child's
+ * kernel refuses (io_submit: EINVAL), so the child makes its own. */
+typedef struct {
+    aio_context_t ctx;
+    pid_t pid;
+} aio_kept_t;
+
 static pthread_key_t aio_key;
 static pthread_once_t aio_once = PTHREAD_ONCE_INIT;
 static int aio_key_made;
 
-static void aio_end(void *ctx) {
-    syscall(__NR_io_destroy, (aio_context_t)(uintptr_t)ctx);
+static void aio_end(void *kept) {
+    aio_kept_t *k = kept;
+    if (k->pid == getpid())
+        syscall(__NR_io_destroy, k->ctx);
+    free(k);
 }
 
 static void aio_make_key(void) {
@@ -298,13 +308,24 @@ static aio_context_t thread_aio(void) {
     pthread_once(&aio_once, aio_make_key);
     if (!aio_key_made)
         return 0;
-    void *kept = pthread_getspecific(aio_key);
-    if (kept)
-        return (aio_context_t)(uintptr_t)kept;
+    pid_t pid = getpid();
+    aio_kept_t *kept = pthread_getspecific(aio_key);
+    if (kept && kept->pid == pid)
+        return kept->ctx;
+    if (kept) { /* the parent's, from before a fork: not this process's to end */
+        pthread_setspecific(aio_key, NULL);
+        free(kept);
+    }
     aio_context_t ctx = 0;
     if (syscall(__NR_io_setup, 1, &ctx) != 0)
         return 0;
-    if (pthread_setspecific(aio_key, (void *)(uintptr_t)ctx) != 0) {
+    if (!(kept = malloc(sizeof *kept))) {
+        syscall(__NR_io_destroy, ctx);
+        return 0;
+    }
+    kept->ctx = ctx, kept->pid = pid;
+    if (pthread_setspecific(aio_key, kept) != 0) {
+        free(kept);
         syscall(__NR_io_destroy, ctx);
         return 0;
     }
@@ -314,6 +335,7 @@ static aio_context_t thread_aio(void) {
 /* This thread's context ended (every request of it done first) after a fault; the
  * next call makes another. */
 static void thread_aio_end(aio_context_t ctx) {
+    free(pthread_getspecific(aio_key));
     pthread_setspecific(aio_key, NULL);
     syscall(__NR_io_destroy, ctx);
 }
