@@ -230,6 +230,12 @@ def test_compiled_loops_check_their_buffers(compiled):
     assert got.tolist() == [6, 7, 8, 0, 1, 2]
     with pytest.raises(ValueError, match="need 6, the output holds 5"):
         compiled.expand_pages(np.array([2, 0], dtype=np.int64), 3, np.empty(5, dtype=np.int64))
+    # a page size whose product with the pages wraps (4 * 2^62 is 0 in 64 bits) is no
+    # empty output's match: refused, where it wrote 2^62 slots past the output
+    for expand, pages in ((compiled.expand_pages, np.arange(4, dtype=np.int64)),
+                          (compiled.expand_runs, [np.arange(4, dtype=np.int64)])):
+        with pytest.raises(ValueError, match="need more than 2\\^63, the output holds 0"):
+            expand(pages, 2 ** 62, np.empty(0, dtype=np.int64))
 
 
 def test_expand_runs_writes_each_run_after_the_last_and_checks_all_first():

@@ -236,9 +236,14 @@ static PyObject *expand_all(PyObject *args, const char *name, int many) {
     if (expansion_parse(args, name, many, 0, &e) < 0)
         return NULL;
     Py_ssize_t pages = expansion_pages(&e), slots = e.out.len / 8;
-    if (slots != pages * e.page_size) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd pages of %lld slots need %zd, the output holds %zd", name, pages,
-                     (long long)e.page_size, pages * (Py_ssize_t)e.page_size, slots);
+    /* NOTE: as a quotient, not pages * page_size, which wraps for a huge page size */
+    if (slots % e.page_size || slots / e.page_size != pages) {
+        if (pages > PY_SSIZE_T_MAX / e.page_size)
+            PyErr_Format(PyExc_ValueError, "%s: %zd pages of %lld slots need more than 2^63, the output holds %zd",
+                         name, pages, (long long)e.page_size, slots);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: %zd pages of %lld slots need %zd, the output holds %zd", name, pages,
+                         (long long)e.page_size, pages * (Py_ssize_t)e.page_size, slots);
         expansion_release(&e);
         return NULL;
     }
