@@ -243,6 +243,8 @@ def test_copy_job_checks_negative_strides(compiled):
     dict(d_pages=np.zeros((1, 1), dtype=np.int64)),  # not 1-d
     dict(block=0),
     dict(block=-16),
+    dict(block=2 ** 63 - 1),  # its extent wrapped past the buffer's bound (2^63 bytes copied)
+    dict(shape=(), d_strides=(), s_strides=(), block=2 ** 63 - 1, d_pages=np.array([1], np.int64)),  # the same, no axis
     dict(shape=(1,) * 7, d_strides=(0,) * 7, s_strides=(0,) * 7),  # too many axes
     dict(shape=(2,), d_strides=(16, 16)),  # strides do not match the shape
     dict(shape=(-1,)),
@@ -349,6 +351,33 @@ def test_copy_jobs_refuses_jobs_that_are_not_tuples(compiled):
         compiled.copy_jobs(5)
     assert not dst.any()
     compiled.copy_jobs([])  # no jobs: nothing to do
+
+
+@pytest.mark.parametrize("emptied", ["strides", "jobs"])
+def test_copy_jobs_read_their_own_copy_of_a_list_python_code_empties(compiled, emptied):
+    """Reading a job's numbers may run Python (``__index__``): code there that empties the
+    caller's list of strides or of jobs changes nothing, where the parser read on from
+    the emptied list (its freed items; the job's freed destination)."""
+    base, src = _bufs()
+    src_pages = dst_pages = np.array([0], np.int64)
+    listed = []
+
+    class Emptying:  # a number whose reading empties the list it sits in
+        def __init__(self, value):
+            self.value = value
+
+        def __index__(self):
+            listed.clear()
+            return self.value
+
+    if emptied == "strides":
+        listed[:] = [Emptying(32), 16]
+        jobs = [(base[:], src, dst_pages, src_pages, (2, 2), listed, (32, 16), 16)]
+    else:
+        listed.append((base[:], src, dst_pages, src_pages, (Emptying(2), 2), (32, 16), (32, 16), 16))
+        jobs = listed  # the list holds the only reference to the job and to its view of ``base``
+    compiled.copy_jobs(jobs, 1)
+    assert bytes(base[:64]) == bytes(src[:64]) and not base[64:].any()
 
 
 @pytest.mark.parametrize("flag", ["0", "1"])

@@ -246,7 +246,9 @@ static int wide_stores(void) {
 }
 
 static int get_int64_tuple(PyObject *seq, int64_t *out, Py_ssize_t n, const char *name) {
-    PyObject *fast = PySequence_Fast(seq, name);
+    /* NOTE: a tuple of its own, not the caller's list: reading an item may run Python
+     * (__index__), which could empty that list under the loop */
+    PyObject *fast = PySequence_Check(seq) ? PySequence_Tuple(seq) : PySequence_Fast(seq, name);
     if (fast == NULL)
         return -1;
     if (PySequence_Fast_GET_SIZE(fast) != n) {
@@ -334,8 +336,8 @@ static int job_parse(PyObject *args, Job *job) {
         PyErr_Format(PyExc_ValueError, "shape: at most %d axes, got %zd", MAX_DIMS, ndim);
         return -1;
     }
-    if (block <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_bytes must be positive");
+    if (block <= 0 || block > INT64_MAX / 4) { /* (page_extent's sums then stay in range) */
+        PyErr_SetString(PyExc_ValueError, "block_bytes must be positive and below 2^61");
         return -1;
     }
     plan->ndim = ndim;
@@ -499,7 +501,10 @@ static PyObject *copy_jobs(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "threads must be in [1, %d], got %zd", MAX_THREADS, threads);
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(jobs_obj, "jobs must be a sequence of tuples");
+    /* NOTE: a tuple of its own, not the caller's list: parsing a job may run Python
+     * (__index__, __len__), which could empty that list and free the job under it */
+    PyObject *fast = PySequence_Check(jobs_obj) ? PySequence_Tuple(jobs_obj)
+                                                : PySequence_Fast(jobs_obj, "jobs must be a sequence of tuples");
     if (fast == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
