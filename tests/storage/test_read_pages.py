@@ -162,6 +162,40 @@ def test_numbers_that_wrap_past_2_63_are_refused_before_any_byte_moves(tmp_path,
     assert not pool.any()
 
 
+@pytest.mark.parametrize("emptied", ["parts", "pieces", "files"])
+def test_lists_that_python_empties_while_they_are_parsed_are_read_whole(tmp_path, emptied):
+    """Parsing an argument reads numbers that may run Python (``__index__``): code there
+    that empties the caller's list of parts, of a part's pieces or of files changes
+    nothing, where the parser read on from the emptied list (its freed items)."""
+    contents = _write(tmp_path / "a", "a#f")
+    files, layout = _files(tmp_path, {"a": 1})
+    listed = []
+
+    class Emptying:  # a number whose reading empties the list it sits in
+        def __init__(self, value):
+            self.value = value
+
+        def __index__(self):
+            listed.clear()
+            return self.value
+
+    parts = _pieces(range(4))
+    if emptied == "parts":
+        listed[:] = [(Emptying(k), offset, pieces) for k, offset, pieces in parts]
+        parts = listed
+    elif emptied == "pieces":
+        k, offset, pieces = parts[0]
+        listed[:] = [(Emptying(start), step, n) for start, step, n in pieces]
+        parts[0] = (k, offset, listed)
+    else:
+        listed[:] = [(path, prefix, Emptying(page)) for path, prefix, page in files]
+        files = listed
+    pool = _pool()
+    assert list(pageio.read_pages(pool, layout.header_len, layout.total, len(SIZES), parts, files, False)) \
+        == [pageio.READ]
+    assert np.array_equal(pool, _expected({"a": 1}, {"a": contents}, range(4)))
+
+
 def test_a_files_list_emptied_during_the_call_is_read_whole(tmp_path):
     """The call reads the files' prefixes with the GIL released: another thread that
     empties the caller's list meanwhile (it held the only reference to each prefix) and

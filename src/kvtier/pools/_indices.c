@@ -12,6 +12,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "../_sequences.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -187,7 +188,7 @@ static int expansion_parse(PyObject *args, const char *name, int many, int place
     e->page_size = (int64_t)page_size;
     Py_ssize_t n = 1;
     if (many) {
-        if (!(e->seq = PySequence_Fast(pages_obj, "the pages must be a tuple or list")))
+        if (!(e->seq = held_items(pages_obj, "the pages must be a tuple or list")))
             return -1;
         n = PySequence_Fast_GET_SIZE(e->seq);
     }

@@ -12,6 +12,7 @@
  * against the header it read and built.
  */
 #include "_pageio.h"
+#include "../_sequences.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -163,7 +164,7 @@ static PyObject *move(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "move: bind() the xxh3 calls first");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(parts_obj, "move: parts must be a sequence");
+    PyObject *seq = held_items(parts_obj, "move: parts must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t nparts = PySequence_Fast_GET_SIZE(seq), nbufs = 0, total = 0, p;
@@ -185,7 +186,7 @@ static PyObject *move(PyObject *self, PyObject *args) {
         }
         if (!PyArg_ParseTuple(pair, "LO:move part", &parts[p].offset, &list))
             goto done;
-        if (!(lists[p] = PySequence_Fast(list, "move: a part's buffers must be a sequence")))
+        if (!(lists[p] = held_items(list, "move: a part's buffers must be a sequence")))
             goto done;
         parts[p].first = total;
         parts[p].count = PySequence_Fast_GET_SIZE(lists[p]);

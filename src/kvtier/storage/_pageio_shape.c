@@ -2,6 +2,7 @@
  * checked against the pool, for read_pages and write_pages. */
 #include "_pageio.h"
 #include "../_lines.h"
+#include "../_sequences.h"
 
 #include <limits.h>
 #include <string.h>
@@ -28,9 +29,9 @@ static int parse_dims(shape_t *sh, Py_ssize_t k, long long nbytes, PyObject *dim
     sh->ndim[k] = 0, sh->extent[k] = nbytes;
     if (!dims || dims == Py_None)
         return 0;
-    PyObject *d = PySequence_Fast(dims, "a piece's dims must be a sequence"), *s = NULL;
+    PyObject *d = held_items(dims, "a piece's dims must be a sequence"), *s = NULL;
     int rc = -1;
-    if (!d || !(s = PySequence_Fast(strides, "a piece's strides must be a sequence")))
+    if (!d || !(s = held_items(strides, "a piece's strides must be a sequence")))
         goto done;
     Py_ssize_t nd = PySequence_Fast_GET_SIZE(d);
     if (nd < 1 || nd > MAX_DIMS || PySequence_Fast_GET_SIZE(s) != nd) {
@@ -99,7 +100,7 @@ static void group_alike(shape_t *sh) {
 /* The shape's parts from a sequence of (checksum index, file offset, ((start, step,
  * bytes), ...)); 0, or -1 with an exception set. */
 int parse_parts(PyObject *parts_obj, shape_t *sh) {
-    PyObject *seq = PySequence_Fast(parts_obj, "parts must be a sequence");
+    PyObject *seq = held_items(parts_obj, "parts must be a sequence");
     if (!seq)
         return -1;
     int rc = -1;
@@ -124,7 +125,7 @@ int parse_parts(PyObject *parts_obj, shape_t *sh) {
                          sh->parts[p].offset, sh->header_len);
             goto done;
         }
-        if (!(pieces[p] = PySequence_Fast(list, "a part's pieces must be a sequence")))
+        if (!(pieces[p] = held_items(list, "a part's pieces must be a sequence")))
             goto done;
         sh->parts[p].first = total;
         sh->parts[p].count = PySequence_Fast_GET_SIZE(pieces[p]);
@@ -215,10 +216,9 @@ done:
 }
 
 int parse_files(const shape_t *sh, PyObject *files_obj, int with_tmp, files_t *fs) {
-    /* NOTE: a tuple of the caller's file tuples, not the caller's list itself: the
-     * prefixes are read with the GIL released, and a list another thread empties
-     * meanwhile would free them */
-    PyObject *seq = PySequence_Tuple(files_obj);
+    /* NOTE: held here also because the prefixes are read with the GIL released: a
+     * list another thread empties meanwhile would free them */
+    PyObject *seq = held_items(files_obj, "files must be a sequence");
     if (!seq)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), m = n ? n : 1;

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "../_lines.h"
+#include "../_sequences.h"
 
 #define MAX_DIMS 6
 /* Threads copy_jobs may split one call over. */
@@ -246,9 +247,7 @@ static int wide_stores(void) {
 }
 
 static int get_int64_tuple(PyObject *seq, int64_t *out, Py_ssize_t n, const char *name) {
-    /* NOTE: a tuple of its own, not the caller's list: reading an item may run Python
-     * (__index__), which could empty that list under the loop */
-    PyObject *fast = PySequence_Check(seq) ? PySequence_Tuple(seq) : PySequence_Fast(seq, name);
+    PyObject *fast = held_items(seq, name);
     if (fast == NULL)
         return -1;
     if (PySequence_Fast_GET_SIZE(fast) != n) {
@@ -501,10 +500,7 @@ static PyObject *copy_jobs(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "threads must be in [1, %d], got %zd", MAX_THREADS, threads);
         return NULL;
     }
-    /* NOTE: a tuple of its own, not the caller's list: parsing a job may run Python
-     * (__index__, __len__), which could empty that list and free the job under it */
-    PyObject *fast = PySequence_Check(jobs_obj) ? PySequence_Tuple(jobs_obj)
-                                                : PySequence_Fast(jobs_obj, "jobs must be a sequence of tuples");
+    PyObject *fast = held_items(jobs_obj, "jobs must be a sequence of tuples");
     if (fast == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
