@@ -63,6 +63,14 @@ def _expected_file(name: str, parts: list[bytes]) -> bytes:
     return bytes(data)
 
 
+def _check_holds(data: bytes, layout: FileLayout, gathered: list[bytes], offsets=None, what: str = "") -> None:
+    """``data``, a written file, holds ``layout``'s header of ``gathered``'s checksums and
+    each part at its offset (``layout``'s, or ``offsets``)."""
+    assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered]), what
+    offsets = layout.offsets if offsets is None else offsets
+    assert [data[o:o + len(g)] for o, g in zip(offsets, gathered)] == gathered, what
+
+
 def _files(tmp_path, pages: dict) -> list:
     return [(str(tmp_path / f".{name}.tmp"), str(tmp_path / name), FileLayout(f"{name}#f", SIZES).prefix(), page)
             for name, page in pages.items()]
@@ -207,10 +215,7 @@ def test_direct_writes_make_the_same_files_out_of_the_page_cache(tmp_path, how):
     for n, page in names.items():
         data = (tmp_path / n).read_bytes()
         assert data == (tmp_path / f"p{n}").read_bytes()
-        want = FileLayout(f"{n}#f", ALIGNED_SIZES)
-        gathered = _gathered(pool, parts, page)
-        assert data[:want.header_len] == want.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
-        assert [data[o:o + len(g)] for o, g in zip(want.offsets, gathered)] == gathered
+        _check_holds(data, FileLayout(f"{n}#f", ALIGNED_SIZES), _gathered(pool, parts, page))
     assert (tmp_path / "u").read_bytes() == _expected_file("u#f", _gathered(pool, _pieces(range(4)), 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, *(f"p{n}" for n in names), "u"])
 
@@ -230,8 +235,7 @@ def test_a_direct_write_keeps_the_zeros_of_block_aligned_gaps(tmp_path):
     data, gathered = (tmp_path / "g").read_bytes(), _gathered(pool, parts, 1)
     offsets = [offset for _, offset, _ in parts]
     assert len(data) == layout.total + shift
-    assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
-    assert [data[o:o + len(g)] for o, g in zip(offsets, gathered)] == gathered
+    _check_holds(data, layout, gathered, offsets)
     assert data[offsets[1] + len(gathered[1]):offsets[2]] == bytes(shift)
 
 
@@ -259,10 +263,7 @@ def test_a_staged_direct_write_in_flight_keeps_its_bytes(tmp_path, files_staged)
     assert list(pageio.write_pages(pool, layout.header_len, layout.total, parts, files, False, *MODES, staging,
                                    True)) == [0] * len(pages)
     for i, page in enumerate(pages):
-        gathered = _gathered(pool, parts, page)
-        data = (tmp_path / f"f{i}").read_bytes()
-        assert [data[o:o + len(g)] for o, g in zip(layout.offsets, gathered)] == gathered, f"file {i}"
-        assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
+        _check_holds((tmp_path / f"f{i}").read_bytes(), layout, _gathered(pool, parts, page), what=f"file {i}")
 
 
 def _aio_rings() -> int:
@@ -303,9 +304,7 @@ def test_a_forked_child_writes_direct_files_whole(tmp_path):
     for i in range(6):
         gathered = _gathered(pool, parts, i % 4)
         for tag in "pcq":
-            data = (tmp_path / f"{tag}{i}").read_bytes()
-            assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
-            assert [data[o:o + len(g)] for o, g in zip(layout.offsets, gathered)] == gathered, f"{tag}{i}"
+            _check_holds((tmp_path / f"{tag}{i}").read_bytes(), layout, gathered, what=f"{tag}{i}")
     if None in counts:
         unavailable("the page cache's residency cannot be counted here (cachestat, Linux 6.5)")
     assert counts == [0] * 18
@@ -333,10 +332,7 @@ def test_a_direct_file_that_fails_is_its_own_and_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".taken.tmp", "a", "b", "blocked", "c"]
     assert (tmp_path / ".taken.tmp").read_text() == "someone else's"
     for name, page in (("a", 0), ("b", 2), ("c", 3)):
-        gathered = _gathered(pool, parts, page)
-        data = (tmp_path / name).read_bytes()
-        assert data[:layout.header_len] == layout.header([xxhash.xxh3_64_intdigest(g) for g in gathered])
-        assert [data[o:o + len(g)] for o, g in zip(layout.offsets, gathered)] == gathered
+        _check_holds((tmp_path / name).read_bytes(), layout, _gathered(pool, parts, page))
 
 
 def test_an_object_written_again_is_replaced_whole(tmp_path):
