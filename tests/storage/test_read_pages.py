@@ -16,6 +16,7 @@ import xxhash
 from kvtier.bench.storage import evict_cached
 from kvtier.storage import pageio
 from kvtier.storage.pagefile import ALIGN, FileLayout
+from tests.support.hostile import Emptying
 from tests.support.services import unavailable
 from tests.support.storage import direct_allowed
 
@@ -170,25 +171,16 @@ def test_lists_that_python_empties_while_they_are_parsed_are_read_whole(tmp_path
     contents = _write(tmp_path / "a", "a#f")
     files, layout = _files(tmp_path, {"a": 1})
     listed = []
-
-    class Emptying:  # a number whose reading empties the list it sits in
-        def __init__(self, value):
-            self.value = value
-
-        def __index__(self):
-            listed.clear()
-            return self.value
-
     parts = _pieces(range(4))
     if emptied == "parts":
-        listed[:] = [(Emptying(k), offset, pieces) for k, offset, pieces in parts]
+        listed[:] = [(Emptying(listed, k), offset, pieces) for k, offset, pieces in parts]
         parts = listed
     elif emptied == "pieces":
         k, offset, pieces = parts[0]
-        listed[:] = [(Emptying(start), step, n) for start, step, n in pieces]
+        listed[:] = [(Emptying(listed, start), step, n) for start, step, n in pieces]
         parts[0] = (k, offset, listed)
     else:
-        listed[:] = [(path, prefix, Emptying(page)) for path, prefix, page in files]
+        listed[:] = [(path, prefix, Emptying(listed, page)) for path, prefix, page in files]
         files = listed
     pool = _pool()
     assert list(pageio.read_pages(pool, layout.header_len, layout.total, len(SIZES), parts, files, False)) \

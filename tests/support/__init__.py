@@ -11,6 +11,8 @@ is named for what it provides; one that serves a single area is named ``<area>_<
 - ``services``: real Redis, Redis Cluster and Mooncake servers; ``unavailable`` skips.
 - ``storage``: filled host pools, page reads and resource limits for the storage tests.
 - ``shm``: the engine suites' cleanup of the /dev/shm files their engines leave.
+- ``seccomp``: a child process whose calls of one system call fail (an older kernel, a sandbox).
+- ``hostile``: arguments that run Python while a compiled parser reads them.
 - ``cache_engine``, ``cache_hybrid_engine``: a toy engine driving ``HierarchicalCache``
   (full-attention and hybrid); ``cache_faults``, ``cache_invariants``,
   ``cache_state_rig``: fault-injecting stores, drain checks, the threaded state rig.

@@ -5,11 +5,12 @@ The filter is the process's for good, so it goes in a child (:func:`run_denied`)
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import struct
 import subprocess
 import sys
+
+from tests.support import ROOT
 
 #: the calls this knows, by number (Linux x86_64 and aarch64 number them alike)
 NUMBERS = {"cachestat": 451}
@@ -41,9 +42,6 @@ def deny(name: str, err: int) -> None:
             libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"seccomp filter refused: {err}")
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_denied(name: str, err: int, code: str, timeout: float = 120) -> subprocess.CompletedProcess:

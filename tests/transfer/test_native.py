@@ -15,6 +15,7 @@ import torch
 from kvtier import HostKVPool, KVSpec, compiled as compiled_modules
 from kvtier.errors import IntegrityError
 from kvtier.transfer import cpu, native
+from tests.support.hostile import Emptying
 from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_device_pool, slots
 
 # dim rows of 64 bytes (bf16 x 32): whole cache lines, so the streaming-store branch runs too
@@ -361,20 +362,11 @@ def test_copy_jobs_read_their_own_copy_of_a_list_python_code_empties(compiled, e
     base, src = _bufs()
     src_pages = dst_pages = np.array([0], np.int64)
     listed = []
-
-    class Emptying:  # a number whose reading empties the list it sits in
-        def __init__(self, value):
-            self.value = value
-
-        def __index__(self):
-            listed.clear()
-            return self.value
-
     if emptied == "strides":
-        listed[:] = [Emptying(32), 16]
+        listed[:] = [Emptying(listed, 32), 16]
         jobs = [(base[:], src, dst_pages, src_pages, (2, 2), listed, (32, 16), 16)]
     else:
-        listed.append((base[:], src, dst_pages, src_pages, (Emptying(2), 2), (32, 16), (32, 16), 16))
+        listed.append((base[:], src, dst_pages, src_pages, (Emptying(listed, 2), 2), (32, 16), (32, 16), 16))
         jobs = listed  # the list holds the only reference to the job and to its view of ``base``
     compiled.copy_jobs(jobs, 1)
     assert bytes(base[:64]) == bytes(src[:64]) and not base[64:].any()
