@@ -13,7 +13,9 @@ from kvtier import Component, HostKVPool, KVSpec
 from kvtier.errors import CorruptObject
 from kvtier.storage.codec import MAX_NAME_BYTES
 from kvtier.storage.objects import PagePlan
-from kvtier.storage.pagefile import FileLayout, file_field, header_room, longest_name
+from kvtier.storage.pagefile import ALIGN, HEAD, LAYER, SLOT, FileLayout, field_parts, file_field, header_room, \
+    longest_name
+from tests.support.storage import blank_host, filled_host, flat_pages
 
 GEOMETRIES = {
     "mha 8 groups": KVSpec.mha(2, 8, 16),
@@ -23,15 +25,19 @@ GEOMETRIES = {
 }
 
 
-def _writer_fields(spec: KVSpec, page_size: int):
-    """Every file a writer of each tensor-parallel size writes: ``(field, part sizes)``."""
-    plan = PagePlan(spec, page_size)
+def _writer_fields(spec: KVSpec, page_size: int, head_groups: int | None = None):
+    """Every file a writer of each tensor-parallel size writes, in each order its pool's
+    layout can write it: ``(field, part sizes, order)``."""
+    plan = PagePlan(spec, page_size, head_groups)
     for size in range(1, plan.groups + 1):
         if plan.groups % size or (size > 1 and not any(c.head_num > 1 for c in spec.components)):
             continue
         for rank in range(size):
             shard = PagePlan(spec.shard(rank, size) if size > 1 else spec, page_size, plan.groups)
-            yield file_field(shard, shard.write_parts), [p.nbytes for p in shard.write_parts]
+            field = file_field(shard, shard.write_parts)
+            for order in (HEAD, SLOT, LAYER):
+                parts = field_parts(plan, field.rsplit("/", 1)[1], order)
+                yield field, [n for _, n in parts], order
 
 
 @pytest.mark.parametrize("name", list(GEOMETRIES))
@@ -40,16 +46,44 @@ def test_the_bounds_are_those_of_the_files_writers_write(name):
     own ``file_field`` and ``FileLayout``), the longest name and the largest header are
     exactly the bounds: each fits, and the largest meets them."""
     spec, key = GEOMETRIES[name], "k" * 40
-    plan = PagePlan(spec, 16)
-    names, headers = [], []
-    for field, sizes in _writer_fields(spec, 16):
-        names.append(len(f"{key}#{field}".encode()))
-        headers.append(FileLayout(f"{key}#{field}", sizes).header_len)
-    assert max(names) == longest_name(len(key), plan)
-    assert max(headers) == header_room(len(key), plan)
-    for key_bytes in (0, 4000, 4096 - 26):  # across a header block boundary too
-        big = [FileLayout("k" * key_bytes + f"#{f}", s).header_len for f, s in _writer_fields(spec, 16)]
-        assert max(big) == header_room(key_bytes, plan)
+    for head_groups in (None, 1):
+        plan = PagePlan(spec, 16, head_groups)
+        names, headers = [], []
+        for field, sizes, order in _writer_fields(spec, 16, head_groups):
+            names.append(len(f"{key}#{field}".encode()))
+            headers.append(FileLayout(f"{key}#{field}", sizes, order).header_len)
+        assert max(names) == longest_name(len(key), plan)
+        assert max(headers) == header_room(len(key), plan)
+        for key_bytes in (0, 4000, 4096 - 26):  # across a header block boundary too
+            big = [FileLayout("k" * key_bytes + f"#{f}", s, o).header_len
+                   for f, s, o in _writer_fields(spec, 16, head_groups)]
+            assert max(big) == header_room(key_bytes, plan)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_a_part_per_component_header_one_block_past_head_order_round_trips_on_both_paths(tmp_path, monkeypatch,
+                                                                                          layout):
+    """A store of one head group writes ``page_first``/``page_first_direct`` pages with a
+    checksum per component (two here), head order with one: a key whose head-order
+    header fills its 4 KiB block exactly needs a second block in these orders. Both
+    paths write it and read it back bit-exactly, each the other's file too; before,
+    the pure path had room for one block only: its writes failed, and it counted the
+    compiled path's files corrupt and deleted them."""
+    spec = KVSpec.mha(2, 2, 8)
+    field = file_field(PagePlan(spec, 4, 1), PagePlan(spec, 4, 1).write_parts)
+    key = "n/" + "a" * (ALIGN - 26 - 1 - len(field) - 8 - 2)  # a head-order header of ALIGN bytes
+    assert FileLayout(f"{key}#{field}", [1]).header_len == ALIGN
+    assert FileLayout(f"{key}#{field}", [1, 1], SLOT).header_len == 2 * ALIGN
+    host, idx = filled_host(spec, 1, layout=layout, seed=3)
+    for writer, reader in (("1", "0"), ("0", "1"), ("0", "0")):
+        store = kvtier.storage.open(f"file://{tmp_path / (writer + reader)}", head_groups=1)
+        monkeypatch.setenv("KVTIER_NATIVE", writer)
+        assert store.batch_set([key], host, idx) == [True]
+        monkeypatch.setenv("KVTIER_NATIVE", reader)
+        back, back_idx = blank_host(spec, 4, layout=layout)
+        assert store.batch_get([key], back, back_idx) == [True]
+        assert torch.equal(flat_pages(back, back_idx)[0], flat_pages(host, idx)[0])
+        assert (store.stats()["errors"], store.stats()["corrupt"]) == (0, 0)
 
 
 def test_a_key_is_refused_exactly_when_its_longest_name_would_not_fit(tmp_path):

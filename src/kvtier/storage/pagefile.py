@@ -186,8 +186,15 @@ def longest_name(key_bytes: int, plan: PagePlan) -> int:
 
 def header_room(key_bytes: int, plan: PagePlan) -> int:
     """The largest ``header_len`` of a file of a key of ``key_bytes`` bytes in ``plan``'s
-    geometry (its name and a checksum per part), over every file its writers can write."""
-    return max(align_up(_FIXED.size + key_bytes + 1 + len(field.encode()) + 8 * n) for field, n in writer_files(plan))
+    geometry (its name and a checksum per part), over every file its writers can write,
+    in any order: head order has a part per head group, slot and layer order one per
+    multi-head component (:func:`field_parts`), each with ``rep`` where the file has it."""
+    def parts(field: str, n: int) -> int:
+        if field.endswith("/rep"):
+            return n
+        return max(n, len(plan.multi) + field.endswith("+rep"))
+    return max(align_up(_FIXED.size + key_bytes + 1 + len(field.encode()) + 8 * parts(field, n))
+               for field, n in writer_files(plan))
 
 
 def field_groups(tail: str) -> tuple[int, int] | None:
