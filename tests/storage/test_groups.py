@@ -140,6 +140,26 @@ def test_bad_calls_raise_before_any_io(open_store):
     assert raw.batch_exists(store.keys("full", keys)) == 0
 
 
+def test_a_later_groups_bad_slots_are_refused_before_any_group_moves(open_store):
+    """Slots out of the pool, or a read's page named twice, in the second group raise
+    ``ValueError`` naming that group before the first group's files are written or its
+    host pages filled (before, the first group's call had run)."""
+    spec = HYBRID_SPECS["mimo"]
+    raw = open_store()
+    store = GroupedStorage(raw, spec, PAGE)
+    src, keys = filled(spec, 2), keys_for(2)
+    with pytest.raises(ValueError, match=r"group 'swa': host_indices has slots in \[0, 399\]"):
+        store.batch_set(keys, src, {"full": slots([0, 1]), "swa": slots([0, 99])})
+    assert raw.batch_exists(store.keys("full", keys)) == 0
+    assert store.batch_set(keys, src, {"full": slots([0, 1]), "swa": slots([0, 1])}) == {"full": [True, True],
+                                                                                          "swa": [True, True]}
+    dst = filled(spec, 2, seed=5)
+    before = {(name, c): bits(buf).clone() for name, pool in dst for c, buf in pool.buffers.items()}
+    with pytest.raises(ValueError, match=r"group 'swa': host_indices names the same page more than once"):
+        store.batch_get(keys, dst, {"full": slots([0, 1]), "swa": slots([1, 1])})
+    assert all(torch.equal(bits(buf), before[name, c]) for name, pool in dst for c, buf in pool.buffers.items())
+
+
 class _Broken:
     """A backend whose every answer is a fault or nonsense."""
 

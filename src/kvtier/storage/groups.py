@@ -25,7 +25,7 @@ from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..pools.hybrid import HybridHostPool, as_hybrid
 from ..spec import KVSpec
-from .base import _check_keys
+from .base import Storage, _check_keys
 
 
 def group_tag(spec: HybridSpec, name: str) -> str:
@@ -204,5 +204,10 @@ class GroupedStorage:
                 n = idx.numel() if isinstance(idx, torch.Tensor) else idx
                 raise UsageError(f"host_indices[{name!r}] must hold {len(gk)} pages of {host_pool.page_size} slots, "
                                  f"got {n}")
+            if isinstance(self.storage, Storage):  # the slots' values and the pool, as the group's own call checks
+                try:
+                    self.storage._check_pages(gk, host_pool[name], idx, writing=op == "batch_set")
+                except ValueError as e:
+                    raise UsageError(f"group {name!r}: {e}") from None
         return {name: list(getattr(self.storage, op)(gk, host_pool[name], host_indices[name]))
                 for name, gk in group_keys.items()}
