@@ -205,3 +205,29 @@ def test_tensor_parallel_writers_and_readers_of_other_sizes(open_store, spec):
         assert store.batch_get(keys, quarter, qidx) == [True] * pages
         for i, got in enumerate(flat_pages(quarter, qidx)):
             assert torch.equal(got, bits(shard_flat(truth[i].view(spec.dtype), spec, page_size, rank, 4)))
+
+
+def test_a_call_whose_pool_another_thread_closed_does_the_work_itself(open_store):
+    """``close()`` on another thread may shut the I/O pool down between a call taking it
+    and handing it work: the calling thread then moves every page itself, where a put
+    raised ``RuntimeError`` (and a get counted a fault and missed). The state is set
+    up as that race leaves it: the call finds a pool already shut down."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = open_store()
+    if not hasattr(store, "_pool_lock"):
+        pytest.skip(f"{store.scheme}:// moves a batch in one client call, on no pool of I/O threads")
+    assert store.io_threads == 2  # the default
+    store.CHUNK_BYTES = 1  # a chunk per page: the helper has work to take
+    writer, idx = filled_host(SPECS["asym"], 4, layout="page_head")
+    reader = HostKVPool(SPECS["asym"], 4 * 4, 4, layout="page_head")
+    keys = keys_for(4)
+    for call in (lambda: store.batch_set(keys, writer, idx), lambda: store.batch_get(keys, reader, idx)):
+        closed = ThreadPoolExecutor(1)
+        closed.shutdown()
+        with store._pool_lock:
+            store._pool = closed
+        assert call() == [True] * 4
+    for a, b in zip(flat_pages(writer, idx), flat_pages(reader, idx)):
+        assert torch.equal(bits(a), bits(b))
+    assert store.stats()["errors"] == 0

@@ -111,7 +111,12 @@ class ThreadedStorage(Storage):
                     return
                 fn(chunk)
 
-        futures = [pool.submit(work) for _ in range(helpers)]
+        futures = []
+        for _ in range(helpers):
+            try:
+                futures.append(pool.submit(work))
+            except RuntimeError:  # close() on another thread shut the pool down since it was taken:
+                break  # this thread takes the chunks no helper took
         try:
             work()
         finally:  # never return (or raise) while a helper may still write into the pool
