@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -108,6 +109,41 @@ def test_capacity_evicts_least_recently_used_keys(tmp_path):
     assert reopened.usage_bytes() == 2 * page_bytes  # shrinking the capacity evicts at open ...
     assert [reopened.batch_exists([k]) for k in keys] == [0, 0, 1, 1, 0]  # ... the oldest, by the files' mtimes
 
+
+
+@pytest.mark.parametrize("gone", ["files", "shards"])
+def test_a_store_opens_with_capacity_while_another_engine_removes_its_files(tmp_path, monkeypatch, gone):
+    """Opening with ``capacity_bytes`` counts the files found. Another engine sharing the
+    directory may evict a file, or a whole shard, between its listing and its stat: the
+    open then counts what is left, where it raised ``FileNotFoundError``. Here every
+    file, or every shard, is removed just after the directory listing names it."""
+    host, idx = filled_host(SPEC, 2)
+    kvtier.storage.open(f"file://{tmp_path}").batch_set(keys_for(2), host, idx)
+    listing = os.scandir
+
+    class Racing:
+        def __init__(self, path):
+            self.entries = listing(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.entries.close()
+
+        def __iter__(self):
+            for e in self.entries:
+                if gone == "files" and e.is_file(follow_symlinks=False):
+                    os.unlink(e.path)
+                elif gone == "shards" and e.is_dir(follow_symlinks=False) and len(e.name) == 2:
+                    shutil.rmtree(e.path)
+                yield e
+
+    monkeypatch.setattr(kvtier.storage.file.os, "scandir", Racing)
+    store = kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=1 << 30)
+    monkeypatch.undo()
+    assert store.usage_bytes() == 0 and object_files(tmp_path) == []
+    assert store.batch_set(keys_for(2), host, idx) == [True, True] and store.usage_bytes() > 0
 
 def _sharing_a_shard(n):
     """``n`` keys whose hashes share their first byte: their files share a shard directory."""

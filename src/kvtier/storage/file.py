@@ -943,19 +943,27 @@ class FileStorage(ThreadedStorage):
     def _scan(self) -> None:
         """Seed the LRU order from the files found, each key as recent as its newest file."""
         keys: dict[str, list] = {}  # stem -> [newest mtime, {name: bytes}]
+        # NOTE: another engine sharing the directory may remove a file or a shard between
+        # its listing and its stat: what is gone by then is not counted
         with os.scandir(self.root) as shards:
             for shard in shards:
-                if not shard.is_dir(follow_symlinks=False):
+                try:
+                    if not shard.is_dir(follow_symlinks=False):
+                        continue
+                    with os.scandir(shard.path) as entries:
+                        for e in entries:
+                            try:
+                                if e.name.startswith(".") or not e.is_file(follow_symlinks=False):
+                                    continue
+                                st = e.stat(follow_symlinks=False)
+                            except FileNotFoundError:
+                                continue
+                            tail, _, name = e.name.partition(".")
+                            seen = keys.setdefault(f"{shard.path}/{tail}", [st.st_mtime, {}])
+                            seen[0] = max(seen[0], st.st_mtime)
+                            seen[1][name] = st.st_size
+                except (FileNotFoundError, NotADirectoryError):
                     continue
-                with os.scandir(shard.path) as entries:
-                    for e in entries:
-                        if e.name.startswith(".") or not e.is_file(follow_symlinks=False):
-                            continue
-                        tail, _, name = e.name.partition(".")
-                        st = e.stat(follow_symlinks=False)
-                        seen = keys.setdefault(f"{shard.path}/{tail}", [st.st_mtime, {}])
-                        seen[0] = max(seen[0], st.st_mtime)
-                        seen[1][name] = st.st_size
         for stem, (_, files) in sorted(keys.items(), key=lambda kv: kv[1][0]):
             self._lru[stem] = files
             self._total += sum(files.values())
