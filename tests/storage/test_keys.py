@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvtier.storage import page_keys
+from kvtier.storage.keys import extend_keys
 
 
 def test_one_key_per_full_page_and_chained():
@@ -33,6 +34,20 @@ def test_namespaces_and_salts_isolate():
     assert len(digests) == 10
 
 
+
+def test_a_salt_is_one_tenant_in_every_spelling_and_nothing_else_is_a_salt():
+    """``None``, ``""`` and ``b""`` are the default tenant and ``"t"``/``b"t"`` one other,
+    as the cache's tree has them. An int or a bool names no tenant: ``ValueError`` (before,
+    ``0`` and ``False`` shared the default tenant's keys and ``7`` raised ``TypeError``)."""
+    t = list(range(8))
+    assert page_keys(t, 4, salt=None) == page_keys(t, 4, salt="") == page_keys(t, 4, salt=b"")
+    assert page_keys(t, 4, salt="t") == page_keys(t, 4, salt=b"t") == page_keys(t, 4, salt=bytearray(b"t"))
+    for bad in (0, False, 7, 1.5):
+        with pytest.raises(ValueError, match=f"salt must be None, str or bytes, got {type(bad).__name__}"):
+            page_keys(t, 4, salt=bad)
+        with pytest.raises(ValueError, match="salt must be"):
+            extend_keys(None, t, 4, salt=bad)
+
 def test_input_types_agree_and_namespace_is_escaped():
     t = [5, 6, 7, 8]
     ref = page_keys(t, 2, namespace="meta-llama/Llama 3")
@@ -55,7 +70,6 @@ def test_bad_input(args, match):
 
 
 def test_extend_keys_continues_a_chain():
-    from kvtier.storage.keys import extend_keys
 
     tokens = list(range(20))
     full = page_keys(tokens, 4, namespace="m", salt="s")
@@ -86,8 +100,6 @@ PINNED = [
 @pytest.mark.parametrize("args, want", PINNED)
 def test_known_key_values_never_change(args, want):
     from array import array
-
-    from kvtier.storage.keys import extend_keys
 
     tokens, page_size, namespace, salt, hash = args
     for form in (tokens, array("q", tokens), np.array(tokens, dtype=np.int64), torch.tensor(tokens)):

@@ -16,6 +16,7 @@ import torch
 
 from ..compiled import load
 from ..errors import UsageError
+from ..storage.keys import canonical_salt  # noqa: F401 (the cache's inputs, in one module)
 
 _INT64 = np.iinfo(np.int64)
 _ZERO = array("q", [0])
@@ -83,14 +84,3 @@ def _from_numpy(arr: np.ndarray, what: str) -> array:
     # NOTE: through a byte view of the buffer, not tobytes(): one copy
     out.frombytes(memoryview(np.ascontiguousarray(arr, dtype="=i8")).cast("B"))
     return out
-
-
-def canonical_salt(salt) -> bytes:
-    """A tenant salt as bytes: ``None`` -> ``b""``, ``str`` -> UTF-8."""
-    if salt is None:
-        return b""
-    if isinstance(salt, str):
-        return salt.encode("utf-8")
-    if isinstance(salt, (bytes, bytearray, memoryview)):
-        return bytes(salt)
-    raise UsageError(f"salt must be None, str or bytes, got {type(salt).__name__}")

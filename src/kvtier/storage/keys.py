@@ -60,6 +60,19 @@ def page_keys(token_ids: Sequence[int] | np.ndarray | torch.Tensor, page_size: i
     return extend_keys(None, token_ids, page_size, namespace, salt, hash)
 
 
+def canonical_salt(salt) -> bytes:
+    """A tenant salt as bytes: ``None`` -> ``b""``, ``str`` -> UTF-8; anything else
+    (an int, a bool: no tenant's name) raises ``ValueError``. The tree and the storage
+    keys take this one form, so ``None``/``""``/``b""`` are one tenant."""
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return salt.encode("utf-8")
+    if isinstance(salt, (bytes, bytearray, memoryview)):
+        return bytes(salt)
+    raise UsageError(f"salt must be None, str or bytes, got {type(salt).__name__}")
+
+
 def extend_keys(parent: str | None, token_ids, page_size: int, namespace: str = "default",
                 salt: str | bytes | None = None, hash: str = "sha256") -> list[str]:
     """Keys of the full pages of ``token_ids`` that follow the page whose key is
@@ -74,7 +87,7 @@ def extend_keys(parent: str | None, token_ids, page_size: int, namespace: str = 
     tokens = _token_array(token_ids)
     prefix = namespace_tag(namespace) + "/"
     if parent is None:
-        salt_bytes = salt.encode() if isinstance(salt, str) else (salt or b"")
+        salt_bytes = canonical_salt(salt)
         ns = namespace.encode()
         digest = HASHES[hash](b"\0".join([_DOMAIN, hash.encode(), len(ns).to_bytes(4, "little") + ns, salt_bytes]))
     else:
