@@ -145,6 +145,32 @@ def test_a_store_opens_with_capacity_while_another_engine_removes_its_files(tmp_
     assert store.usage_bytes() == 0 and object_files(tmp_path) == []
     assert store.batch_set(keys_for(2), host, idx) == [True, True] and store.usage_bytes() > 0
 
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_link_at_a_shards_name_is_removed_not_followed(tmp_path, monkeypatch, native):
+    """A symlink planted at a shard's name before the store first uses that shard would
+    lead the writes, reads, lookups and deletes of its keys to the directory it names.
+    It is removed at the first use (a counted fault), the shard is made as the store's
+    own, and nothing outside is written, read or deleted. Both paths: the compiled
+    writer and reader take the store's paths."""
+    monkeypatch.setenv("KVTIER_NATIVE", native)
+    host, idx = filled_host(SPEC, 1)
+    key, = keys_for(1)
+    store = kvtier.storage.open(f"file://{tmp_path}/store")
+    shard = tmp_path / "store" / "kvtier-v4" / hashlib.sha256(key.encode()).hexdigest()[:2]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"x")
+    shard.symlink_to(outside)
+    assert store.batch_set([key], host, idx) == [True]
+    assert store.stats()["errors"] == 1 and shard.is_dir() and not shard.is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["keep"]
+    reader, ridx = blank_host(SPEC, 4)
+    assert store.batch_get([key], reader, ridx) == [True] and store.batch_exists([key]) == 1
+    assert torch.equal(flat_pages(reader, ridx)[0], flat_pages(host, idx)[0])
+    store.delete([key])
+    assert store.batch_exists([key]) == 0 and (outside / "keep").exists() and store.stats()["errors"] == 1
+
 def _sharing_a_shard(n):
     """``n`` keys whose hashes share their first byte: their files share a shard directory."""
     by_shard = {}

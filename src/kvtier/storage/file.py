@@ -358,6 +358,7 @@ class FileStorage(ThreadedStorage):
         # a key's stem (see _stem) -> {file name after the stem: bytes}, least recently used first
         self._lru: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._total = 0  # bytes of every file in self._lru
+        self._shards: set[str] = set()  # shard names seen as this store's own directories (_stem)
         if capacity_bytes is not None:
             self._scan()
 
@@ -367,7 +368,35 @@ class FileStorage(ThreadedStorage):
         the I/O paths build their paths as strings (pathlib costs more per object than the
         open, fstat and close together)."""
         h = hashlib.sha256(key.encode()).hexdigest()
-        return f"{self._root_name}/{h[:2]}/{h[2:]}"
+        shard = h[:2]
+        if shard not in self._shards:
+            self._check_shard(shard)
+        return f"{self._root_name}/{shard}/{h[2:]}"
+
+    def _check_shard(self, name: str) -> None:
+        """Shard ``name`` seen as a real directory (then not looked at again), or not made
+        yet (its first write makes it, checked). A symlink at its name would lead every
+        read, write and delete of its keys out of the store: it is removed (the link, not
+        what it points to), a counted fault. Anything else there fails each call on its
+        keys (ENOTDIR), counted as any file system's fault.
+
+        NOTE: once per shard and process: a shard swapped for a link later is followed
+        until the next process. Only a writer of the store's directory can do that, who
+        can write its objects too (``shared`` stores trust their group)."""
+        path = f"{self._root_name}/{name}"
+        try:
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode):
+                self._shards.add(name)
+            if not stat.S_ISLNK(mode):
+                return
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            self._fault("shard", e)
+            return
+        self._fault("shard", NotAnObject(errno.ELOOP, "a link at a shard's name, removed", path))
 
     def _key_files(self, key: str) -> list[str]:
         """The paths of every file of ``key`` (any geometry, any writer), sorted. Lists its
