@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from tests.support.cache_engine import PAGE, SPEC, check_prefix, make_cache, serve
+from tests.support.cache_engine import PAGE, SPEC, check_prefix, compute, make_cache, serve
 
 A = list(range(100, 112))            # 3 pages
 B = list(range(200, 208))            # 2 pages
@@ -94,6 +94,39 @@ def test_write_through_selective_waits_for_the_second_hit():
     cache.evict_device(12)
     assert hits(cache.match_prefix(A)) == (0, 12, 0)
 
+
+
+@pytest.mark.parametrize("call", ["match_prefix", "acquire"])
+def test_a_selective_backup_that_evicts_part_of_the_hit_leaves_its_slots_whole(call):
+    """The second hit of a node starts its backup, whose host space is made by evicting
+    the least recently used host copy: here half of the very prefix being matched. The
+    matched path is locked meanwhile, so the eviction takes nothing of it, and the hit's
+    device slots are those of its tokens (before, ``match_prefix``'s eviction split a node
+    of the path and the slots came out shifted: the KV of other tokens; ``acquire``
+    held its first match's lock already, which covers this path)."""
+    cache = make_cache(device_tokens=32, host_tokens=8, write_policy="write_through_selective", synchronous=True)
+    a = list(range(100, 108))  # two pages
+    ab = a + list(range(200, 204))  # and one more
+    slots = cache.alloc_device(8)
+    compute(cache, a, slots, 0)
+    cache.insert(a, slots)
+    slots = torch.cat([cache.match_prefix(a).device_indices, cache.alloc_device(4)])
+    compute(cache, ab, slots, 8)
+    cache.insert(ab, slots)
+    cache.match_prefix(a)
+    cache.match_prefix(a)  # a's second hit: backed up, the host is full
+    cache.match_prefix(ab)  # the last page's first hit
+    if call == "match_prefix":
+        got = cache.match_prefix(ab)  # its second: its backup evicts the host copy of a
+    else:
+        acquired = cache.acquire(ab)
+        got = acquired.match
+    assert got.device_len == 12
+    check_prefix(cache, ab, got.device_indices)
+    if call == "acquire":
+        cache.release(acquired)
+    cache.flush()
+    cache.check_integrity(engine_device_slots=0)
 
 def test_without_a_host_copy_eviction_drops_pages():
     cache = make_cache(write_policy="write_through_selective")

@@ -273,13 +273,20 @@ class HierarchicalCache:
         return self._state.side_slots(path, device_len, probe[0] if probe else None)
 
     def _hit(self, path) -> None:
-        """One request's reuse of ``path`` (lock held): hit counts, selective backups."""
-        if not self._selective:
+        """One request's reuse of ``path`` (lock held): hit counts, selective backups.
+        The path is locked meanwhile: a backup's host space may be made by evicting, and
+        an eviction that split a node of the path would leave the caller's list without
+        its upper piece (the slots read from it then shifted)."""
+        if not self._selective or not path:
             return  # hits only decide selective backups
-        for node in path:
-            node.hits += 1
-            if node.hits >= SELECTIVE_HITS:
-                self._state.begin_backup(node)
+        self._state.lock_node(path[-1])
+        try:
+            for node in path:
+                node.hits += 1
+                if node.hits >= SELECTIVE_HITS:
+                    self._state.begin_backup(node)
+        finally:
+            self._state.unlock_node(path[-1])
 
     def _parent_key(self, path, used: int | None = None) -> str | None:
         """The storage key of the last matched page: the last of ``path[-1]``, or with
