@@ -300,6 +300,32 @@ def test_an_all_sliding_model_needs_no_full_slots(tmp_path):
     cache.close()
 
 
+
+def test_an_all_sliding_call_refused_after_its_placeholders_leaves_them_free():
+    """An all-sliding model's commit and insert take ``None`` for the tree's slots and
+    allocate placeholders for them. A call refused for its other arguments (groups,
+    resume points), before or after the placeholders are allocated (a released lease is
+    judged under the cache's lock), frees them: the pool is as it was, and the integrity
+    check finds no slot leaked (before, each refusal kept its placeholders for good)."""
+    spec = HYBRID_SPECS["all_swa"]
+    cache = make_cache(spec, 4, {"swa": 32}, {"swa": 32}, synchronous=True)
+    tokens = list(range(16))
+    free = cache.allocator.available_size()
+    with pytest.raises(ValueError, match="groups\\['swa'\\] must be"):
+        cache.insert(tokens, None, groups={"swa": torch.zeros(3, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="resume_at holds \\[3\\]"):
+        cache.insert(tokens, None, resume_at=[3])
+    got = cache.acquire(tokens)
+    with pytest.raises(ValueError, match="resume_at holds \\[5\\]"):
+        cache.commit(got, tokens, None, resume_at=[5])
+    cache.release(got)
+    with pytest.raises(ValueError, match="already released"):
+        cache.commit(got, tokens, None)
+    assert cache.allocator.available_size() == free
+    cache.check_integrity(engine_device_slots=0)
+    assert cache.insert(tokens, None) == 0 and cache.allocator.available_size() == free - 16
+    cache.close()
+
 def test_misuse_is_refused_before_anything_changes():
     spec = HYBRID_SPECS["mimo"]
     cache = make_cache(spec, 4, sizes(spec, 64, 64), sizes(spec, 64, 64))

@@ -517,18 +517,19 @@ class HierarchicalCache:
         if full < reused or tokens[:reused] != acquired.match.tokens[:reused]:
             raise UsageError(f"commit: token_ids ({len(tokens)} tokens) do not start with the acquired "
                              f"{reused}-token prefix")
-        if slots is None and self._sides is not None and not self._sides.full:
+        side = self._given(groups, full, reused, "commit")
+        resume_at = self._resume_points(resume_at, full, "commit")
+        placeholders = slots is None and self._sides is not None and not self._sides.full
+        if placeholders:
             slots = self._placeholders(full - reused, "commit")
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != full - reused:
             got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
             raise UsageError(f"commit: slots must be a 1-D tensor of {full - reused} slots (the full pages of "
                              f"{len(tokens)} tokens after the {reused}-token prefix), got {got}")
         all_slots = torch.cat([prefix, slots.to(prefix.device)])
-        pages = self._check_slots(all_slots)
-        side = self._given(groups, full, reused, "commit")
-        resume_at = self._resume_points(resume_at, full, "commit")
         salt, state = acquired.match.salt, self._state
-        with self._lock:
+        with self._placeholders_back(slots if placeholders else None) as held, self._lock:
+            pages = self._check_slots(all_slots)
             if acquired.lease.owner is not state:
                 raise UsageError("commit: this Acquired comes from another cache")
             if acquired.lease.released:
@@ -537,6 +538,7 @@ class HierarchicalCache:
             walked = state.check_insert(tokens, pages, salt)
             owned = state.check_sides(side, walked) if side is not None else frozenset()
             already, new = state.insert(tokens, pages, salt, walked, side, resume_at, owned)
+            held.clear()  # the tree's now
             if already > reused:  # another request cached these pages first: ours are duplicates
                 state.allocator.free(all_slots[reused:already])
             path = state.match_all(tokens, salt)  # the whole sequence: the engine goes on using its slots
@@ -622,7 +624,12 @@ class HierarchicalCache:
         tokens, salt = token_array(token_ids), canonical_salt(salt)
         self._check_open()
         usable = len(tokens) - len(tokens) % self.page_size
-        if device_indices is None and self._sides is not None and not self._sides.full:
+        if groups is not None and hasattr(groups, "items"):
+            groups = {g: t[:usable] if isinstance(t, torch.Tensor) and t.dim() == 1 else t for g, t in groups.items()}
+        side = self._given(groups, usable, 0, "insert")
+        resume_at = self._resume_points(resume_at, usable, "insert")
+        placeholders = device_indices is None and self._sides is not None and not self._sides.full
+        if placeholders:
             device_indices = self._placeholders(usable, "insert")
         if not isinstance(device_indices, torch.Tensor) or device_indices.dim() != 1 \
                 or device_indices.numel() < usable:
@@ -632,16 +639,13 @@ class HierarchicalCache:
         # NOTE: a prompt of whole pages (the usual insert) skips the slice: a torch op on
         # a fresh tensor took about 5 µs of an 8K-token insert's 50 here
         slots = device_indices if device_indices.numel() == usable else device_indices[:usable]
-        pages = self._check_slots(slots)
-        if groups is not None and hasattr(groups, "items"):
-            groups = {g: t[:usable] if isinstance(t, torch.Tensor) and t.dim() == 1 else t for g, t in groups.items()}
-        side = self._given(groups, usable, 0, "insert")
-        resume_at = self._resume_points(resume_at, usable, "insert")
         del tokens[usable:]  # our own copy: whole pages only, without copying again
-        with self._lock:
+        with self._placeholders_back(slots if placeholders else None) as held, self._lock:
+            pages = self._check_slots(slots)
             walked = self._state.check_insert(tokens, pages, salt)
             owned = self._state.check_sides(side, walked) if side is not None else frozenset()
             already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at, owned)
+            held.clear()  # the tree's now
         self._stats.add(inserted_tokens=new)
         return already
 
@@ -653,6 +657,20 @@ class HierarchicalCache:
         if bad:
             raise UsageError(f"{what}: resume_at holds {bad[:4]}, not whole-page token counts in (0, {tokens}]")
         return points if self._sides is not None else ()
+
+    @contextlib.contextmanager
+    def _placeholders_back(self, slots: torch.Tensor | None):
+        """Free ``slots`` (placeholders just allocated) if the block raises before the tree
+        takes them (the block then empties the list it is given): a call refused after
+        allocating them leaves the pool as it found it."""
+        held = [] if slots is None else [slots]
+        try:
+            yield held
+        except BaseException:
+            if held:
+                with self._lock:
+                    self.allocator.free(held[0])
+            raise
 
     def _placeholders(self, n: int, what: str) -> torch.Tensor:
         """An all-sliding cache's own slots for ``n`` tokens of the tree (no KV in them)."""
