@@ -118,6 +118,10 @@ def _check_allocated(pool, pages: torch.Tensor, page_size: int, whose: str = "")
         slot = int(pages[int(np.flatnonzero(~held)[0])]) * page_size
         raise UsageError(f"free_device: {whose}slot {slot} is not allocated (freed already?); only free slots you own")
 
+
+_NOTHING_HELD = contextlib.nullcontext([])  # _placeholders_back without placeholders (empty, never filled)
+
+
 class HierarchicalCache:
     """Prefix cache over a device pool (L1), a host pool (L2) and optional storage (L3).
 
@@ -658,12 +662,16 @@ class HierarchicalCache:
             raise UsageError(f"{what}: resume_at holds {bad[:4]}, not whole-page token counts in (0, {tokens}]")
         return points if self._sides is not None else ()
 
-    @contextlib.contextmanager
     def _placeholders_back(self, slots: torch.Tensor | None):
-        """Free ``slots`` (placeholders just allocated) if the block raises before the tree
-        takes them (the block then empties the list it is given): a call refused after
-        allocating them leaves the pool as it found it."""
-        held = [] if slots is None else [slots]
+        """A context that frees ``slots`` (placeholders just allocated) if its block raises
+        before the tree takes them (the block then empties the list it is given): a call
+        refused after allocating them leaves the pool as it found it. Without slots, a
+        context that does nothing (a third of the generator's microsecond per insert)."""
+        return _NOTHING_HELD if slots is None else self._freed_on_raise(slots)
+
+    @contextlib.contextmanager
+    def _freed_on_raise(self, slots: torch.Tensor):
+        held = [slots]
         try:
             yield held
         except BaseException:
