@@ -146,3 +146,28 @@ def test_a_hybrid_peek_inside_a_node_gives_what_a_match_would(name):
         assert peeked == matched, (cut, peeked, matched)
         assert (matched[0] == 64) == (cut == 64)  # only the cached prompt's end resumes here
         cache.close()
+
+
+@pytest.mark.parametrize("cut", [8, 16, 20])
+def test_a_hybrid_peek_with_storage_keys_the_prompt_from_where_it_leaves_a_node(tmp_path, cut):
+    """A hybrid peek asks storage for the prompt's pages after its resident ones, keyed
+    from the last resident page. Ending inside a cached prompt's node, which a peek does
+    not split, those keys must start from the prompt's own pages, not the node's: peek
+    and match then agree (before, the peek took the node's later keys as the prompt's
+    and found the cached prompt's stored pages, a storage hit of 32 tokens where the
+    match found none)."""
+    import kvtier.storage
+    from tests.support.cache_hybrid_engine import HybridEngine
+    from tests.support.cache_hybrid_engine import make_cache as make_hybrid
+    from tests.support.pools import HYBRID_SPECS
+
+    spec = HYBRID_SPECS["oss"]
+    sizes = {g.name: 64 for g in spec.groups}
+    cache = make_hybrid(spec, 4, sizes, sizes, kvtier.storage.open(f"file://{tmp_path}"), synchronous=True)
+    cached = list(range(1000, 1032))  # 8 pages: one node, stored whole
+    HybridEngine(cache).commit_whole(cached, resume_at=(cut - cut % 4,))
+    cache.flush()
+    tokens = cached[:cut] + list(range(5000, 5024))
+    peeked, matched = peek_then_match(cache, tokens)
+    assert peeked == matched and matched[2] == 0, (peeked, matched)
+    cache.close()

@@ -324,8 +324,10 @@ class HierarchicalCache:
         if usable <= found.pages:
             return None
         state = self._state
-        nodes, _, _ = state.tree.walk(tokens[:found.pages * ps], salt)  # whole nodes: it ends at a node's end
-        keys = [k for node in nodes for k in state.store_keys(node)]
+        # NOTE: a match split the tree where the resident pages end; a peek did not, and its
+        # last node may go on past them (and past where the prompt leaves it): cut there
+        nodes, _, _ = state.tree.walk(tokens[:found.pages * ps], salt)
+        keys = [k for node in nodes for k in state.store_keys(node)][:found.pages]
         parent = keys[-1] if keys else None
         keys += extend_keys(parent, tokens[found.pages * ps:usable * ps], ps, self.namespace, salt, self.hash)
         last = nodes[-1] if nodes else state.tree.root(salt)
