@@ -1,6 +1,7 @@
 """The cache with an L3 store: backup to storage, storage hits, prefetch and its stop policies."""
 
 import threading
+import time
 
 import pytest
 
@@ -134,4 +135,48 @@ def test_storage_slower_than_the_writes_arriving_drops_them_counted_and_the_host
     stats = cache.stats()  # the rest lost their host copy before their turn (64 host tokens): not written
     assert stats["stored_tokens"] >= 16 and stats["stored_tokens"] + stats["store_dropped_tokens"] <= 8 * 16
     assert stats["errors"] == 0
+    cache.close()
+
+
+def test_a_write_queued_while_its_nodes_split_leaves_the_backlog_empty(tmp_path):
+    """A queued storage write counts its tokens into the writer's backlog and out again
+    when it starts. One of its nodes may lose its host copy meanwhile (leaving the write)
+    and then be split: it is counted out as it was counted in. Before, the split node's
+    shorter key was counted out, the backlog never emptied, and a later write as large as
+    the backlog was dropped."""
+    from tests.support.cache_engine import compute
+    from tests.support.cache_faults import FaultyStore
+
+    store = FaultyStore(kvtier.storage.open(f"file://{tmp_path}"))
+    cache = make_cache(device_tokens=64, host_tokens=32, storage=store, write_policy="write_through")
+
+    def put(tokens):
+        slots = cache.alloc_device(len(tokens))
+        compute(cache, tokens, slots, 0)
+        cache.insert(tokens, slots)
+
+    store.set_gate = threading.Event()
+    put(list(range(100, 116)))  # its write starts and waits at the gate
+    assert store.set_started.wait(5)
+    queued = list(range(200, 216))
+    put(queued)  # backed up; its write queued behind the first
+    deadline = time.monotonic() + 30
+    while not (cache.peek(queued).path[-1].storing is not None and cache.peek(queued).path[-1].host_ready):
+        assert time.monotonic() < deadline, "the backup never queued its write"
+        time.sleep(0.01)
+    cache.evict_host(8)  # the queued write's node: split 8 + 8, the tail's host copy dropped
+    cache.match_prefix(queued[:12])  # that tail split again
+    store.set_gate.set()
+    cache.flush()
+    cache.evict_host(32)
+    cache.flush()
+    dropped = cache.stats()["store_dropped_tokens"]
+    put(list(range(300, 332)))  # 32 tokens: the whole backlog
+    cache.flush()
+    assert cache.stats()["store_dropped_tokens"] == dropped
+    assert hits(cache.match_prefix(list(range(300, 332)) + [0])) == (32, 0, 0)
+    cache.evict_device(64)
+    cache.evict_host(32)
+    assert hits(cache.match_prefix(list(range(300, 332)) + [0]))[2] == 32  # written: a storage hit
+    cache.check_integrity()
     cache.close()

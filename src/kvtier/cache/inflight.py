@@ -21,7 +21,8 @@ class InFlight:
     host) or ``store`` (host -> storage). ``cancelled`` tells a job that has not
     run yet that its nodes no longer want it; ``done`` is set when it settled."""
 
-    __slots__ = ("kind", "nodes", "cancelled", "started", "done", "device", "host", "handle", "ready", "pin", "side")
+    __slots__ = ("kind", "nodes", "cancelled", "started", "done", "device", "host", "handle", "ready", "pin", "side",
+                 "queued")
 
     def __init__(self, kind: str, nodes: list, device: torch.Tensor | None = None,
                  host: torch.Tensor | None = None) -> None:
@@ -37,6 +38,7 @@ class InFlight:
         self.ready = None                       # CUDA: event the copy's stream waits on
         self.pin = None                         # a load's locked node (its path stays put)
         self.side = None                        # hybrid: ({group: device slots}, {group: host slots}) of sliding pages
+        self.queued = 0                         # a store's tokens in the writer's backlog while it waits
 
     def holders(self) -> list:
         """The nodes still carrying this mark."""

@@ -119,6 +119,9 @@ class Mover:
                 mark.clear()
                 self.state.stats.add(store_dropped_tokens=tokens)
                 return
+            # NOTE: counted out as counted in (not by the nodes' keys then: a node that left
+            # the mark may be split meanwhile, and its key shortened)
+            mark.queued = tokens
             self._queued_store_tokens += tokens
         if mark.kind == "backup" and self._streams:
             # NOTE: the engine may still be writing these slots on its stream: the copy waits for it.
@@ -137,8 +140,13 @@ class Mover:
             mark.cancelled = True
             self.state.finish_backup(mark, ok=True)
         else:
-            self._queued_store_tokens -= sum(len(n.key) for n in mark.nodes)
+            self._dequeue(mark)
             mark.clear()
+
+    def _dequeue(self, mark: InFlight) -> None:
+        """A store leaves the backlog (lock held)."""
+        self._queued_store_tokens -= mark.queued
+        mark.queued = 0
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def _stream(self, kind: str):
@@ -226,7 +234,7 @@ class Mover:
 
     def _store(self, mark: InFlight) -> None:
         with self.state.lock:
-            self._queued_store_tokens -= sum(len(n.key) for n in mark.nodes)
+            self._dequeue(mark)
             job = self.state.start_store(mark)
         if job is None:
             ok = False
