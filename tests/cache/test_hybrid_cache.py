@@ -326,6 +326,23 @@ def test_an_all_sliding_call_refused_after_its_placeholders_leaves_them_free():
     assert cache.insert(tokens, None) == 0 and cache.allocator.available_size() == free - 16
     cache.close()
 
+
+def test_more_sliding_slots_than_the_whole_group_pool_evict_nothing():
+    """A sliding group's allocation larger than its whole pool fails without evicting
+    that group's pages: the cached prompt stays a hit."""
+    spec = HYBRID_SPECS["oss"]
+    cache = make_cache(spec, 4, {g.name: 64 for g in spec.groups}, {g.name: 64 for g in spec.groups},
+                       synchronous=True)
+    eng = HybridEngine(cache)
+    a = list(range(100, 132))
+    eng.commit_whole(a)
+    sliding = cache.stats()["sliding_pages"]["swa"]["device"]
+    assert cache.match_prefix(a).device_len == 32 and sliding > 0
+    assert cache.alloc_device(68, group="swa") is None
+    assert cache.match_prefix(a).device_len == 32
+    assert cache.stats()["sliding_pages"]["swa"]["device"] == sliding
+    cache.close()
+
 def test_misuse_is_refused_before_anything_changes():
     spec = HYBRID_SPECS["mimo"]
     cache = make_cache(spec, 4, sizes(spec, 64, 64), sizes(spec, 64, 64))

@@ -205,6 +205,18 @@ def test_alloc_device_evicts_for_the_engine():
     assert hits(cache.match_prefix(A)) == (8, 4, 0)   # eviction demotes exactly the page needed: A's last
 
 
+
+def test_more_slots_than_the_whole_pool_evict_nothing():
+    """An allocation larger than the whole device pool fails (``None``, counted) without
+    evicting: no eviction could make room for it, and before, every unlocked device
+    page went first. The cached prompt is still a device hit."""
+    cache = make_cache(device_tokens=16, host_tokens=64)
+    serve(cache, A)
+    cache.flush()
+    assert cache.alloc_device(20) is None
+    assert cache.stats()["device_alloc_failures"] == 1
+    assert hits(cache.match_prefix(A)) == (12, 0, 0)
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"write_policy": "write_around"}, "unknown write_policy 'write_around'; supported: write_through"),
     ({"prefetch_policy": "eager"}, "unknown prefetch_policy 'eager'"),

@@ -246,6 +246,8 @@ class HybridState:
         pool = (self.sides.device if tier == "device" else self.sides.host)[g]
         got = self.sides.alloc_pages(pool, n)
         if got is None:
+            if n * self.page_size > pool.size:
+                return None  # more than the whole pool: no eviction could make room
             self.evict_side(tier, g, n * self.page_size - pool.available_size())
             got = self.sides.alloc_pages(pool, n)
         return got

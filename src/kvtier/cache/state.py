@@ -278,6 +278,8 @@ class CacheState(HybridState):
         pool = self.allocator if tier == "device" else self.host_pool
         slots = pool.alloc(n)
         if slots is None:
+            if n > (self.device_pool if tier == "device" else self.host_pool).size:
+                return None  # more than the whole pool: evicting could not make room, so nothing goes
             self.evict(tier, n - pool.available_size())
             slots = pool.alloc(n)
         return slots
