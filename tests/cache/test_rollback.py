@@ -64,6 +64,31 @@ def test_a_failed_load_surfaces_on_the_handle_and_on_requests_that_waited_for_it
     assert settled(cache)
 
 
+
+def test_a_commit_while_its_load_is_in_flight_waits_and_refuses_a_failed_one():
+    """An engine that commits before its prefix's load has settled (it did not wait on
+    every layer) gets the load's outcome first: the commit waits for it, and a failed
+    load refuses the commit, so the KV computed over a prefix that never arrived is not
+    cached (before, the commit was taken while the load ran, and the later failure
+    left the pages computed over it a hit)."""
+    import torch
+
+    from tests.support.cache_engine import compute
+
+    cache, faults = on_host_only(fail=1, gate=threading.Event())
+    tokens = A + list(range(500, 508))  # A (host only) and two pages of its own
+    got = cache.acquire(tokens, wait=False)
+    assert faults.started.wait(10) and not got.load.done()
+    slots = cache.alloc_device(8)
+    compute(cache, tokens, torch.cat([got.device_indices, slots]), 16)
+    threading.Timer(0.2, faults.gate.set).start()  # fails once the commit is waiting
+    with pytest.raises(ValueError, match="failed to load"):
+        cache.commit(got, tokens, slots)
+    cache.release(got)
+    cache.free_device(slots)
+    assert hits(cache.match_prefix(tokens)) == (0, 16, 0)  # A on the host as before; its tail not cached
+    assert settled(cache)
+
 def test_a_split_during_a_load_leaks_nothing():
     cache, faults = on_host_only(gate=threading.Event())
     m = cache.match_prefix(A)

@@ -515,6 +515,10 @@ class HierarchicalCache:
         self._check_open()
         if not isinstance(acquired, Acquired) or acquired.lease is None:
             raise UsageError(f"commit takes the Acquired from acquire, got {type(acquired).__name__}")
+        # NOTE: the KV given was computed over the acquired prefix: a load still in flight
+        # (an engine that did not wait on every layer) is settled first, so a load that
+        # fails is refused here, and no KV computed over what never arrived is cached
+        acquired.load.wait()
         if acquired.load.error is not None:
             raise UsageError(f"commit: the acquired prefix failed to load ({acquired.load.error!r}); release it")
         tokens, ps = token_array(token_ids), self.page_size
