@@ -24,8 +24,9 @@ from .._checks import is_int, positive_int
 from ..errors import UsageError
 from ..hybrid import HybridSpec
 from ..pools.hybrid import HybridHostPool, as_hybrid
+from ..pools.indices import page_starts
 from ..spec import KVSpec
-from .base import Storage, _check_keys
+from .base import _check_keys
 
 
 def group_tag(spec: HybridSpec, name: str) -> str:
@@ -204,10 +205,8 @@ class GroupedStorage:
                 n = idx.numel() if isinstance(idx, torch.Tensor) else idx
                 raise UsageError(f"host_indices[{name!r}] must hold {len(gk)} pages of {host_pool.page_size} slots, "
                                  f"got {n}")
-            if isinstance(self.storage, Storage):  # the slots' values and the pool, as the group's own call checks
-                try:
-                    self.storage._check_pages(gk, host_pool[name], idx, writing=op == "batch_set")
-                except ValueError as e:
-                    raise UsageError(f"group {name!r}: {e}") from None
+            pool = host_pool[name]  # the slots' values, as each backend's own call checks them
+            page_starts(idx, page_size=pool.page_size, size=pool.size, what=f"group {name!r}: host_indices",
+                        unique=op == "batch_get")
         return {name: list(getattr(self.storage, op)(gk, host_pool[name], host_indices[name]))
                 for name, gk in group_keys.items()}
