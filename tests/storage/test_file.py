@@ -171,6 +171,31 @@ def test_a_link_at_a_shards_name_is_removed_not_followed(tmp_path, monkeypatch, 
     store.delete([key])
     assert store.batch_exists([key]) == 0 and (outside / "keep").exists() and store.stats()["errors"] == 1
 
+
+def test_a_key_written_again_while_it_is_deleted_stays_counted_for_the_capacity(tmp_path):
+    """A delete of a key and a write of it again may interleave: here the write lands
+    just after the delete removed the key's old file. The new file is counted in the
+    capacity, so it is evicted in its turn (before, the delete dropped its count after
+    the write had made it: a file on disk that no eviction would ever remove)."""
+    host, idx = filled_host(SPEC, 2)
+    keys = keys_for(2)
+    store = kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=1 << 30, io_threads=1)
+    assert store.batch_set(keys[:1], host, idx[:4]) == [True]
+    one = store.usage_bytes()
+    unlink = store._unlink
+
+    def unlink_then_write_again(path):
+        unlink(path)
+        store._unlink = unlink
+        assert store.batch_set(keys[:1], host, idx[:4]) == [True]
+
+    store._unlink = unlink_then_write_again
+    store.delete(keys[:1])
+    assert store.batch_exists(keys[:1]) == 1 and store.usage_bytes() == one
+    store.capacity_bytes = one  # a second key's write evicts the first, now the least recently used
+    assert store.batch_set(keys[1:], host, idx[4:]) == [True]
+    assert store.batch_exists(keys[:1]) == 0 and len(object_files(tmp_path)) == 1
+
 def _sharing_a_shard(n):
     """``n`` keys whose hashes share their first byte: their files share a shard directory."""
     by_shard = {}

@@ -932,11 +932,14 @@ class FileStorage(ThreadedStorage):
         return out
 
     def _remove_keys(self, keys) -> None:
+        # NOTE: out of the LRU before the files go, as an eviction does: a writer of the key
+        # between the two then counts its new file in again (before, its entry was popped
+        # after that, and its file stayed on disk uncounted, never evicted)
         for key in keys:
-            for path in self._key_files(key):
-                self._unlink(path)
             with self._lock:
                 self._total -= sum(self._lru.pop(self._stem(key), {}).values())
+            for path in self._key_files(key):
+                self._unlink(path)
 
     def _remove_all(self) -> None:
         """Every file and directory under the root goes but the shard directories, which
