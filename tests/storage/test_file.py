@@ -196,6 +196,24 @@ def test_a_key_written_again_while_it_is_deleted_stays_counted_for_the_capacity(
     assert store.batch_set(keys[1:], host, idx[4:]) == [True]
     assert store.batch_exists(keys[:1]) == 0 and len(object_files(tmp_path)) == 1
 
+
+def test_marking_a_read_key_used_touches_no_file_a_link_at_its_name_points_to(tmp_path):
+    """A read key's files get a new mtime (their LRU order at the next open). A link put
+    at a file's name since the read is not followed: what it points to keeps its mtime."""
+    host, idx = filled_host(SPEC, 1)
+    key, = keys_for(1)
+    store = kvtier.storage.open(f"file://{tmp_path}/store", capacity_bytes=1 << 30)
+    assert store.batch_set([key], host, idx) == [True]
+    path, = object_files(tmp_path / "store")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x")
+    os.utime(victim, (1, 1))
+    path.unlink()
+    path.symlink_to(victim)
+    field = path.name.split(".", 1)[1].replace(".", "/")
+    store._touch(store._stem(key), [(field, [])])
+    assert victim.stat().st_mtime == 1
+
 def _sharing_a_shard(n):
     """``n`` keys whose hashes share their first byte: their files share a shard directory."""
     by_shard = {}

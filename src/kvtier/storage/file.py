@@ -1017,7 +1017,8 @@ class FileStorage(ThreadedStorage):
                 self._lru.move_to_end(stem)
         for field, _ in read:
             try:
-                os.utime(f"{stem}.{self._file_name(field)}")
+                # not followed: a link put at the name since the read is not ours to touch
+                os.utime(f"{stem}.{self._file_name(field)}", follow_symlinks=False)
             except OSError:
                 pass
 
