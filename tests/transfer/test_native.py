@@ -343,6 +343,32 @@ def test_copy_jobs_refuses_thread_counts_out_of_range(compiled, threads):
     assert not dsts[0].any()
 
 
+
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+def test_a_pool_of_more_copy_threads_than_the_compiled_copy_keeps_copies_on_as_many_as_it_keeps(compiled, layout):
+    """A host's copy threads default to its cores, which may be more than the compiled
+    copy's ``MAX_THREADS`` (64): a backup and a load large enough to split that wide
+    run on 64 threads, byte for byte (before, every such copy raised ``ValueError``)."""
+    assert compiled.MAX_THREADS == 64
+    spec, ps = KVSpec.mha(2, 8, 128, dtype=torch.bfloat16), 16
+    pages = 96  # 12 MiB: 192 shares of the compiled copy's 64 KiB, more than 64 threads
+    dev = random_device_pool(spec, pages * ps, ps, seed=3)
+    host = HostKVPool(spec, pages * ps, ps, layout=layout, copy_threads=96)
+    src = slots(list(range(pages)), ps)
+    dst = slots(list(range(pages))[::-1], ps)
+    host.backup_from_device_all_layer(dev, src, dst)
+    back = random_device_pool(spec, pages * ps, ps, seed=4)
+    host.load_to_device_layers(back, dst, src, range(spec.layer_num))
+    for name in spec.names:
+        for layer in range(spec.layer_num):
+            assert torch.equal(bits(back.buffer(name, layer)), bits(dev.buffer(name, layer)))
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "4", True])
+def test_a_pool_refuses_copy_threads_that_are_no_positive_int(bad):
+    with pytest.raises(ValueError, match="copy_threads must be a positive int"):
+        HostKVPool(KVSpec.mha(1, 1, 4), 16, 4, copy_threads=bad)
+
 def test_copy_jobs_refuses_jobs_that_are_not_tuples(compiled):
     dst, src = _bufs()
     pages = np.array([0], np.int64)

@@ -109,6 +109,8 @@ class HostKVPool:
         self.layout = layout.name
         self.num_pages = buffers[spec.names[0]].shape[layout.order.index("page")]
         self.size = self.num_pages * page_size
+        if copy_threads is not None:
+            positive_int("copy_threads", copy_threads)
         self.copy_threads = copy_threads or max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
         self.copy_workers = CopyWorkers(self.copy_threads)  # kept threads: none started until a big copy
         self.raw: torch.Tensor | None = raw

@@ -581,5 +581,10 @@ PyMODINIT_FUNC PyInit__native(void) {
 #ifndef _WIN32
     pthread_atfork(NULL, NULL, pool_reset_child);
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

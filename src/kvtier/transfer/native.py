@@ -335,12 +335,14 @@ def run_jobs(jobs: list[tuple], threads: int) -> None:
     with the slots innermost faster still (backups 26.7, 16-layer load runs 22.5 GB/s).
     So a plan with several candidate orders times each on its first large calls and
     keeps the fastest."""
+    compiled = built(COMPILED)
+    threads = min(threads, compiled.MAX_THREADS)  # a pool's copy_threads is the machine's cores: maybe more
     trials = getattr(jobs, "trials", None)
     if not trials:
-        built(COMPILED).copy_jobs(jobs, threads)
+        compiled.copy_jobs(jobs, threads)
         return
     start = _clock()
-    built(COMPILED).copy_jobs(jobs, threads)
+    compiled.copy_jobs(jobs, threads)
     per_byte = (_clock() - start) / max(jobs.nbytes, 1)
     for blocks, order in trials:
         blocks.timed(order, per_byte)
