@@ -150,3 +150,21 @@ def test_device_pool_accessors():
     assert idx.tolist() == list(range(8)) and dev.available_size() == 8
     dev.free(idx)
     assert dev.available_size() == 16
+
+
+def test_a_pool_on_cuda_names_the_device_its_tensors_report(monkeypatch):
+    """``cuda`` means the current CUDA device: a pool keeps it as ``cuda:N``, the device its
+    tensors (and the slots it hands out) report, so its own indices are on its device
+    (``torch.device`` compares the index: ``cuda:0 != cuda``; before, a pool made with
+    ``device="cuda"`` refused the indices it handed out). Checked without a GPU."""
+    from kvtier.pools.common import check_device, parse_device
+
+    assert parse_device("cuda") == torch.device("cuda")  # no CUDA here: nothing to name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert parse_device("cuda") == parse_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert check_device("cuda") == torch.device("cuda", 1)
+    assert parse_device("cuda:0") == check_device("cuda:0") == torch.device("cuda", 0)
+    assert parse_device("cpu") == check_device("cpu") == torch.device("cpu")
+    assert parse_device("meta") == torch.device("meta")

@@ -55,9 +55,18 @@ def check_buffers(spec: KVSpec, buffers: Iterable[tuple[str, object, tuple[int, 
 
 def parse_device(device: object) -> torch.device:
     try:
-        return torch.device(device)
+        return _indexed(torch.device(device))
     except (RuntimeError, TypeError) as e:
         raise UsageError(f"invalid device {device!r}: {e}") from None
+
+
+def _indexed(dev: torch.device) -> torch.device:
+    """``cuda`` as the CUDA device it means now (``cuda:N``): the tensors made there say
+    ``cuda:N``, and a pool that kept ``cuda`` refused its own indices as on another
+    device (``torch.device`` compares the index too)."""
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def check_device(device: str) -> torch.device:
@@ -75,7 +84,7 @@ def check_device(device: str) -> torch.device:
                              "visible); use cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise UsageError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return dev
+    return _indexed(dev)
 
 
 def check_spec(spec: object) -> KVSpec:
