@@ -100,3 +100,45 @@ def test_a_sliding_window_layer_makes_the_spec_hybrid():
                             layer_types=["full_attention", "sliding_attention"])
     spec = spec_from_model(AutoModelForCausalLM.from_config(cfg).eval())
     assert isinstance(spec, HybridSpec) and [g.attention.tag for g in spec.groups] == ["full", "swa128"]
+
+@pytest.mark.parametrize("kw", [dict(num_beams=4, do_sample=False, early_stopping=False),
+                                dict(do_sample=True, num_return_sequences=2, top_k=20)])
+def test_a_search_of_several_rows_caches_the_prompt_only_and_its_reuse_is_exact(kw):
+    """Beam search (and several returned sequences) keeps several rows of KV, and which
+    row holds which returned sequence is the search's: only the prompt's pages, the same
+    in every row, are cached. A prompt that continues the returned sequence then reuses
+    the prompt and computes the rest, with the logits of a run without kvtier (before,
+    row 0's KV was cached under ``sequences[0]``'s tokens: the logits differed)."""
+    net = build("llama", layers=2, hidden=64, vocab=256, seed=1)
+    gen = CachedGenerator.build(net, device_tokens=1024, host_tokens=1024, page_size=8)
+    prompt = torch.randint(1, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()  # 0 pads
+    torch.manual_seed(0)
+    out = gen.hf_generate(prompt, max_new_tokens=40, pad_token_id=0, **kw)
+    follow = out[0].tolist() + [5, 6, 7]
+    got = gen.generate(follow, max_new_tokens=1)
+    want = _forward(net, torch.tensor([follow]), _new_cache(net)).logits[0, -1]
+    assert got.device_tokens == 40  # the prompt's five pages
+    assert torch.allclose(got.first_logits, want, atol=1e-5, rtol=0), (got.first_logits - want).abs().max()
+    gen.cache.close()
+
+
+def test_the_salt_a_generator_is_built_with_is_the_tenant_of_its_calls(tmp_path):
+    """``build(salt=...)`` names the tenant of every call that names none: two tenants'
+    generators over one store do not read each other's KV, and a call's own salt still
+    wins (before, the built salt was dropped and every tenant shared one key space)."""
+    net = build("llama", layers=2, hidden=64, vocab=256, seed=1)
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def generator(salt=None):
+        return CachedGenerator.build(net, device_tokens=256, host_tokens=256, page_size=8, salt=salt,
+                                     storage=kvtier.storage.open(f"file://{tmp_path}"))
+
+    a = generator("tenant-A")
+    assert a.generate(prompt, max_new_tokens=2).storage_tokens == 0
+    a.cache.flush()
+    b = generator("tenant-B")
+    assert b.generate(prompt, max_new_tokens=2).storage_tokens == 0  # not tenant A's
+    assert generator().generate(prompt, max_new_tokens=2, salt="tenant-A").storage_tokens == 64
+    assert generator("tenant-B").generate(prompt, max_new_tokens=2, salt="tenant-A").storage_tokens == 64
+    for gen in (a, b):
+        gen.cache.close()

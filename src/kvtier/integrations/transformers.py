@@ -110,8 +110,9 @@ class RequestStats:
 class CachedGenerator:
     """Greedy generation with KV reuse across requests through a HierarchicalCache."""
 
-    def __init__(self, model, cache: HierarchicalCache) -> None:
+    def __init__(self, model, cache: HierarchicalCache, salt=None) -> None:
         self.model, self.cache = model, cache
+        self.salt = salt  # the tenant of a call that names none
         self.spec = cache.device_pool.spec
         self.hybrid = isinstance(self.spec, HybridSpec)
         # per model layer: (its group, its index in the group); a plain spec is one group "kv"
@@ -126,7 +127,7 @@ class CachedGenerator:
         per layer group; ``sliding_tokens`` sizes each sliding group's device and host
         pools (default: as the full groups'), ``retention_interval`` keeps a window
         every so many tokens (a multiple of ``page_size``) besides sequence ends and
-        branch points."""
+        branch points. ``salt``: the tenant of every call that names none."""
         spec = spec_from_model(model)
         if namespace is None:
             namespace = hf_namespace(model) if storage is not None else None
@@ -141,7 +142,7 @@ class CachedGenerator:
         else:
             device = DeviceKVPool(spec, device_tokens, page_size, device=model.device)
             host = HostKVPool(spec, host_tokens, page_size, layout=layout)
-        return cls(model, HierarchicalCache(device, host, storage, **kw))
+        return cls(model, HierarchicalCache(device, host, storage, **kw), salt)
 
     # -- DynamicCache <-> pool ------------------------------------------------------------------
     def _pool_layer(self, layer: int):
@@ -195,6 +196,7 @@ class CachedGenerator:
                  ) -> RequestStats:
         """Greedy decoding of ``max_new_tokens`` (or until ``eos_token_id``) after ``input_ids``,
         reusing every cached page of the prompt; the sequence's new full pages are cached after."""
+        salt = self.salt if salt is None else salt
         tokens = token_array(input_ids).tolist()
         reusable = tokens[:-1]  # the last prompt token is always computed: its logits pick the next token
         cache = self.cache
@@ -219,7 +221,10 @@ class CachedGenerator:
         ``past_key_values`` (so the model runs only on the rest), and the sequence's
         full pages are cached afterwards. Sampling, ``GenerationConfig``, stop
         strings, streamers work as without kvtier; one sequence at a time (batch 1).
-        Returns what ``model.generate`` returns."""
+        Where the search keeps several rows (beams, several returned sequences), which
+        row holds which output is the search's: only the prompt's pages, the same in
+        every row, are cached. Returns what ``model.generate`` returns."""
+        salt = self.salt if salt is None else salt
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor([list(input_ids)])
         if ids.dim() == 1:
             ids = ids[None]
@@ -233,7 +238,8 @@ class CachedGenerator:
             dyn = self._to_dynamic(got)
             out = self.model.generate(ids.to(self.model.device), past_key_values=dyn, **generate_kwargs)
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
-            held = self._commit(got, sequences[0].tolist(), dyn, len(tokens))
+            rows = dyn.layers[0].keys.shape[0] if dyn.layers and dyn.layers[0].keys is not None else 1
+            held = self._commit(got, sequences[0].tolist() if rows == 1 else tokens, dyn, len(tokens))
         finally:
             self.cache.release(held)
         return out
@@ -242,7 +248,9 @@ class CachedGenerator:
         """Cache the sequence's new full pages; returns the lease to release. The point
         where a repeat of the ``prompt``-token prompt resumes is kept resumable."""
         ps = self.cache.page_size
-        have = dyn.get_seq_length()  # KV exists for sequence[:have] (not the last generated token)
+        # KV exists for sequence[:have] (not the last generated token; only the prompt's where
+        # the sequence given is the prompt)
+        have = min(dyn.get_seq_length(), len(sequence))
         full = have - have % ps
         start = got.device_indices.numel()
         if full <= start:
