@@ -71,6 +71,39 @@ def test_cpu_blocks_become_canonical_k_and_v_pages():
         assert torch.equal(page["v"][:, :, layer].view(bits), block[:, 1].view(bits))
 
 
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"])
+def test_gpu_blocks_become_the_k_and_v_vllms_kernels_read(backend, layout):
+    """vLLM 0.32's GPU caches: a layer's logical ``(block, head, slot, C)``, ``C`` a head's
+    K then V of one token, laid out in ``kv_cache_layout``'s order; the kernels read K
+    and V as ``kv_cache.transpose(1, 2).split(head_size, -1)``. kvtier's canonical
+    ``k`` and ``v`` are exactly those (before, K and V were taken as the outermost
+    axis: what it called K mixed K and V of other heads and slots)."""
+    from kvtier.integrations.vllm.blocks import Geometry
+
+    heads, dim, blocks = 2, 8, 3
+    fmt = block_format(Geometry(backend, layout, False, heads, dim, BLOCK, torch.bfloat16), 1,
+                       BLOCK * heads * 2 * dim * 2)
+    assert fmt.canonical and fmt.name.startswith("kv2.")
+    shape = (blocks, BLOCK, heads, 2 * dim) if layout == "LBNHC" else (blocks, heads, BLOCK, 2 * dim)
+    physical = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logical = physical.permute(0, 2, 1, 3) if layout == "LBNHC" else physical  # (block, head, slot, C)
+    k, v = logical.transpose(1, 2).split(dim, -1)  # (block, slot, head, dim), as the kernels read them
+    views = fmt.layer_views(physical.reshape(blocks, -1).view(torch.int8))
+    assert torch.equal(views["k"], k) and torch.equal(views["v"], v)
+
+
+def test_opaque_pages_are_named_by_their_dtype_and_heads():
+    """Opaque bytes mean nothing without their dtype and heads: two deployments that
+    differ in either (under one namespace) name their pages apart (before, a float16
+    engine read a bfloat16 one's blocks as its own)."""
+    from dataclasses import replace
+
+    names = {block_format(replace(UNKNOWN, **kw), LAYERS, 8192).name
+             for kw in ({}, {"dtype": torch.float16}, {"num_kv_heads": 4, "head_size": 16})}
+    assert len(names) == 3 and all(n.startswith("opaque.") for n in names)
+
 def test_formats_fall_back_to_opaque_pages_when_bytes_do_not_match():
     assert not block_format(UNKNOWN, LAYERS, 8192).canonical
     assert block_format(CPU_GQA, LAYERS, 8192).canonical

@@ -13,15 +13,22 @@ trip exactly but only the same backend and layout can read them (their keys say 
 | backend (``kv_cache_layout``) | block interior | kvtier page |
 |---|---|---|
 | ``CPU_ATTN`` (``LBHNC``) | ``(head, kv, slot, dim)``: per head, K of every slot, then V | canonical ``k``, ``v`` |
-| ``FLASH_ATTN``, ``TRITON_ATTN``, ``FLASHINFER`` (``LBNHC``) | ``(kv, slot, head, dim)`` | canonical ``k``, ``v`` |
-| the same (``LBHNC``) | ``(kv, head, slot, dim)`` | canonical ``k``, ``v`` |
+| ``FLASH_ATTN``, ``TRITON_ATTN``, ``FLASHINFER`` (``LBNHC``) | ``(slot, head, kv, dim)`` | canonical ``k``, ``v`` |
+| the same (``LBHNC``) | ``(head, slot, kv, dim)`` | canonical ``k``, ``v`` |
 | any MLA backend | ``(slot, dim)`` of ``kv_lora_rank + rope`` | canonical ``kv`` (1 head) |
 | anything else, quantized caches with scales, padded or packed pages | — | opaque |
 
 A canonical mapping is accepted only when its elements fill the layer's page bytes
 exactly; a view built by reshaping and permuting that row is a bijection, so a store
 followed by a load is byte-exact whatever the backend. Only the CPU row is verified
-end to end here; the GPU rows follow vLLM 0.32's documented shapes.
+end to end here; the GPU rows follow vLLM 0.32's code: a layer's logical ``(block,
+head, slot, C)`` cache, ``C`` a head's K then V of one token (``head_size +
+head_size_v``), which its kernels read as ``kv_cache.transpose(1, 2).split(head_size,
+-1)``, in the physical order of ``kv_cache_layout``'s letters.
+
+Canonical page names carry a version (``kv2``): the GPU rows took K and V as the
+outermost axis before, so their pages under the first names may hold other bytes.
+Opaque names carry the block's dtype and heads: such bytes mean nothing without them.
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ from ...spec import DTYPE_NAMES, DTYPES_BY_NAME, Component, KVSpec
 
 _MHA_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("CPU_ATTN", "LBHNC"): ("head", "kv", "slot", "dim"),
-    **{(b, "LBNHC"): ("kv", "slot", "head", "dim") for b in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")},
-    **{(b, "LBHNC"): ("kv", "head", "slot", "dim") for b in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")},
+    **{(b, "LBNHC"): ("slot", "head", "kv", "dim") for b in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")},
+    **{(b, "LBHNC"): ("head", "slot", "kv", "dim") for b in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")},
 }
 _MLA_ORDER = ("slot", "head", "dim")
 
@@ -139,7 +146,8 @@ def opaque_format(geometry: Geometry, layers: int, page_bytes: int) -> BlockForm
     spec = KVSpec(layers, (Component("blk", g.tp_size, page_bytes),), torch.uint8)
     if g.tp_size > 1:
         spec = spec.shard(g.tp_rank, g.tp_size)
-    name = f"opaque.{g.backend}.{g.layout}.b{g.block_tokens}.{page_bytes}B"
+    dtype = DTYPE_NAMES.get(g.dtype, "unknown-dtype")
+    name = f"opaque.{g.backend}.{g.layout}.{dtype}.h{g.num_kv_heads}x{g.head_size}.b{g.block_tokens}.{page_bytes}B"
     return BlockFormat(name, spec, 1, page_bytes, None)
 
 
@@ -160,7 +168,7 @@ def block_format(geometry: Geometry, layers: int, page_bytes: int) -> BlockForma
     spec = g.shard_of(full)
     if spec.page_elems(g.block_tokens) // layers * spec.element_size != page_bytes:
         return opaque_format(g, layers, page_bytes)
-    name = f"kv.{spec.fingerprint()}.b{g.block_tokens}"
+    name = f"kv2.{spec.fingerprint()}.b{g.block_tokens}"
     return BlockFormat(name, spec, g.block_tokens, page_bytes, order)
 
 
