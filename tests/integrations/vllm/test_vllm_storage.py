@@ -315,3 +315,44 @@ def test_tensor_parallel_ranks_read_each_others_blocks(tmp_path, writer, reader)
         for layer in range(LAYERS):
             want = full[layer][blocks][:, first:first + local].reshape(3, -1).view(torch.int8)
             assert torch.equal(rows[layer][[10, 11, 12]], want)
+
+
+def test_a_fetch_finishing_mid_step_evicts_no_block_that_answered_hit(tmp_path):
+    """vLLM looks a block up (HIT) and pins it (``prepare_load``) later in the same
+    scheduler step, while a storage fetch sent at the last step's end may finish on an
+    I/O thread and need host pages. It evicts no block that answered HIT this step: the
+    pin works (before, the fetch evicted it and ``prepare_load`` raised in vLLM's
+    scheduler, which ends the engine), and the fetch takes other pages or fewer blocks."""
+    first = Rig(CPU_GQA, storage=kvtier.storage.open(f"file://{tmp_path}"))
+    ab = keys("a", "b")
+    first.store(ab, [0, 1])
+    first.tier.flush()
+
+    class Gated:  # the store, whose reads wait for a gate: the fetch's thread runs when the test says
+        def __init__(self, inner):
+            self.inner, self.gate = inner, threading.Event()
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def batch_get(self, *args, **kwargs):
+            assert self.gate.wait(30)
+            return self.inner.batch_get(*args, **kwargs)
+
+    store = Gated(kvtier.storage.open(f"file://{tmp_path}"))
+    rig = Rig(CPU_GQA, host_blocks=2, storage=store, seed=1, buffer_pages=4)
+    xy = keys("x", "y")
+    rig.store(xy, [2, 3])
+    rig.tier.flush()  # the host tier: full of READY blocks x and y
+    r1, r2 = context("r1"), context("r2")
+    assert [rig.manager.lookup(k, r2) for k in ab] == [LookupResult.RETRY] * 2  # only in storage
+    rig.manager.on_schedule_end(END)  # r2's look-up goes to storage
+    assert rig.manager.lookup(xy[0], r1) == LookupResult.HIT  # the next step
+    store.gate.set()
+    rig.tier.flush()  # r2's fetch lands while r1 waits for its pin
+    want = rig.engine.blocks([2])
+    rig.engine.wipe([7])
+    rig.load([xy[0]], [7], r1)  # prepare_load (the pin), the copy, complete_load
+    assert all(torch.equal(a, b) for a, b in zip(rig.engine.blocks([7]), want))
+    stats = rig.tier.snapshot()
+    assert stats["fetched"] == 1 and stats["fetch_dropped"] == 1  # y's page only: x answered HIT

@@ -111,6 +111,9 @@ class HostTier:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a probe or a write finishes
         self._inflight = 0                            # probes sent and not finished
+        # keys that answered HIT this scheduler step: vLLM pins them (prepare_load) later in
+        # the step, so a fetch finishing on an I/O thread meanwhile must not evict them
+        self._answered: set[bytes] = set()
         self._writing = 0                             # write jobs staged and not finished
         self._delays: list[float] = []                # seconds from a probe's send to storage's answer
         # NOTE: ranks holding the same heads (replicated KV, MLA) share one staging pool
@@ -163,6 +166,7 @@ class HostTier:
             entry = self._table.get(key)
             if entry is not None:
                 if entry.state is PageState.READY:
+                    self._answered.add(key)
                     return Lookup.HIT
                 if self._table.is_orphan(key):
                     return Lookup.MISS  # its store was dropped by a reset: it never completes
@@ -259,6 +263,7 @@ class HostTier:
     def tick(self) -> None:
         with self._lock:
             self._table.tick()
+            self._answered.clear()
 
     def take_events(self) -> list[tuple[list[bytes], bool]]:
         with self._lock:
@@ -416,10 +421,10 @@ class HostTier:
         in the host pages; the rest are dropped (counted). Under the lock."""
         wanted = [k for k in keys if self._table.get(k) is None]
         n = len(wanted)
-        got = self._table.allocate(n)
+        got = self._table.allocate(n, protect=self._answered)
         while got is None:
             n -= 1
-            got = self._table.allocate(n)
+            got = self._table.allocate(n, protect=self._answered)
         self.stats["fetch_dropped"] += len(wanted) - n
         per = self.blocks_per_key
         out = []
