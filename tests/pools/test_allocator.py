@@ -172,6 +172,25 @@ def test_free_pages_refuses_a_page_out_of_range_among_many(count):
     assert a.available_size() == 64
 
 
+
+@pytest.mark.parametrize("count", [2, 16, 17, 40])
+def test_free_pages_refuses_a_page_named_twice_and_alloc_pages_a_negative_count(count):
+    """A page named twice in one free would enter the free list twice, and be handed to
+    two owners later; a negative count took pages off the ring's end and counted more
+    free pages than the pool has. Both are refused before anything changes."""
+    import numpy as np
+
+    a = PageAllocator(64, 1)
+    pages = a.alloc_pages(count)
+    with pytest.raises(UsageError, match="named twice"):
+        a.free_pages(np.concatenate([pages[:-1], pages[:1]]))
+    assert a.available_size() == 64 - count and a.allocated(pages).all()
+    with pytest.raises(UsageError, match="alloc_pages must be a non-negative int, got -3"):
+        a.alloc_pages(-3)
+    assert a.available_size() == 64 - count
+    a.free_pages(pages)
+    assert sorted(a.alloc_pages(64).tolist()) == list(range(64))  # every page once
+
 @settings(max_examples=80, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "free", "release"]), st.integers(1, 40)), max_size=30))
 def test_pages_by_number_against_a_set_model(ops):

@@ -59,6 +59,7 @@ class PageAllocator:
 
     def alloc_pages(self, k: int) -> np.ndarray | None:
         """``k`` whole pages as page numbers (int64 numpy); ``None`` when too few are free."""
+        non_negative_int("alloc_pages", k)
         if k > self._count:
             return None
         pages = self._take(k)
@@ -72,7 +73,8 @@ class PageAllocator:
 
     def free_pages(self, pages: np.ndarray) -> None:
         """Return pages by number (int64 numpy, distinct); :class:`UsageError` for one out
-        of range, :class:`IntegrityError` for one not allocated (a double free)."""
+        of range or named twice, :class:`IntegrityError` for one not allocated (a double
+        free)."""
         if pages.size == 0:
             return
         if pages.dtype != np.int64:
@@ -85,6 +87,8 @@ class PageAllocator:
             ids, flags = pages.tolist(), self._flags
             if min(ids) < 0 or max(ids) >= n:
                 raise UsageError(f"free_pages: page numbers must be in [0, {n})")
+            if len(set(ids)) != len(ids):
+                raise UsageError(f"free_pages: a page named twice in {ids}")
             if not all([flags[p] for p in ids]):
                 raise IntegrityError(f"free_pages: pages {[p for p in ids if not flags[p]][:8]} are not allocated "
                                      "(a double free)")
@@ -93,6 +97,10 @@ class PageAllocator:
         else:
             if int(pages.view(np.uint64).max()) >= n:
                 raise UsageError(f"free_pages: page numbers must be in [0, {n})")
+            ordered = np.sort(pages)
+            twice = ordered[1:][ordered[1:] == ordered[:-1]]
+            if twice.size:
+                raise UsageError(f"free_pages: pages {twice[:8].tolist()} named twice")
             used = self._in_use[pages]
             if np.count_nonzero(used) != pages.size:
                 raise IntegrityError(f"free_pages: pages {pages[~used][:8].tolist()} are not allocated "
