@@ -61,6 +61,21 @@ def test_page_buffer_meta_points_into_the_engine_tensors(layout):
     assert sum(sizes) == pool.page_bytes
 
 
+
+def test_split_heads_spans_of_a_single_head_engine_tensor_stay_in_its_pages():
+    """A single-head component (an MLA latent) may come with any stride on its size-1 head
+    axis and still be contiguous. Its head-group spans are sized from the shapes: for
+    one group, exactly its page span (before, from that stride: three pages' bytes,
+    running past the tensor's memory)."""
+    spec = KVSpec.mla(2, 8, 4, dtype=torch.bfloat16)  # one component "kv": 1 head of 12
+    buf = torch.zeros(1, PAGES, PAGE_SIZE, spec.layer_num, 12, dtype=spec.dtype).transpose(0, 1)
+    assert buf.is_contiguous() and buf.stride(1) != PAGE_SIZE * spec.layer_num * 12
+    pool = HostKVPool.from_buffers(spec, {"kv": buf}, PAGE_SIZE, layout="page_head")
+    page = slots([PAGES - 1], PAGE_SIZE)
+    ptrs, sizes = pool.get_page_buffer_meta(page)
+    assert pool.get_split_heads_page_buffer_meta(page, 1) == (ptrs, sizes)
+    assert ptrs[0] + sizes[0] == buf.data_ptr() + buf.numel() * buf.element_size()  # the last page ends the tensor
+
 def test_raw_is_the_shared_allocation_else_regions_list_each():
     spec = SPECS["asym"]
     shared = HostKVPool.from_buffers(spec, engine_buffers(spec, "page_first"), PAGE_SIZE)

@@ -109,7 +109,9 @@ def split_head_span_table(spec: KVSpec, buffers: dict[str, torch.Tensor], split_
     each of ``split_factor`` groups, each component."""
     es = spec.element_size
     bufs = [buffers[c.name] for c in spec.components]
-    group_bytes = [b.shape[1] // split_factor * b.stride(1) * es for b in bufs]
+    # NOTE: from the shapes, not the head axis' stride: the buffers are contiguous, but torch
+    # leaves the stride of a size-1 axis arbitrary (a single-head component: an MLA latent)
+    group_bytes = [b.shape[1] // split_factor * int(np.prod(b.shape[2:])) * es for b in bufs]
     inner_off = np.array([[g * gb for gb in group_bytes] for g in range(split_factor)], dtype=np.int64)
     return _table(bufs, es, 0, inner_off, group_bytes)
 
