@@ -71,6 +71,12 @@ def test_a_layer_of_a_group_left_out_copies_nothing():
     assert torch.equal(bits(dst.buffer("k", 1)), before)
     host.load_to_device_per_layer(dst, {"full": slots([0], PAGE)}, {"full": slots([2], PAGE)}, 5)  # full layer 5
     assert torch.equal(bits(dst.buffer("k", 5))[2 * PAGE:3 * PAGE], bits(src.buffer("k", 5))[PAGE:2 * PAGE])
+    # where nothing moves, bad arguments are still refused, as a plain pool refuses them with no slots
+    with pytest.raises(ValueError, match="unknown io_backend 'bogus'"):
+        host.load_to_device_per_layer(dst, {"full": slots([0], PAGE)}, {"full": slots([2], PAGE)}, 1,
+                                      io_backend="bogus")
+    with pytest.raises(ValueError, match="page_size"):
+        host.load_to_device_per_layer(HybridDevicePool(spec, 8 * 2 * PAGE, 2 * PAGE), {}, {}, 1)
 
 
 @pytest.mark.parametrize("spec_name", list(HYBRID_SPECS))

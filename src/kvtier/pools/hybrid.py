@@ -175,7 +175,7 @@ class HybridHostPool(_GroupPools):
         """Copy model layer ``layer_id`` of its group's pages, host -> device (nothing
         when ``host_indices`` leaves that group out)."""
         group, local = self.spec.group_of(layer_id)
-        host, dev = self._named(device_pool, host_indices, device_indices)
+        host, dev = self._named(device_pool, host_indices, device_indices, io_backend)  # also where nothing moves
         if group.name in host:  # one group's copy: its pool checks its numbers first
             self.pools[group.name].load_to_device_per_layer(device_pool.pools[group.name], host[group.name],
                                                             dev[group.name], local, io_backend)
