@@ -168,3 +168,31 @@ def test_a_pool_on_cuda_names_the_device_its_tensors_report(monkeypatch):
     assert parse_device("cuda:0") == check_device("cuda:0") == torch.device("cuda", 0)
     assert parse_device("cpu") == check_device("cpu") == torch.device("cpu")
     assert parse_device("meta") == torch.device("meta")
+
+
+def test_a_meta_pool_copies_with_meta_pools_only():
+    """A ``meta`` pool has shapes and no memory (the simulator's). Between two, a copy is
+    checked and moves nothing; between one and a real pool it would move nothing
+    silently, leaving stale bytes where the caller expects KV: refused, both ways, plain
+    and hybrid, as are a hybrid pool's groups on several devices."""
+    from kvtier import HybridDevicePool, HybridHostPool
+    from tests.support.pools import HYBRID_SPECS
+
+    spec, ps = KVSpec.mha(2, 2, 4, dtype=torch.float32), 4
+    s = slots([1], ps)
+    meta_dev, meta_host = DeviceKVPool(spec, 16, ps, device="meta"), HostKVPool(spec, 16, ps, device="meta")
+    meta_host.backup_from_device_all_layer(meta_dev, s, s)
+    meta_host.load_to_device_per_layer(meta_dev, s, s, 0)
+    host, dev = HostKVPool(spec, 16, ps), DeviceKVPool(spec, 16, ps)
+    for call in (lambda: host.backup_from_device_all_layer(meta_dev, s, s),
+                 lambda: meta_host.load_to_device_per_layer(dev, s, s, 0),
+                 lambda: meta_host.load_to_device_layers(dev, s, s, range(2))):
+        with pytest.raises(ValueError, match="a meta pool"):
+            call()
+    hybrid = HYBRID_SPECS["mimo"]
+    with pytest.raises(ValueError, match="a meta pool"):
+        HybridHostPool(hybrid, 16, ps).backup_from_device_all_layer(HybridDevicePool(hybrid, 16, ps, device="meta"),
+                                                                    {}, {})
+    groups = {g.name: DeviceKVPool(g.spec, 16, ps, device="meta" if i else "cpu") for i, g in enumerate(hybrid.groups)}
+    with pytest.raises(ValueError, match="one device"):
+        HybridDevicePool.from_pools(hybrid, groups)

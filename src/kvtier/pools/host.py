@@ -23,11 +23,16 @@ from .views import PageViews
 _CPU = torch.device("cpu")
 
 
-def check_same_page_size(device_pool, host_pool) -> None:
-    """``UsageError`` unless a transfer's device and host pools have one page size."""
+def check_pair(device_pool, host_pool) -> None:
+    """``UsageError`` unless a transfer's device and host pools have one page size, and
+    both or neither are ``meta`` pools (shapes without memory: a copy between one and a
+    real pool would move nothing, silently)."""
     if device_pool.page_size != host_pool.page_size:
         raise UsageError(f"device pool page_size {device_pool.page_size} != host pool page_size "
                          f"{host_pool.page_size}")
+    if (device_pool.device.type == "meta") != (host_pool.device.type == "meta"):
+        raise UsageError(f"device pool on {device_pool.device}, host pool on {host_pool.device}: a meta pool "
+                         "(shapes without memory) copies with meta pools only")
 
 
 def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
@@ -246,7 +251,7 @@ class HostKVPool:
         if device_pool.spec is not self.spec and device_pool.spec != self.spec:
             raise UsageError(f"device pool spec {device_pool.spec.fingerprint()} differs from host pool spec "
                              f"{self.spec.fingerprint()}")
-        check_same_page_size(device_pool, self)
+        check_pair(device_pool, self)
         return self._check_slots(device_pool, host_indices, device_indices, dst_is_host)
 
     def _check_slots(self, device_pool, host_indices, device_indices, dst_is_host: bool):

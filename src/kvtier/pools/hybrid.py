@@ -26,7 +26,7 @@ from ..spec import KVSpec
 from ..transfer import check_io_backend
 from .common import check_names
 from .device import DeviceKVPool
-from .host import HostKVPool, check_same_page_size
+from .host import HostKVPool, check_pair
 
 
 def as_hybrid(spec: KVSpec | HybridSpec) -> HybridSpec:
@@ -67,9 +67,13 @@ class _GroupPools:
     """What device and host group pools share: the spec, the pools, lookups."""
 
     def __init__(self, spec: HybridSpec, pools: dict) -> None:
+        devices = {pool.device for pool in pools.values()}
+        if len(devices) > 1:
+            raise UsageError(f"every group's pool needs one device, got {sorted(str(d) for d in devices)}")
         self.spec = spec
         self.pools = pools
         self.page_size = next(iter(pools.values())).page_size
+        self.device = devices.pop()
 
     def __getitem__(self, group: str):
         """The pool of group ``group``."""
@@ -223,7 +227,7 @@ class HybridHostPool(_GroupPools):
             raise UsageError(f"device_pool must be a HybridDevicePool of spec {self.spec.fingerprint()}, got {got}")
         if io_backend is not None:
             check_io_backend(io_backend)
-            check_same_page_size(device_pool, self)
+            check_pair(device_pool, self)
         host = self._indices("host_indices", host_indices)
         dev = self._indices("device_indices", device_indices)
         if host.keys() != dev.keys():
