@@ -199,6 +199,24 @@ def test_pipeline_stages_keep_their_layers_apart(tmp_path):
     assert pages == 2 and same_tokens(stages[0][0], stages[0][1], host, dst)
 
 
+
+def test_context_parallel_ranks_keep_their_slices_apart(tmp_path, monkeypatch):
+    """Under NSA context parallel each attention CP rank holds its own slice of every page
+    (sglang's own file backend keys each rank apart): rank 1 finds none of rank 0's
+    pages, and rank 0 reads its own back (before, every rank wrote the same keys)."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    url = f"file://{tmp_path}"
+    monkeypatch.setattr(HiCacheController, "get_attn_cp_rank_and_size", lambda self: (0, 2))
+    controller, first, first_slots = written("mha", "page_first", url, pages=2, seed=8)
+    monkeypatch.setattr(HiCacheController, "get_attn_cp_rank_and_size", lambda self: (1, 2))
+    device, host = make_pools("mha", "page_first")
+    assert prefetch(attach(device, host, extra_config=kvtier_config(url)), host, tokens_for(2))[:2] == (0, 0)
+    monkeypatch.setattr(HiCacheController, "get_attn_cp_rank_and_size", lambda self: (0, 2))
+    device, host = make_pools("mha", "page_first")
+    hit, pages, dst = prefetch(attach(device, host, extra_config=kvtier_config(url)), host, tokens_for(2))
+    assert pages == 2 and same_tokens(first, first_slots, host, dst)
+
 def test_stats_are_sglang_storage_metrics_with_kvtier_counters(tmp_path):
     controller, host, _ = written("asym", "page_first_direct", f"file://{tmp_path}", pages=6)
     prefetch(controller, host, tokens_for(6))

@@ -218,13 +218,18 @@ class KVTierStorage(HiCacheStorage):
         """The model part of every key: the configured namespace, else the checkpoint
         sglang serves (its path or hub id, revision, the KV dtype and a digest of its
         files: :func:`~kvtier.integrations.identity.checkpoint_digest`); a pipeline
-        stage's layer range is added, since a stage's pages hold only its layers. (The
+        stage's layer range is added, since a stage's pages hold only its layers, and an
+        attention context-parallel rank, since under NSA context parallel each holds its
+        own slice of every page (sglang's own file backend keys each apart too). (The
         geometry is in every object's name: kvtier.storage.)"""
         name = self.settings.namespace or engine_namespace("sglang", *_checkpoint(self.config.model_name), spec.dtype)
         if self.config.pp_size > 1:
             start, end = getattr(mem_pool_host, "start_layer", None), getattr(mem_pool_host, "end_layer", None)
             stage = f"layers{start}-{end}" if start is not None else f"pp{self.config.pp_rank}of{self.config.pp_size}"
             name = f"{name}:{stage}"
+        cp_size = getattr(self.config, "attn_cp_size", 1) or 1
+        if cp_size > 1:
+            name = f"{name}:cp{self.config.attn_cp_rank}of{cp_size}"
         return name
 
     def _keys(self, keys: List[str]) -> list[str]:
