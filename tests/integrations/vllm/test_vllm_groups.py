@@ -107,6 +107,19 @@ def test_pins_follow_the_key_order_across_groups():
     assert spec.pages.tolist() == [page[k] for k in order] and spec.groups.tolist() == [1, 0, 1, 0]
 
 
+
+def test_a_load_one_group_refuses_pins_nothing_in_the_others():
+    """A load whose blocks one group cannot pin (not READY there) raises and leaves no
+    pin in the groups before it: their blocks stay evictable (before, they stayed pinned
+    for good, no ``complete_load`` to come)."""
+    rig = HybridRig()
+    ready, missing = _keys(("a",), 0), _keys(("b",), 1)
+    rig.manager.prepare_store(ready, context())
+    rig.manager.complete_store(ready, context())
+    with pytest.raises(ValueError, match="not ready"):
+        rig.manager.prepare_load(ready + missing, context())
+    assert [t.pins() for t in rig.tier.tiers] == [0, 0]
+
 def test_a_key_of_a_group_vllm_never_gave_is_refused():
     rig = HybridRig()
     with pytest.raises(ValueError, match="KV cache group 7; this engine's groups are \\[0, 3\\]"):

@@ -116,7 +116,14 @@ class GroupedTier:
     def pin(self, keys: Sequence[bytes]) -> np.ndarray:
         """Host pages of READY ``keys`` in key order, each in its group's pools."""
         split = self._split(keys)
-        pinned = {at: self.tiers[at].pin(ks).reshape(len(ks), self.blocks_per_key) for at, ks in split.items()}
+        pinned = {}
+        try:
+            for at, ks in split.items():
+                pinned[at] = self.tiers[at].pin(ks).reshape(len(ks), self.blocks_per_key)
+        except BaseException:  # a group refused: the groups pinned before it are unpinned, as if none were
+            for at in pinned:
+                self.tiers[at].unpin(split[at])
+            raise
         rows, seen = [], Counter()
         for k in keys:
             at = self.position(k)
