@@ -199,14 +199,17 @@ class GroupedStorage:
         if not isinstance(host_indices, (dict, Mapping)) or set(host_indices) != set(group_keys):
             got = sorted(host_indices) if isinstance(host_indices, Mapping) else type(host_indices).__name__
             raise UsageError(f"host_indices must name the groups {sorted(group_keys)}, got {got}")
-        for name, gk in group_keys.items():  # every group's numbers before any group's bytes move
+        for i, (name, gk) in enumerate(group_keys.items()):  # every group's numbers before any group's bytes move
             idx = host_indices[name]
             if not isinstance(idx, torch.Tensor) or idx.numel() != len(gk) * host_pool.page_size:
                 n = idx.numel() if isinstance(idx, torch.Tensor) else idx
                 raise UsageError(f"host_indices[{name!r}] must hold {len(gk)} pages of {host_pool.page_size} slots, "
                                  f"got {n}")
-            pool = host_pool[name]  # the slots' values, as each backend's own call checks them
-            page_starts(idx, page_size=pool.page_size, size=pool.size, what=f"group {name!r}: host_indices",
-                        unique=op == "batch_get")
+            # the slots' values, as each backend's own call checks them (the first group's call: first);
+            # not for meta pools (the simulator's), where no byte moves
+            if i and host_pool.device.type != "meta":
+                pool = host_pool[name]
+                page_starts(idx, page_size=pool.page_size, size=pool.size, what=f"group {name!r}: host_indices",
+                            unique=op == "batch_get")
         return {name: list(getattr(self.storage, op)(gk, host_pool[name], host_indices[name]))
                 for name, gk in group_keys.items()}
