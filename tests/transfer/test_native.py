@@ -607,6 +607,9 @@ def _timed_copies(monkeypatch, faster: int | None) -> list[int]:
         def __init__(self, module) -> None:
             self.module = module
 
+        def __getattr__(self, name):  # the rest of the module as it is (MAX_THREADS)
+            return getattr(self.module, name)
+
         def copy_jobs(self, jobs, threads):
             loops = tuple(tuple(x) for x in jobs[0][4:7])
             plans = [p.blocks for p in native._PAIRS.values() if loops in p.blocks.orders]
@@ -667,6 +670,9 @@ def test_a_trial_call_that_fails_counts_for_nothing(compiled, monkeypatch):
     timed_built, failing = native.built, [True]
 
     class FailOnce:
+        def __getattr__(self, name):  # the rest of the module as it is (MAX_THREADS)
+            return getattr(timed_built(native.COMPILED), name)
+
         def copy_jobs(self, jobs, threads):
             if failing:
                 failing.clear()
