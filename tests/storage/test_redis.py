@@ -87,6 +87,45 @@ def test_clear_removes_only_its_prefix(redis_server):
     b.clear()
 
 
+def test_clear_reads_its_prefix_as_text_not_as_a_pattern(redis_server):
+    """SCAN's MATCH reads ``* ? [ ]`` and ``\\`` as a pattern: a prefix holding them is
+    matched as it is written, so a clear removes its own keys and no other tenant's
+    (before, ``t[1]:`` cleared ``t1:`` and kept its own, and ``t?`` cleared ``tX``); an
+    empty prefix, every key of the database, is refused."""
+    host, idx = filled_host(SPEC, 1)
+    stores = {p: kvtier.storage.open(redis_server.url, prefix=p) for p in ("t[1]:", "t1:", "t?", "tX", "t*\\")}
+    for store in stores.values():
+        assert store.batch_set(keys_for(1), host, idx) == [True]
+    gone = []
+    for cleared in ("t[1]:", "t?", "t*\\"):
+        stores[cleared].clear()
+        gone.append(cleared)
+        assert {p: s.batch_exists(keys_for(1)) for p, s in stores.items()} == {p: int(p not in gone) for p in stores}
+    for store in stores.values():
+        store.clear()
+    with pytest.raises(ValueError, match="prefix must not be empty"):
+        kvtier.storage.open(redis_server.url, prefix="")
+
+
+def test_an_emptied_value_is_a_counted_corrupt_miss_and_is_deleted(redis_server):
+    """A stored part emptied to zero bytes is a damaged object, not a missing one: counted
+    corrupt and deleted, so lookups stop reporting the page (before, it missed uncounted
+    and stayed present to every lookup)."""
+    import redis
+
+    host, idx = filled_host(SPEC, 1)
+    store = kvtier.storage.open(redis_server.url, prefix="emptied:")
+    key = keys_for(1)
+    store.batch_set(key, host, idx)
+    raw = redis.Redis.from_url(redis_server.url)
+    field = raw.hkeys(f"emptied:{key[0]}")[0]
+    raw.hset(f"emptied:{key[0]}", field, b"")
+    assert store.batch_get(key, host, idx) == [False]
+    assert (store.stats()["corrupt"], store.stats()["errors"]) == (1, 1)
+    assert not raw.hexists(f"emptied:{key[0]}", field)
+    store.clear()
+
+
 def test_redis_cluster_round_trip():
     from tests.support.services import RedisCluster
 

@@ -16,6 +16,7 @@ index and credentials when the server is reachable.
 
 from __future__ import annotations
 
+import re
 import threading
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -24,6 +25,8 @@ from .codec import Partial
 from .faults import BackendDown, Breaker
 from .objectstore import ObjectStorage
 from .options import Opt, check_options
+
+_GLOB = re.compile(r"[\\*?\[\]]")  # what SCAN MATCH reads as a pattern in a prefix
 
 
 def _db_index(url: str) -> int:
@@ -55,6 +58,9 @@ class RedisStorage(ObjectStorage):
         super().__init__(**options)
         check_options(self.OPTIONS, ttl=ttl, prefix=prefix, socket_timeout=socket_timeout,
                       socket_connect_timeout=socket_connect_timeout, backoff=backoff)
+        if not prefix:
+            raise UsageError("redis:// storage: prefix must not be empty: the store's keys are those under it "
+                             "(clear() removes them all), and an empty one is every key of the database")
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -149,7 +155,7 @@ class RedisStorage(ObjectStorage):
         names = [(self._name(k), f) for k, f in items]
         lengths = self._pipeline([("hstrlen", n, f) for n, f in names])
         out: list = [None] * len(items)
-        fetch = []
+        fetch, empty = [], []
         for i, (n, buf) in enumerate(zip(lengths, dest)):
             if not self._ok(n):  # e.g. WRONGTYPE: something else sits at the key
                 self._fault("get", n)
@@ -157,6 +163,16 @@ class RedisStorage(ObjectStorage):
                 out[i] = Partial(b"", n)  # never fetched
             elif n:
                 fetch.append(i)
+            else:
+                empty.append(i)
+        if empty:
+            # NOTE: a length of 0 is a missing field or an empty value; an empty one is a
+            # damaged object (judged corrupt, counted and deleted), not a miss that stays
+            # present to every lookup. Rare (lookups come first): asked only then.
+            there = self._pipeline([("hexists", *names[i]) for i in empty])
+            for i, r in zip(empty, there):
+                if r is True or r == 1:
+                    out[i] = b""
         if fetch:
             # NOTE: a value replaced by a larger one between the two round trips is still
             # fetched; decode() then rejects it. Only a race can make it happen.
@@ -183,7 +199,9 @@ class RedisStorage(ObjectStorage):
     def _remove_all(self) -> None:
         def run(client) -> None:
             batch = []
-            for name in client.scan_iter(match=self.prefix + "*", count=1000):
+            # NOTE: the prefix matched as it is: SCAN's glob would read * ? [ ] and \ in it
+            # as patterns, and clear keys of other prefixes (another tenant's) but not its own
+            for name in client.scan_iter(match=_GLOB.sub(r"\\\g<0>", self.prefix) + "*", count=1000):
                 batch.append(("delete", name))
                 if len(batch) >= 1000:
                     self._execute(client, batch)
