@@ -36,6 +36,26 @@ def test_other_layouts_never_read_raw_bytes_of_another_format(store):
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(host, idx), flat_pages(same, sidx)))
 
 
+
+def test_an_object_of_another_size_misses_its_page_and_no_other(store):
+    """An object of another size under a page's name is that page's miss and one counted
+    error; every other page is served at once (before, its code opened the breaker and
+    every page missed for ``backoff`` seconds). A service fault still opens it:
+    test_master_down_gives_misses_not_exceptions."""
+    host, idx = filled_host(SPEC, 2, layout="page_head")
+    keys = keys_for(2)
+    assert store.batch_set(keys, host, idx) == [True, True]
+    _, names, _, sizes, _ = store._batch(keys[:1], host, idx[:4], writing=False)
+    client = store.client()
+    client.remove(names[0])
+    assert client.put(names[0], b"\x77" * (sum(sizes[0]) + 1)) == 0
+    reader = HostKVPool(SPEC, 8, 4, layout="page_head")
+    ridx = reader.alloc(8)
+    assert store.batch_get(keys[:1], reader, ridx[:4]) == [False]
+    assert store.stats()["errors"] == 1
+    assert store.batch_get(keys[1:], reader, ridx[4:]) == [True]
+    assert torch.equal(flat_pages(reader, ridx[4:])[0], flat_pages(host, idx[4:])[0])
+
 def test_shard_without_split_heads_layout_is_a_named_error(store):
     shard = HostKVPool(SPEC.shard(0, 2), 8, 4, layout="page_first")
     with pytest.raises(UnsupportedLayoutError, match="page_head"):

@@ -47,6 +47,15 @@ from .zerocopy import escape_key, page_objects, spans
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND in Mooncake's error codes
 
 
+def _service_fault(code: int) -> bool:
+    """Whether a Mooncake error code says the service cannot be used now (an internal
+    error, a transfer or RPC failure, its metadata and HA states, a segment or client it
+    lost), which opens the breaker. Any other code is about one object (a store full
+    for now, another size under the name, a replica not ready): that object's miss or
+    failed write, counted, while every other object is served."""
+    return code == -1 or code in (-101, -103) or -999 <= code <= -800 or -1099 <= code <= -1000
+
+
 class MooncakeStorage(Storage):
     scheme = "mooncake"
     OPTIONS = {**Storage.OPTIONS, "prefix": Opt(str), "metadata": Opt(str, none_ok=True),
@@ -158,6 +167,17 @@ class MooncakeStorage(Storage):
         self._breaker.trip(error)
         self._fault(op, error if isinstance(error, BaseException) else RuntimeError(error))
 
+    def _codes(self, op: str, call: str, codes: list[int]) -> None:
+        """A call's error codes: the breaker opens for a service fault; an object's own
+        (see :func:`_service_fault`) is one counted error, its page a miss or unstored."""
+        if not codes:
+            return
+        message = f"{call} codes {sorted(set(codes))}"
+        if any(_service_fault(rc) for rc in codes):
+            self._failed(op, message)
+        else:
+            self._fault(op, RuntimeError(message))
+
     def _endpoints(self) -> list[tuple[str, int]]:
         host, port = self._config["master_server_addr"].rsplit(":", 1)
         out = [(host, int(port))]
@@ -214,14 +234,12 @@ class MooncakeStorage(Storage):
             stored = [True] * len(keys)
             for i, rc in zip(owners, rcs):
                 stored[i] = stored[i] and rc == 0
-            if any(rc != 0 for rc in rcs):
-                self._failed("set", f"batch_put_from_multi_buffers codes {sorted(set(rcs))}")
+            self._codes("set", "batch_put_from_multi_buffers", [rc for rc in rcs if rc != 0])
             done = [k for k, ok in zip(keys, stored) if ok]
             if done:
                 marks = store.batch_put_from([self._marker_name(k) for k in done],
                                              [self._marker.data_ptr()] * len(done), [1] * len(done))
-                if any(rc != 0 for rc in marks):
-                    self._failed("set", f"marker put codes {sorted(set(marks))}")
+                self._codes("set", "marker put", [rc for rc in marks if rc != 0])
         except Exception as e:
             self._failed("set", e)
             stored = [False] * len(keys)
@@ -242,9 +260,7 @@ class MooncakeStorage(Storage):
                 loaded = [True] * len(keys)
                 for i, rc, s in zip(owners, rcs, sizes):
                     loaded[i] = loaded[i] and rc == sum(s)
-                faults = sorted({rc for rc in rcs if rc < 0 and rc != _NOT_FOUND})
-                if faults:
-                    self._failed("get", f"batch_get_into_multi_buffers codes {faults}")
+                self._codes("get", "batch_get_into_multi_buffers", [rc for rc in rcs if rc < 0 and rc != _NOT_FOUND])
             except Exception as e:
                 self._failed("get", e)
                 loaded = [False] * len(keys)
