@@ -108,7 +108,15 @@ def trace(tmp_path, text, mode="w") -> Path:
     (["bench", "overlap", "--layout", "page_frist"], "--layout: invalid choice: 'page_frist'"),
     (["bench", "overlap", "--device", "tpu"], "device 'tpu': expected cpu, cuda or cuda:N"),
     (["bench", "overlap", "--tokens", "10000000"], "a 10000000-token prompt needs about"),
-    (["inspect", "--mha", "layers=99999999999999999999,heads=1,head_dim=1"], "beyond torch's 2^63-byte limit"),
+    (["inspect", "--mha", "layers=99999999999999999999,heads=1,head_dim=1"],
+     "--mha: layers=99999999999999999999 is more than 65,536; no model has that many"),
+    (["inspect", "--components", "99999999999:k=1x8"], "--components: layers=99999999999 is more than 65,536"),
+    (["inspect", "--spec", "hybrid:layers=99999999999,pattern=SF;full:heads=1,head_dim=8;swa:window=2,heads=1,"
+      "head_dim=8"], "layers=99999999999 is more than 65,536"),
+    (["simulate", "synthetic", "--host-bytes", "9" * 5000], "a size of 5000 digits; expected one such as 64GiB"),
+    (["selfcheck", "--seed", str(10**30)], "--seed: must be an integer in [0, 2**63), got '1000000000000000"),
+    (["bench", "transfer", "--seed", "-1"], "--seed: must be an integer in [0, 2**63), got '-1'"),
+    (["demo", "--seed", str(2**63)], "--seed: must be an integer in [0, 2**63)"),
     (["inspect", "--k-only", "layers=1,heads=1,head_dim=1", "--page-size", str(10**15)],
      "--page-size 1000000000000000 needs about 28.42 PiB"),
     (["inspect", "--spec", "llama3-8b", "--page-size", str(10**15)], "1.31e+20 bytes, beyond torch's 2^63-byte limit"),
@@ -137,6 +145,8 @@ def test_outputs_are_checked_first(capsys, no_work, tmp_path, command, flag):
     assert f"{flag} {missing}: directory" in refused(capsys, *command, flag, missing)
     assert f"{flag} {tmp_path}: is a directory" in refused(capsys, *command, flag, tmp_path)
     assert not missing.parent.exists()
+    # a directory that lets root pass os.access but refuses the file itself (before, found after the run)
+    assert f"{flag} /proc/kvtier.out: " in refused(capsys, *command, flag, "/proc/kvtier.out")
 
 
 def test_jobs_count_the_memory_of_configurations_replayed_at_once(capsys, no_work, monkeypatch):
@@ -181,6 +191,21 @@ def test_traces_are_checked_line_by_line(capsys, no_work, tmp_path):
     assert f"{path}, line 3: not UTF-8 (byte 0xff at offset {bad.index(0xff)})" in refused(capsys, "simulate", path)
     trace(tmp_path, LINE.replace("0,", "NaN,", 1))
     assert "line 1: timestamp must be a finite number" in refused(capsys, "simulate", path)
+    # rows json reads with errors other than a syntax error's, and ids the cache cannot hold
+    trace(tmp_path, "[" * 100_000 + "]" * 100_000 + "\n")
+    assert "line 1: not a trace row (RecursionError" in refused(capsys, "simulate", path)
+    trace(tmp_path, LINE.replace("[1, 2]", "[1, " + "9" * 5000 + "]"))
+    assert "line 1: not a trace row (ValueError" in refused(capsys, "simulate", path)
+    trace(tmp_path, LINE.replace("[1, 2]", f"[1, {2**63}]"))
+    assert "line 1: hash_ids must be in the int64 range" in refused(capsys, "simulate", path)
+    trace(tmp_path, LINE.replace("[1, 2]", f"[1, {2**62}]"))
+    assert "shift its hash ids" in refused(capsys, "simulate", path, "--repeat-trace", "3")
+
+
+@pytest.mark.parametrize("command, flag", [(["simulate"], "--repeat-trace"), (["bench", "replay"], "--times")])
+def test_copies_of_a_trace_are_sized_before_they_are_made(capsys, no_work, tmp_path, command, flag):
+    path = trace(tmp_path, LINE * 100)
+    assert f"{flag} {10**12} (about" in refused(capsys, *command, path, flag, str(10**12))
 
 
 def test_block_count_follows_block_tokens(tmp_path, capsys):

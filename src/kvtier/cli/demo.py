@@ -18,7 +18,7 @@ from ..layout import LAYOUTS
 from ..pools.common import check_device
 from .preflight import check_device_memory, check_host_memory, check_output_path, require_module
 from .table import json_text, print_table
-from .types import positive_int
+from .types import positive_int, seed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-tokens", type=positive_int, default=448, help="a multiple of --page-size")
     p.add_argument("--host-tokens", type=positive_int, default=768, help="a multiple of --page-size")
     p.add_argument("--page-size", type=positive_int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--device", default="cpu",
                    help="the model's, the device pool's and the computation's device: cpu (default), cuda, cuda:N")
     p.add_argument("--plot", default=None, help="write a PNG plot here")

@@ -32,6 +32,15 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: directory {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
+    # NOTE: os.access says yes to root everywhere; /proc and /sys refuse at the open. Opened
+    # as the run will (appending to a file that exists: nothing in it changes), closed at once
+    existed = target.exists()
+    try:
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | (0 if existed else os.O_CREAT | os.O_EXCL), 0o644))
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def check_input_file(path: str, what: str) -> None:
@@ -69,6 +78,18 @@ def check_host_memory(nbytes: int, what: str, hint: str) -> None:
     if total is not None and nbytes > HOST_FRACTION * total:
         raise UsageError(f"{what} needs about {human_bytes(nbytes)} of memory, more than {HOST_FRACTION:.0%} of "
                          f"this machine's {human_bytes(total)}; {hint}")
+
+
+#: host bytes a copy of a trace takes per request (a ``Request`` and its tuple) and per block id (a new int)
+TRACE_REQUEST_BYTES, TRACE_ID_BYTES = 200, 40
+
+
+def check_trace_copies(requests: int, blocks: int, times: int, flag: str) -> None:
+    """Refuse ``times`` copies of a trace of ``requests`` requests and ``blocks`` block ids
+    that would not fit in host memory, before any copy is made."""
+    if times > 1:
+        nbytes = (times - 1) * (requests * TRACE_REQUEST_BYTES + blocks * TRACE_ID_BYTES)
+        check_host_memory(nbytes, f"{flag} {times} (about {requests * times:,} requests)", f"use a smaller {flag}")
 
 
 def check_device_memory(nbytes: int, device, what: str, hint: str) -> None:

@@ -20,7 +20,7 @@ from ..transfer.copy import int_view as _bits
 from .preflight import check_host_memory
 from .spec import add_spec_arguments, has_spec, uniform_spec_from_args
 from .table import print_table
-from .types import positive_int
+from .types import positive_int, seed
 
 #: Pools alive at once: the source, and the previous and the next round's host, other and
 #: destination pools (a pool is freed only when its name is rebound).
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_spec_arguments(p)
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--pages", type=positive_int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
 
 
 def default_spec() -> KVSpec:

@@ -13,10 +13,11 @@ from ..sim.parallel import Oracle, Replay, cpu_count, run_task, run_tasks
 from ..sim.simulator import CostModel, SimConfig
 from ..sim.traces import read_mooncake, repeat, synthetic
 from ..spec import KVSpec
-from .preflight import check_host_memory, check_input_file, check_output_path, require_module
+from .preflight import check_host_memory, check_input_file, check_output_path, check_trace_copies, \
+    require_module
 from .spec import add_spec_arguments, bytes_fields, bytes_line, has_spec, spec_from_args
 from .table import json_text, print_table
-from .types import capacity, capacity_type, parse_bytes, positive_float, positive_int
+from .types import capacity, capacity_type, parse_bytes, positive_float, positive_int, seed
 
 SWEEPABLE = ("device-tokens", "host-tokens", "storage-tokens")
 TIERS = ("device", "host", "storage")
@@ -67,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-gbps", type=positive_float, default=CostModel.host_gbps)
     p.add_argument("--storage-gbps", type=positive_float, default=CostModel.storage_gbps)
     p.add_argument("--synthetic-sessions", type=positive_int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list, one object per configuration; an unlimited capacity (inf) is null")
@@ -94,6 +95,7 @@ def command(args: argparse.Namespace) -> int:
                           "use fewer --jobs, lower the capacities or raise --block-tokens")
     requests = _requests(args)
     if args.repeat_trace > 1:
+        check_trace_copies(len(requests), sum(len(r.blocks) for r in requests), args.repeat_trace, "--repeat-trace")
         requests = repeat(requests, args.repeat_trace)
     if jobs <= 1:
         done = [_run_with_progress(requests, task, args.json) for task in tasks]

@@ -84,6 +84,8 @@ def _ints(what: str, items: dict[str, str], required: tuple[str, ...]) -> dict[s
             out[key] = int(value)
         except ValueError:
             raise UsageError(f"{what}: {key}={value!r} is not an integer") from None
+        if key == "layers":
+            _check_layers(what, out[key])
     missing = [k for k in required if k not in out]
     if missing:
         raise UsageError(f"{what}: missing {', '.join(missing)}")
@@ -108,9 +110,20 @@ def _parse_components(text: str) -> tuple[int, list[Component]]:
         except ValueError as e:
             raise UsageError(f"--components item {part!r}: {e}") from None
     try:
-        return int(layers), comps
+        count = int(layers)
     except ValueError:
         raise UsageError(f"--components {text!r}: layers {layers!r} is not an integer") from None
+    _check_layers("--components", count)
+    return count, comps
+
+
+#: More layers than any model has; a count past it is a typo, refused before anything is built per layer
+MAX_LAYERS = 1 << 16
+
+
+def _check_layers(what: str, layers: int) -> None:
+    if layers > MAX_LAYERS:
+        raise UsageError(f"{what}: layers={layers} is more than {MAX_LAYERS:,}; no model has that many")
 
 
 def _layer_ids(key: str, text: str, layers: int) -> set[int]:

@@ -17,6 +17,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """A random seed: an integer in ``[0, 2**63)``, what torch's and numpy's generators take."""
+    value = _int(text)
+    if not 0 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (rates, bandwidths)."""
     try:
@@ -111,6 +119,8 @@ def parse_bytes(text: str, flag: str, *, unlimited: bool = False) -> int | float
     if match is None:
         raise UsageError(f"{flag} {text!r}: expected a size such as 4096, 64GiB or 500GB")
     number, unit = match.groups()
+    if len(number) > 40:  # beyond any memory, and past int()'s 4,300 digits: refused before either
+        raise UsageError(f"{flag} {text[:24]!r}...: a size of {len(number)} digits; expected one such as 64GiB")
     scale = _UNIT_BY_LOWER.get(unit.lower())
     if scale is None:
         raise UsageError(f"{flag} {text!r}: unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")

@@ -18,6 +18,8 @@ from typing import Iterator
 from .._checks import is_int, is_number, non_negative_int, positive_int
 from ..errors import TraceError
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # the cache's token ids: array('q')
+
 
 @dataclass(frozen=True)
 class Request:
@@ -54,6 +56,8 @@ def _parse(line: str, where: str, block_tokens: int | None) -> Request:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:  # an integer past int()'s digits, arrays nested past the stack
+        raise TraceError(f"{where}: not a trace row ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(row, dict):
         raise TraceError(f"{where}: expected an object, got {type(row).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
@@ -62,6 +66,8 @@ def _parse(line: str, where: str, block_tokens: int | None) -> Request:
     ids = row["hash_ids"]
     if not isinstance(ids, list) or not all(map(is_int, ids)):
         raise TraceError(f"{where}: hash_ids must be a list of ints")
+    if ids and not (_INT64_MIN <= min(ids) and max(ids) <= _INT64_MAX):
+        raise TraceError(f"{where}: hash_ids must be in the int64 range, got {min(ids)}..{max(ids)}")
     for key in ("input_length", "output_length"):
         non_negative_int(f"{where}: {key}", row[key], error=TraceError)
     stamp = row["timestamp"]
@@ -111,6 +117,9 @@ def repeat(requests: list[Request], times: int) -> list[Request]:
     positive_int("times", times)
     ids = [b for r in requests for b in r.blocks]
     id_span = max(ids) - min(ids) + 1 if ids else 0
+    if ids and max(ids) + (times - 1) * id_span > _INT64_MAX:
+        raise TraceError(f"{times} copies of the trace shift its hash ids ({min(ids)}..{max(ids)}) past the int64 "
+                         "range; repeat it fewer times")
     stamps = [r.timestamp for r in requests]
     time_span = max(stamps) - min(stamps) + 1.0 if stamps else 0.0
     out = list(requests)

@@ -9,7 +9,7 @@ from ...hybrid import HybridSpec
 from ..preflight import check_host_memory
 from ..spec import add_spec_arguments, has_spec, spec_from_args
 from ..table import json_text, print_table
-from ..types import int_list, positive_int
+from ..types import int_list, positive_int, seed
 from .args import JSON_HELP
 
 #: Tree pages of the hybrid comparison at most (two caches are built per page size).
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=positive_int, default=8192,
                    help="tokens per prompt, a multiple of every page size (default 8192)")
     p.add_argument("--tree-pages", type=positive_int, default=100_000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     add_spec_arguments(p)
 

@@ -9,7 +9,7 @@ from ...errors import UsageError
 from ...layout import LAYOUTS
 from ..preflight import check_host_memory
 from ..table import json_text, print_table
-from ..types import name_list, positive_int
+from ..types import name_list, positive_int, seed
 from .args import JSON_HELP, count, dims
 
 
@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", type=count, default=0,
                    help="CPU-bound processes (a Python busy loop each) running during the timing (default 0)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 

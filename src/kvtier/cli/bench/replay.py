@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ...errors import UsageError
 from ..spec import PRESETS, add_spec_arguments, has_spec, spec_from_args
@@ -27,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace) -> int:
     from ...bench import replay
-    from ..preflight import check_input_file
+    from ..preflight import check_input_file, check_trace_copies
 
     trace = args.trace
     if trace is None:
@@ -36,6 +37,9 @@ def command(args: argparse.Namespace) -> int:
                              "jsonl trace")
         trace = str(replay.DEFAULT_TRACE)
     check_input_file(trace, "trace")
+    # NOTE: sized from the file before it is read: a row takes at least 64 bytes of it, a block id 2
+    size = os.path.getsize(trace)
+    check_trace_copies(size // 64, size // 2, args.times, "--times")
     spec = spec_from_args(args) if has_spec(args) else None
     try:
         result = replay.run(trace, times=args.times, policy=args.policy, repeat_runs=args.repeat, spec=spec)

@@ -22,7 +22,7 @@ from ...transfer import IO_BACKENDS
 from ..preflight import check_device_memory, check_host_memory
 from ..spec import add_spec_arguments, attention_text, has_spec, spec_from_args
 from ..table import json_text, print_table
-from ..types import int_list, name_list, positive_int
+from ..types import int_list, name_list, positive_int, seed
 from .args import JSON_HELP, SMALLER, dims
 
 DEFAULTS = {"layers": 32, "heads": 8, "dims": ((128, 128), (192, 128)), "meta_pages": 4096}
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=positive_int, default=3)
     p.add_argument("--meta-pages", type=positive_int, default=None,
                    help=f"pages of span metadata timed (default {DEFAULTS['meta_pages']}; not for a hybrid spec)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
