@@ -5,6 +5,7 @@ Each raises ``UsageError`` with the numbers, which the command line prints as on
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 from pathlib import Path
@@ -36,9 +37,12 @@ def check_output_path(path: str | None, flag: str) -> None:
     # as the run will (appending to a file that exists: nothing in it changes), closed at once
     existed = target.exists()
     try:
-        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | (0 if existed else os.O_CREAT | os.O_EXCL), 0o644))
+        # (non-blocking: a FIFO with no reader yet would hold the open; it answers ENXIO then)
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK
+                         | (0 if existed else os.O_CREAT | os.O_EXCL), 0o644))
     except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
+        if e.errno != errno.ENXIO:
+            raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
     if not existed:
         target.unlink(missing_ok=True)
 
