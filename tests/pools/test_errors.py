@@ -96,7 +96,20 @@ def test_flat_page_errors(pools):
         host.set_from_flat_data_page(8, page[1:])
     with pytest.raises(ValueError, match="dtype torch.float32"):
         host.set_from_flat_data_page(8, page.float())
+    with pytest.raises(ValueError, match="a meta tensor"):
+        host.set_from_flat_data_page(8, torch.empty_like(page, device="meta"))
     assert torch.equal(bits(host.get_data_page(4)), bits(page))
+
+
+def test_a_flat_page_that_requires_grad_is_written_as_bytes():
+    """A page written from a tensor that requires grad: its bytes land, and the pool's
+    buffers stay out of the caller's autograd graph (before, they came to require grad)."""
+    spec = KVSpec.mha(2, 2, 4, dtype=torch.float32)
+    host = HostKVPool(spec, 16, 4)
+    page = torch.randn(spec.page_elems(4), requires_grad=True)
+    host.set_from_flat_data_page(4, page)
+    assert not any(b.requires_grad for b in host.buffers.values())
+    assert torch.equal(host.get_data_page(4), page.detach())
 
 
 @pytest.mark.parametrize("kwargs, match", [

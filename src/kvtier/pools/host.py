@@ -307,7 +307,10 @@ class HostKVPool:
             raise UsageError(f"data_page dtype {data_page.dtype} != spec dtype {self.spec.dtype}")
         if data_page.numel() != expected:
             raise UsageError(f"data_page has {data_page.numel()} elements, a flat page has {expected}")
-        flat = data_page.reshape(-1)
+        if (data_page.device.type == "meta") != (self.device.type == "meta"):
+            raise UsageError(f"data_page is on {data_page.device}, the pool on {self.device}: a meta tensor "
+                             "(shapes without memory) copies with meta pools only")
+        flat = data_page.detach().reshape(-1)  # bytes only: the pool never joins a caller's autograd graph
         offset = 0
         for c in self.spec.components:
             n = self.spec.layer_num * self.page_size * c.token_elems
