@@ -538,27 +538,29 @@ class HierarchicalCache:
                              f"{len(tokens)} tokens after the {reused}-token prefix), got {got}")
         all_slots = torch.cat([prefix, slots.to(prefix.device)])
         salt, state = acquired.match.salt, self._state
-        with self._placeholders_back(slots if placeholders else None) as held, self._lock:
+        # NOTE: the slots are checked out of the lock: other requests need not wait for it
+        with self._placeholders_back(slots if placeholders else None) as held:
             pages = self._check_slots(all_slots)
-            if acquired.lease.owner is not state:
-                raise UsageError("commit: this Acquired comes from another cache")
-            if acquired.lease.released:
-                raise UsageError("commit: this Acquired was already released (or committed)")
-            del tokens[full:]  # our own copy: whole pages only, without copying again
-            walked = state.check_insert(tokens, pages, salt)
-            owned = state.check_sides(side, walked) if side is not None else frozenset()
-            already, new = state.insert(tokens, pages, salt, walked, side, resume_at, owned)
-            held.clear()  # the tree's now
-            if already > reused:  # another request cached these pages first: ours are duplicates
-                state.allocator.free(all_slots[reused:already])
-            path = state.match_all(tokens, salt)  # the whole sequence: the engine goes on using its slots
-            lease = Lease(path[-1] if path else state.tree.root(salt), state)
-            state.lock_node(lease.node)
-            self._release(acquired)
-            device = state.device_slots(path)
-            groups = self._groups(path, full)
-            # pages another request cached first may still be arriving from its host copy
-            depends = {id(n.loading): n.loading.handle for n in path if n.loading is not None}
+            with self._lock:
+                if acquired.lease.owner is not state:
+                    raise UsageError("commit: this Acquired comes from another cache")
+                if acquired.lease.released:
+                    raise UsageError("commit: this Acquired was already released (or committed)")
+                del tokens[full:]  # our own copy: whole pages only, without copying again
+                walked = state.check_insert(tokens, pages, salt)
+                owned = state.check_sides(side, walked) if side is not None else frozenset()
+                already, new = state.insert(tokens, pages, salt, walked, side, resume_at, owned)
+                held.clear()  # the tree's now
+                if already > reused:  # another request cached these pages first: ours are duplicates
+                    state.allocator.free(all_slots[reused:already])
+                path = state.match_all(tokens, salt)  # the whole sequence: the engine goes on using its slots
+                lease = Lease(path[-1] if path else state.tree.root(salt), state)
+                state.lock_node(lease.node)
+                self._release(acquired)
+                device = state.device_slots(path)
+                groups = self._groups(path, full)
+                # pages another request cached first may still be arriving from its host copy
+                depends = {id(n.loading): n.loading.handle for n in path if n.loading is not None}
         self._stats.add(inserted_tokens=new)
         load = LoadHandle(device, self._layer_num, tuple(depends.values()), groups=groups)
         load._finish()
@@ -650,12 +652,13 @@ class HierarchicalCache:
         # a fresh tensor took about 5 µs of an 8K-token insert's 50 here
         slots = device_indices if device_indices.numel() == usable else device_indices[:usable]
         del tokens[usable:]  # our own copy: whole pages only, without copying again
-        with self._placeholders_back(slots if placeholders else None) as held, self._lock:
-            pages = self._check_slots(slots)
-            walked = self._state.check_insert(tokens, pages, salt)
-            owned = self._state.check_sides(side, walked) if side is not None else frozenset()
-            already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at, owned)
-            held.clear()  # the tree's now
+        with self._placeholders_back(slots if placeholders else None) as held:
+            pages = self._check_slots(slots)  # out of the lock, as in commit
+            with self._lock:
+                walked = self._state.check_insert(tokens, pages, salt)
+                owned = self._state.check_sides(side, walked) if side is not None else frozenset()
+                already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at, owned)
+                held.clear()  # the tree's now
         self._stats.add(inserted_tokens=new)
         return already
 
