@@ -57,7 +57,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -975,31 +975,38 @@ class FileStorage(ThreadedStorage):
     def _scan(self) -> None:
         """Seed the LRU order from the files found, each key as recent as its newest file."""
         keys: dict[str, list] = {}  # stem -> [newest mtime, {name: bytes}]
-        # NOTE: another engine sharing the directory may remove a file or a shard between
-        # its listing and its stat: what is gone by then is not counted
         with os.scandir(self.root) as shards:
             for shard in shards:
-                try:
-                    if not shard.is_dir(follow_symlinks=False):
-                        continue
-                    with os.scandir(shard.path) as entries:
-                        for e in entries:
-                            try:
-                                if e.name.startswith(".") or not e.is_file(follow_symlinks=False):
-                                    continue
-                                st = e.stat(follow_symlinks=False)
-                            except FileNotFoundError:
-                                continue
-                            tail, _, name = e.name.partition(".")
-                            seen = keys.setdefault(f"{shard.path}/{tail}", [st.st_mtime, {}])
-                            seen[0] = max(seen[0], st.st_mtime)
-                            seen[1][name] = st.st_size
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
+                if shard.is_dir(follow_symlinks=False):
+                    for e, st in self._shard_files(shard.path):
+                        tail, _, name = e.name.partition(".")
+                        seen = keys.setdefault(f"{shard.path}/{tail}", [st.st_mtime, {}])
+                        seen[0] = max(seen[0], st.st_mtime)
+                        seen[1][name] = st.st_size
         for stem, (_, files) in sorted(keys.items(), key=lambda kv: kv[1][0]):
             self._lru[stem] = files
             self._total += sum(files.values())
         self._evict()
+
+    @staticmethod
+    def _shard_files(shard: str) -> Iterator[tuple[os.DirEntry, os.stat_result]]:
+        """``(entry, stat)`` of each object file in directory ``shard`` (temporary files,
+        which start with a dot, left out).
+
+        NOTE: another engine sharing the directory may remove a file, or the shard, between
+        its listing and its stat: what is gone by then is left out."""
+        try:
+            with os.scandir(shard) as entries:
+                for e in entries:
+                    try:
+                        if e.name.startswith(".") or not e.is_file(follow_symlinks=False):
+                            continue
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    yield e, st
+        except (FileNotFoundError, NotADirectoryError):
+            return
 
     def _account(self, stem: str, name: str, nbytes: int) -> None:
         with self._lock:
