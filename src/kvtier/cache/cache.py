@@ -97,14 +97,22 @@ def _placeholder_size(pools, page_size: int) -> int:
     return max(page_size, biggest * ALL_SLIDING_TOKENS_PER_SLOT // page_size * page_size)
 
 
+#: the public methods that change state: with checks on, each is checked after it returns
+_CHECKED: list[str] = []
+
+
 def _checked(method):
-    """Mark a public method that changes state: with checks on, the cache's invariants
-    are checked after each call that returns."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        out = method(self, *args, **kwargs)
-        if self._check:
-            self._check_now()
+    """Mark a public method that changes state (the method itself is unchanged)."""
+    _CHECKED.append(method.__name__)
+    return method
+
+
+def _checking(cache: "HierarchicalCache", bound):
+    """``bound`` followed by the cache's invariant check, for a call that returns."""
+    @functools.wraps(bound)
+    def call(*args, **kwargs):
+        out = bound(*args, **kwargs)
+        cache._check_now()
         return out
     return call
 
@@ -212,6 +220,11 @@ class HierarchicalCache:
                             layer_num=self._layer_num, grouped=grouped)
         self._lock = self._state.lock
         self._check = _checks_on(check)
+        if self._check:
+            # NOTE: the checked methods are wrapped per instance, only when checks are on: a
+            # wrapper on the class read the flag in every call, 0.7 us of a full hit's 19
+            for name in _CHECKED:
+                setattr(self, name, _checking(self, getattr(self, name)))
         self._closed = False
 
     @property

@@ -53,6 +53,8 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 def _device_count(path) -> int:
     """How many nodes of ``path`` have a device copy: device copies are prefix-closed,
     so they are ``path[:k]``, found by bisection (a fragmented path crosses hundreds)."""
+    if path and path[-1].device is not None:  # a whole device hit, the common case
+        return len(path)
     lo, hi = 0, len(path)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -63,9 +65,9 @@ def _device_count(path) -> int:
     return lo
 
 
-def _joined(pages: np.ndarray | list) -> np.ndarray:
-    """Page numbers, or a list of runs of them, as one array."""
-    if isinstance(pages, list):
+def _joined(pages: np.ndarray | list | tuple) -> np.ndarray:
+    """Page numbers, or a list or tuple of runs of them, as one array."""
+    if isinstance(pages, (list, tuple)):
         return np.concatenate(pages) if pages else _NO_PAGES
     return pages
 
@@ -165,19 +167,23 @@ class CacheState(HybridState):
             # NOTE: the nodes of a path that share a base are one run of it, in order
             # (only a split shares a base, and its pieces stay parent and child; a piece
             # leaves the device only after the pieces below it): one slice, no loop
-            return self.slots_of(first.base[first.at:last.at + len(last.pages)])
-        return self.slots_of([n.device.pages for n in path[:k]])  # expanded run by run, not joined
+            return self.slots_of((first.base[first.at:last.at + len(last.pages)],), path[k - 1].depth)
+        return self.slots_of([n.device.pages for n in path[:k]], path[k - 1].depth)  # run by run, not joined
 
-    def slots_of(self, pages: np.ndarray | list) -> torch.Tensor:
-        """The device token slots of ``pages`` (page numbers, or a list of runs of them
-        taken one after another), a new tensor on the pool's index device."""
+    def slots_of(self, pages: np.ndarray | list | tuple, count: int | None = None) -> torch.Tensor:
+        """The device token slots of ``pages`` (page numbers, or a list or tuple of runs
+        of them taken one after another), a new tensor on the pool's index device.
+        ``count``: how many slots that is, where the caller knows it (a path's depth)."""
         if self._offsets is None:
             compiled = load(COMPILED)
             if compiled is not None:
-                # NOTE: called as is (it checks its arguments), one call for every run: the
-                # checks and concatenation around it were 2.5 of a full hit's 6 us of slots
-                runs, n = (pages, sum([len(r) for r in pages])) if isinstance(pages, list) else ((pages,), len(pages))
-                out = np.empty(n * self.page_size, dtype=np.int64)
+                # NOTE: called as is (it checks its arguments, the count among them), one call
+                # for every run: the checks and concatenation around it were 2.5 of a full
+                # hit's 6 us of slots
+                runs = pages if isinstance(pages, (list, tuple)) else (pages,)
+                if count is None:
+                    count = sum([len(r) for r in runs]) * self.page_size
+                out = np.empty(count, dtype=np.int64)
                 try:
                     compiled.expand_runs(runs, self.page_size, out)
                     return torch.from_numpy(out)
