@@ -20,7 +20,7 @@ from kvtier.transfer import native
 from tests.support.services import unavailable
 
 #: each compiled module and the functions of it that kvtier calls
-FUNCTIONS = {tokens.COMPILED: ("fill_int64", "same_at"), indices.COMPILED: ("check_pages", "expand_pages"),
+FUNCTIONS = {tokens.COMPILED: ("fill_int64", "walk_run"), indices.COMPILED: ("check_pages", "expand_pages"),
              native.COMPILED: ("copy_jobs",)}
 
 
@@ -74,7 +74,7 @@ def test_the_switch_set_after_import_turns_every_compiled_path(monkeypatch, call
 
     monkeypatch.setenv("KVTIER_NATIVE", "1")
     _every_path()
-    assert "same_at" in calls and "copy_jobs" in calls and pageio.compiled() is storage_loop
+    assert "walk_run" in calls and "copy_jobs" in calls and pageio.compiled() is storage_loop
 
 
 def test_a_module_that_is_not_built_is_none_and_imported_once():

@@ -7,7 +7,7 @@ missing the install goes on without it and kvtier uses its pure-Python path.
 Every compiled module is reached through :func:`load`, which reads the switch at each
 call (the import itself is done once), so ``KVTIER_NATIVE=0`` set at any time, e.g. by
 a test's ``monkeypatch.setenv``, turns every path at its next call. A caller reads it
-once per public call, never inside a loop: the radix walk loads ``same_at`` before it
+once per public call, never inside a loop: the radix walk loads ``walk_run`` before it
 walks, not per node.
 """
 

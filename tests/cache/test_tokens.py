@@ -83,24 +83,70 @@ def test_the_compiled_reader_checks_its_arguments(compiled):
         compiled.fill_int64(np.zeros(4, dtype=np.int64)[::2], [1, 2])  # not contiguous
 
 
-def test_the_compiled_run_comparison_equals_the_slice_comparison(compiled):
-    """``same_at(tokens, pos, key)`` is ``tokens[pos:pos + len(key)] == key`` for every
-    position, length and one-id change, out-of-range runs included (False, never a read
-    past the end)."""
+def _tree_of(prompts, page_size):
+    from kvtier.cache.radix import RadixTree
+
+    tree = RadixTree(page_size)
+    root = tree.root(b"")
+    for p in prompts:
+        tokens = array("q", p[:len(p) - len(p) % page_size])
+        path, pos, inner = tree.walk(tokens, b"")
+        if path and inner < len(path[-1].key):
+            path[-1] = tree.split(path[-1], inner)
+        if pos < len(tokens):
+            tree.add_child(path[-1] if path else root, tokens[pos:])
+    return tree
+
+
+def test_the_compiled_walk_run_is_the_python_one(compiled):
+    """``walk_run`` and ``RadixTree._run`` stop at the same place on the same node with
+    the same path and stamps, from every start: prompts sharing prefixes of every
+    length, runs ending inside keys, at ``usable`` and past the tokens' end."""
+    from kvtier.cache.radix import RadixTree
+
     rng = random.Random(5)
-    tokens = array("q", [rng.randrange(-(1 << 62), 1 << 62) for _ in range(40)])
-    for pos in range(0, 44):
-        for n in (0, 1, 7, 40 - pos, 41 - pos):
-            if n < 0:
-                continue
-            key = tokens[pos:pos + n] + (array("q", [1]) if pos + n > 40 else array("q"))
-            assert compiled.same_at(tokens, pos, key) is (pos + len(key) <= 40 and tokens[pos:pos + len(key)] == key)
-            if len(key) and pos + len(key) <= 40:
-                changed = array("q", key)
-                changed[rng.randrange(len(key))] ^= 1 << 40
-                assert compiled.same_at(tokens, pos, changed) is False
-    with pytest.raises(TypeError, match="int64 buffers"):
-        compiled.same_at(tokens, 0, b"\0" * 8)
+    base = [rng.randrange(40) for _ in range(64)]
+    prompts = [base[:rng.randrange(0, 64)] + [rng.randrange(40) for _ in range(rng.randrange(0, 24))]
+               for _ in range(50)]
+    tree = _tree_of(prompts, 4)
+    starts = [(tree.root(b""), 0)] + [(n, n.depth) for n in tree.nodes()]
+    lengths, reached = set(), set()
+    for ids in map(lambda p: array("q", p), prompts + [base]):
+        for node, pos in starts:
+            for usable in {len(ids) - len(ids) % 4, pos + 4, pos}:
+                if not pos <= usable <= len(ids):
+                    continue
+                got, want = [], []
+                for run, path, stamp in ((compiled.walk_run, got, 7), (RadixTree._run, want, 9)):
+                    out = run(node, ids, pos, -3, usable, path, stamp)
+                    assert [n.last_access for n in path] == [stamp] * len(path)
+                    if run is compiled.walk_run:
+                        first = out
+                assert first == out and got == want
+                lengths.add(len(got))
+                reached.update(map(id, got))
+    assert len(lengths) > 3 and len(reached) > 10, (lengths, len(reached))  # walks of many lengths
+
+
+def test_the_compiled_walk_run_checks_its_arguments(compiled):
+    tree = _tree_of([[1, 2, 3, 4, 5, 6, 7, 8]], 4)
+    root, tokens = tree.root(b""), array("q", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert compiled.walk_run(root, tokens, 0, 0, 8, [], None)[:2] == (8, 8)
+    assert compiled.walk_run(root, tokens, 0, 0, 4, [], None)[:2] == (0, 0)  # the key runs past usable
+    assert compiled.walk_run(root, tokens[:4], 0, 0, 4, [], None)[:2] == (0, 0)  # past the tokens: no read
+    for pos, usable in ((-1, 8), (0, 9), (5, 4)):
+        with pytest.raises(ValueError, match="0 <= pos <= usable"):
+            compiled.walk_run(root, tokens, pos, 0, usable, [], None)
+    with pytest.raises(ValueError, match="int64 buffer"):
+        compiled.walk_run(root, b"\0" * 8, 0, 0, 1, [], None)
+    with pytest.raises(TypeError, match="path must be a list"):
+        compiled.walk_run(root, tokens, 0, 0, 8, (), None)
+    with pytest.raises(TypeError, match="7 arguments"):
+        compiled.walk_run(root, tokens, 0, 0, 8, [])
+    child = next(iter(root.children.values()))
+    child.key = b"\0" * 8
+    with pytest.raises(TypeError, match="int64 buffer"):
+        compiled.walk_run(root, tokens, 0, 0, 8, [], None)
 
 
 def test_the_radix_walk_matches_the_same_with_either_comparison(monkeypatch, compiled):

@@ -1,5 +1,5 @@
 /* kvtier.cache._tokens: token ids from a Python list or tuple into an int64 buffer, and
- * the radix walk's run comparison in place.
+ * the radix walk's common steps (int-keyed children, whole keys compared in place).
  *
  * The pure-Python conversion (one struct.pack over the list) costs ~27 us for 8K ids;
  * this loop reads each exact int's value directly. It handles only the common case
@@ -104,51 +104,139 @@ static PyObject *fill_int64(PyObject *self, PyObject *args) {
     Py_RETURN_FALSE;
 }
 
-PyDoc_STRVAR(same_at_doc,
-"same_at(tokens, pos, key) -> bool\n\n"
-"Whether ``tokens[pos:pos + len(key)] == key`` for two int64 buffers (``array('q')``),\n"
-"compared in place: the slice a Python comparison makes would copy the run first.\n"
-"False when the run would end past ``tokens``.");
+/* The attribute names walk_run reads and writes, interned once at import. */
+static PyObject *s_children, *s_key, *s_last_access;
 
-static PyObject *same_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* ``node``'s child keyed by the int ``id`` (a new reference), or NULL: with an error set
+ * where the lookup failed, without one where there is no such child. */
+static PyObject *child_of(PyObject *node, int64_t id) {
+    PyObject *children = PyObject_GetAttr(node, s_children);
+    if (children == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(children)) {
+        Py_DECREF(children);
+        PyErr_SetString(PyExc_TypeError, "walk_run: a node's children must be a dict");
+        return NULL;
+    }
+    PyObject *key = PyLong_FromLongLong((long long)id);
+    if (key == NULL) {
+        Py_DECREF(children);
+        return NULL;
+    }
+    PyObject *child = PyDict_GetItemWithError(children, key);
+    Py_XINCREF(child);
+    Py_DECREF(key);
+    Py_DECREF(children);
+    return child;
+}
+
+/* Whether ``child``'s key is ``tok[pos:pos + len(key)]`` with that run ending by
+ * ``usable``; its length to ``*len``. -1 with an error set where the key is not an
+ * int64 buffer. */
+static int key_matches(PyObject *child, const int64_t *tok, Py_ssize_t pos, Py_ssize_t usable, Py_ssize_t *len) {
+    PyObject *key = PyObject_GetAttr(child, s_key);
+    if (key == NULL)
+        return -1;
+    Py_buffer kb;
+    if (PyObject_GetBuffer(key, &kb, PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(key);
+        return -1;
+    }
+    int same = -1;
+    if (kb.itemsize != 8) {
+        PyErr_SetString(PyExc_TypeError, "walk_run: a node's key must be an int64 buffer");
+    } else {
+        *len = kb.len / 8;
+        same = *len <= usable - pos && memcmp(tok + pos, kb.buf, (size_t)kb.len) == 0;
+    }
+    PyBuffer_Release(&kb);
+    Py_DECREF(key);
+    return same;
+}
+
+PyDoc_STRVAR(walk_run_doc,
+"walk_run(node, tokens, pos, inner, usable, path, stamp) -> (pos, inner, node)\n\n"
+"The radix walk's common steps, from ``node`` at ``tokens[pos]``: while ``pos <\n"
+"usable``, take the child keyed by the int ``tokens[pos]`` and, where its whole key is\n"
+"``tokens[pos:pos + len(key)]`` within ``usable``, append it to ``path`` (a list), set\n"
+"its ``last_access`` to ``stamp`` unless that is None, and go on from it. Returns\n"
+"where it stopped: the position, the length of the last key matched (``inner`` when\n"
+"none was) and that node. ``tokens`` and every key are int64 buffers (``array('q')``),\n"
+"compared in place.");
+
+static PyObject *walk_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "same_at(tokens, pos, key) takes 3 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "walk_run(node, tokens, pos, inner, usable, path, stamp) takes 7 arguments");
         return NULL;
     }
-    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
-    if (pos == -1 && PyErr_Occurred())
+    PyObject *node = args[0], *path = args[5], *stamp = args[6];
+    Py_ssize_t pos = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t inner = pos == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[3]);
+    Py_ssize_t usable = inner == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[4]);
+    if (usable == -1 && PyErr_Occurred())
         return NULL;
-    Py_buffer a, b;
-    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[2], &b, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&a);
+    if (!PyList_Check(path)) {
+        PyErr_SetString(PyExc_TypeError, "walk_run: path must be a list");
         return NULL;
     }
-    int same = 0;
-    if (a.itemsize != 8 || b.itemsize != 8) {
-        PyErr_SetString(PyExc_TypeError, "same_at: tokens and key must be int64 buffers");
-    } else if (pos >= 0 && pos <= a.len / 8 && b.len <= a.len - pos * 8) {
-        same = memcmp((const char *)a.buf + pos * 8, b.buf, (size_t)b.len) == 0;
-    }
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    if (PyErr_Occurred())
+    Py_buffer tb;
+    if (PyObject_GetBuffer(args[1], &tb, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    return PyBool_FromLong(same);
+    if (tb.itemsize != 8 || pos < 0 || usable < pos || usable > tb.len / 8) {
+        PyBuffer_Release(&tb);
+        PyErr_Format(PyExc_ValueError, "walk_run: tokens must be an int64 buffer with 0 <= pos <= usable <= its "
+                     "%zd ids, got pos %zd and usable %zd", tb.len / (tb.itemsize ? tb.itemsize : 1), pos, usable);
+        return NULL;
+    }
+    /* NOTE: the tokens' buffer is held (an array cannot resize meanwhile), and nothing
+     * here runs Python code: slot attributes, int keys and dict lookups are all C. */
+    const int64_t *tok = (const int64_t *)tb.buf;
+    Py_INCREF(node);
+    while (pos < usable) {
+        PyObject *child = child_of(node, tok[pos]);
+        if (child == NULL)
+            break;
+        Py_ssize_t len = 0;
+        int same = key_matches(child, tok, pos, usable, &len);
+        if (same == 1 && PyList_Append(path, child) < 0)
+            same = -1;
+        if (same == 1 && stamp != Py_None && PyObject_SetAttr(child, s_last_access, stamp) < 0)
+            same = -1;
+        if (same != 1) {
+            Py_DECREF(child);
+            break;
+        }
+        pos += len;
+        inner = len;
+        Py_SETREF(node, child);
+    }
+    PyBuffer_Release(&tb);
+    if (PyErr_Occurred()) {
+        Py_DECREF(node);
+        return NULL;
+    }
+    return Py_BuildValue("(nnN)", pos, inner, node);
 }
 
 static PyMethodDef methods[] = {
     {"fill_int64", fill_int64, METH_VARARGS, fill_int64_doc},
-    {"same_at", (PyCFunction)(void (*)(void))same_at, METH_FASTCALL, same_at_doc},
+    {"walk_run", (PyCFunction)(void (*)(void))walk_run, METH_FASTCALL, walk_run_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier.cache._tokens",
-    "Token ids into int64 buffers, and runs compared in place (optional; pure paths fall back).", -1, methods,
+    "Token ids into int64 buffers, and the radix walk's common steps (optional; pure paths fall back).", -1,
+    methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__tokens(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__tokens(void) {
+    s_children = PyUnicode_InternFromString("children");
+    s_key = PyUnicode_InternFromString("key");
+    s_last_access = PyUnicode_InternFromString("last_access");
+    if (s_children == NULL || s_key == NULL || s_last_access == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}
