@@ -9,6 +9,7 @@ from array import array
 
 import numpy as np
 import pytest
+import torch
 
 from kvtier.cache import tokens
 from kvtier.compiled import load
@@ -47,6 +48,31 @@ def test_both_paths_give_the_ids_as_int64(path, ids):
     out = tokens.token_array(ids)
     assert isinstance(out, array) and out.typecode == "q"
     assert out.tolist() == [int(i) for i in ids]
+
+
+class _Ids(list):
+    pass
+
+
+class _Array(array):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["array", "array subclass", "array('i')", "list subclass", "range", "generator",
+                                  "tensor", "(1, n) tensor", "numpy"])
+def test_every_kind_of_sequence_gives_a_copy_of_its_ids(path, kind):
+    ids = [3, -1, 1 << 40, 7]
+    given = {"array": lambda: array("q", ids), "array subclass": lambda: _Array("q", ids),
+             "array('i')": lambda: array("i", [3, -1, 5, 7]), "list subclass": lambda: _Ids(ids),
+             "range": lambda: range(3, 11, 2), "generator": lambda: (i for i in ids),
+             "tensor": lambda: torch.tensor(ids), "(1, n) tensor": lambda: torch.tensor([ids]),
+             "numpy": lambda: np.array(ids)}[kind]()
+    want = list(given) if kind in ("array('i')", "range") else ids
+    out = tokens.token_array(given)
+    assert type(out) is array and out.typecode == "q" and out.tolist() == want and out is not given
+    if kind in ("array", "array subclass"):
+        given[0] = 99  # the caller's array changes; the copy does not
+        assert out[0] == 3
 
 
 @pytest.mark.parametrize("ids, message", [

@@ -34,19 +34,15 @@ def token_array(token_ids) -> array:
     Face ``input_ids``). Anything else (floats, bools, other shapes, ids outside
     int64) raises ``ValueError`` naming the shape or dtype.
     """
-    if isinstance(token_ids, torch.Tensor):
-        return _from_numpy(token_ids.detach().cpu().numpy(), f"tensor of dtype {token_ids.dtype}")
-    if isinstance(token_ids, np.ndarray):
-        return _from_numpy(token_ids, f"numpy array of dtype {token_ids.dtype}")
-    if isinstance(token_ids, array) and token_ids.typecode == "q":
+    # NOTE: the exact common types first: ``isinstance`` against ``torch.Tensor`` costs
+    # 0.2 us (its metaclass's check), against ``np.ndarray`` 0.1, where a hit takes 10-18
+    kind = type(token_ids)
+    if kind is array and token_ids.typecode == "q":
         return token_ids[:]
-    if isinstance(token_ids, (str, bytes, bytearray, dict, set)) or token_ids is None:
-        raise UsageError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
-    if not isinstance(token_ids, (list, tuple)):
-        try:
-            token_ids = list(token_ids)
-        except TypeError:
-            raise UsageError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
+    if kind is not list and kind is not tuple:
+        token_ids = _ints_of(token_ids)
+        if isinstance(token_ids, array):
+            return token_ids
     compiled = load(COMPILED)
     if compiled is not None:
         out = _ZERO * len(token_ids)
@@ -64,6 +60,26 @@ def token_array(token_ids) -> array:
         raise UsageError(f"token_ids must be a 1-D sequence of ints, got an element of type "
                          f"{type(bad).__name__}") from None
     return out
+
+
+def _ints_of(token_ids) -> array | list | tuple:
+    """``token_ids`` of a type other than exactly list, tuple or ``array('q')``: the ids
+    as a new ``array('q')`` (a tensor, a numpy array, a subclass of ``array('q')``), or a
+    list or tuple of them still to be read (anything else, e.g. an ``array('i')``)."""
+    if isinstance(token_ids, torch.Tensor):
+        return _from_numpy(token_ids.detach().cpu().numpy(), f"tensor of dtype {token_ids.dtype}")
+    if isinstance(token_ids, np.ndarray):
+        return _from_numpy(token_ids, f"numpy array of dtype {token_ids.dtype}")
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        return token_ids[:]
+    if isinstance(token_ids, (str, bytes, bytearray, dict, set)) or token_ids is None:
+        raise UsageError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+    if isinstance(token_ids, (list, tuple)):
+        return token_ids
+    try:
+        return list(token_ids)
+    except TypeError:
+        raise UsageError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
 
 
 @functools.lru_cache(maxsize=256)
