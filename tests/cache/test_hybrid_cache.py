@@ -459,3 +459,30 @@ def test_a_match_hands_back_the_windows_its_check_found(name, native, monkeypatc
     assert eng.serve(a) == 64 and eng.serve(b) == 40  # every group's window compared with what was written
     cache.check_integrity()
     cache.close()
+
+
+@pytest.mark.parametrize("name", ["mimo", "long_window"])
+def test_the_window_pieces_found_in_the_last_node_are_the_walks(name):
+    """A window within the path's last node is taken from it alone: for every node's
+    path and every prefix of it, the pieces equal those of the walk over the path
+    from its end (windows in one node, across nodes, and past a short last node)."""
+    spec = HYBRID_SPECS[name]
+    cache = make_cache(spec, 4, sizes(spec, 1024, 1024), sizes(spec, 1024, 1024))
+    eng, rng = HybridEngine(cache), random.Random(8)
+    a = prompt(rng, 64)
+    eng.serve(a)
+    for cut in (4, 8, 24, 28, 52):
+        eng.serve(a[:cut] + prompt(rng, 4 * rng.randrange(1, 5)))
+    state, checked = cache._state, 0
+    for node in state.tree.nodes():
+        path = node.path()
+        for p in range(node.depth // 4 + 1):
+            for g in state.sides.names:
+                w = state.sides.window_pages(g, p * 4)
+                walked = [(lo, n.device.side[g][span]) for n, lo, span in state._window_spans(path, w)
+                          if n.device is not None]
+                got = state._window_pieces(path, g, w)
+                assert [(lo, h.tolist()) for lo, h in got] == [(lo, h.tolist()) for lo, h in walked]
+                checked += bool(walked)
+    assert checked > 50
+    cache.close()

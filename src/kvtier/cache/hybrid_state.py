@@ -217,6 +217,14 @@ class HybridState:
         """Group ``g``'s window ``w`` (page indices) along ``path`` as pieces ``(first page,
         the device's page numbers from there)``, holes included; pages not on the device
         are left out."""
+        if w and path:
+            # NOTE: a window within the path's last node (a full hit's, past a short last
+            # node's start) is that node's one piece: no generator walks the path for it
+            node = path[-1]
+            end = node.depth // self.page_size
+            at = end - len(node.key) // self.page_size
+            if at <= w.start and w.stop <= end:
+                return [] if node.device is None else [(w.start, node.device.side[g][w.start - at:w.stop - at])]
         return [(lo, node.device.side[g][span]) for node, lo, span in self._window_spans(path, w)
                 if node.device is not None]
 

@@ -129,7 +129,8 @@ class CacheState(HybridState):
         device_len, host_len = _tier_lens(path, matched, len(path[-1].key) if path else 0)
         if self.sides is not None:
             device_len, host_len, found = self._hybrid_lens(path, device_len, host_len)
-            self._cut(path, device_len + host_len, split=True)
+            if device_len + host_len < path[-1].depth:  # (else nothing to cut: a full hit's case)
+                self._cut(path, device_len + host_len, split=True)
             if probe is not None:
                 probe.append(found)
         return path, device_len, host_len
