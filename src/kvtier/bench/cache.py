@@ -201,9 +201,11 @@ def _timed_inserts(cache: HierarchicalCache, prompts: Prompts, slots, prefix: st
     return out
 
 
-def _build(page_size: int, size: int, prompts: Prompts, write_policy: str, room: int):
+def _build(page_size: int, size: int, prompts: Prompts, write_policy: str, room: int, on_insert=None):
     """A cache over a device pool of ``size`` slots filled with prompts until ``room``
-    slots are left; ``(cache, last prompt cached, seconds)``."""
+    slots are left; ``(cache, last prompt cached, seconds)``. ``on_insert(prompt, slots,
+    already)``, where given, sees each prompt cached: its device slots, and how many of
+    its leading tokens were cached already (their slots were freed)."""
     spec = KVSpec.k_only(1, 1, 1, dtype=torch.float16)  # metadata is what is timed: 2 bytes a token
     device = DeviceKVPool(spec, size, page_size)
     cache = HierarchicalCache(device, HostKVPool(spec, page_size * 4, page_size), write_policy=write_policy)
@@ -212,7 +214,10 @@ def _build(page_size: int, size: int, prompts: Prompts, write_policy: str, room:
     while device.available_size() - prompts.n >= room:
         cached = prompts.array()
         slots = cache.alloc_device(prompts.n)
-        cache.free_device(slots[:cache.insert(cached, slots)])  # the shared prefix was cached already
+        already = cache.insert(cached, slots)
+        cache.free_device(slots[:already])  # the shared prefix was cached already
+        if on_insert is not None:
+            on_insert(cached, slots, already)
     return cache, cached, time.perf_counter() - t0
 
 

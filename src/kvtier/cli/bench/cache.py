@@ -1,4 +1,5 @@
-"""``kvtier bench cache``: match_prefix and insert over a large tree, against copying the prompt's list."""
+"""``kvtier bench cache``: match_prefix and insert over a large tree, against copying the prompt's list;
+the full hit beside sglang's radix tree where sglang is installed."""
 
 from __future__ import annotations
 
@@ -41,17 +42,20 @@ def _hybrid_spec(args: argparse.Namespace) -> HybridSpec | None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from ...bench import cache, cache_hybrid
+    from ...bench import cache, cache_hybrid, cache_peers
 
     hybrid = _hybrid_spec(args)
     cache.check_config(args.page_sizes, args.prompt_tokens, args.tree_pages)
-    check_host_memory(cache.memory_bytes(args.page_sizes, args.prompt_tokens, args.tree_pages),
-                      f"--tree-pages {args.tree_pages}", "use fewer tree pages or smaller pages")
+    peak = cache.memory_bytes(args.page_sizes, args.prompt_tokens, args.tree_pages)
+    if cache_peers.installed():
+        peak = max(peak, cache_peers.memory_bytes(args.page_sizes, args.tree_pages))
+    check_host_memory(peak, f"--tree-pages {args.tree_pages}", "use fewer tree pages or smaller pages")
     result = cache.run(page_sizes=args.page_sizes, prompt_tokens=args.prompt_tokens, tree_pages=args.tree_pages,
                        seed=args.seed)
     if hybrid is not None:
         result["hybrid"] = [cache_hybrid.run(hybrid, ps, args.prompt_tokens, min(args.tree_pages, HYBRID_TREE_PAGES),
                                              args.seed) for ps in args.page_sizes]
+    result.update(cache_peers.run(args.page_sizes, args.prompt_tokens, args.tree_pages, args.seed))
     if args.json:
         print(json_text(result))
         return 0
@@ -99,4 +103,30 @@ def command(args: argparse.Namespace) -> int:
                     "page, release), µs",
                     ["page", "tree prompts", "uniform match", "hybrid match", "x uniform", "uniform fragmented",
                      "hybrid fragmented", "x uniform", "uniform request", "hybrid request", "x uniform"], rows)
+    _print_peers(result)
     return 0
+
+
+def _print_peers(result: dict) -> None:
+    """sglang's full hit beside kvtier's, or the line saying why it was skipped."""
+    peer = result.get("sglang")
+    if peer is not None:
+        rows = [[r["page_size"], r["tree_pages"], f"{r['sglang_us']:.1f}", f"{r['kvtier_list_us']:.1f}",
+                 f"{r['kvtier_array_us']:.1f}", f"{r['kvtier_list_x_sglang']:.2f}x",
+                 f"{r['kvtier_array_x_sglang']:.2f}x", f"{r['sglang_back_to_back_us']:.1f}",
+                 f"{r['sglang_match_back_to_back_us']:.1f}", f"{r['kvtier_list_back_to_back_us']:.1f}",
+                 f"{r['kvtier_array_back_to_back_us']:.1f}"] for r in peer["rows"]]
+        cores = sorted({r["tree_core"] for r in peer["rows"]})
+        print_table(f"full hit beside sglang {peer['version']}'s UnifiedRadixCache ({', '.join(cores)}), same prompts, "
+                    f"µs: medians of {peer['rounds']} single calls, the three alternated (back to back: "
+                    f"{peer['back_to_back_calls']} calls a round)",
+                    ["page", "tree pages", "sglang rust", "kvtier list", "kvtier array('q')", "list x sglang",
+                     "array x sglang", "back to back: sglang", "sglang match alone", "kvtier list",
+                     "kvtier array('q')"], rows)
+        print("sglang's call: RadixKey over the array('q'), match_prefix, path_device_indices (its match returns "
+              "node ids only); one torch thread; every hit checked: the whole prompt, the slots each side inserted")
+        if peer["torchvision_standin"]:
+            print("torchvision is not installed: sglang's imports of it got a stand-in (its multimodal configs "
+                  "import it; the radix tree does not use it)")
+    for name, why in result["skipped"].items():
+        print(f"skipped {name}: {why}")
