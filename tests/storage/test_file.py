@@ -361,8 +361,9 @@ def test_options_in_the_url_query(tmp_path):
 
 
 @pytest.mark.parametrize("query, match", [
-    ("colour=blue", "unknown URL option 'colour'; supported URL options: capacity_bytes, direct_io, "
+    ("colour=blue", "unknown URL option 'colour'; supported URL options: capacity_bytes, cold_reads, direct_io, "
                     "direct_writes, fsync, head_groups, io_threads, page_size"),
+    ("cold_reads=sometimes", "cold_reads"),
     ("capacity_bytes=100kb", "capacity_bytes='100kb' is not a int"),
     ("capacity_bytes=0", "capacity_bytes must be a int >= 1"),
     ("fsync=maybe", "fsync='maybe' is not a bool"),

@@ -289,16 +289,19 @@ def read_statuses(monkeypatch):
 
 
 @NEEDS_DIRECT
+@pytest.mark.parametrize("cold_reads", ["staged", "in_place", "auto"])
 @pytest.mark.parametrize("layout", ["page_head", "page_first", "page_first_direct"])
-def test_the_compiled_reader_reads_cached_files_and_cold_ones_with_direct_io(tmp_path, read_statuses, layout):
+def test_the_compiled_reader_reads_cached_files_and_cold_ones_with_direct_io(tmp_path, read_statuses, layout,
+                                                                           cold_reads):
     """Pages of files in the pool's own order are read by the compiled reader: just
     written (cached) buffered straight into the pool, once dropped from the page cache
-    with O_DIRECT through staging (copied out once the file checks out), both
-    bit-exact; a damaged part is a miss (judged and deleted by the per-file path)."""
+    with O_DIRECT through staging (copied out once the file checks out) or straight
+    into the pool, both bit-exact; a damaged part is a miss (judged and deleted by the
+    per-file path)."""
     if not direct_allowed(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     host, idx = filled_host(ALIGNED, 4, page_size=16, layout=layout, seed=15)
-    store = kvtier.storage.open(f"file://{tmp_path}")
+    store = kvtier.storage.open(f"file://{tmp_path}?cold_reads={cold_reads}")
     keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="c")
     assert store.batch_set(keys, host, idx) == [True] * 4
     reader, ridx = blank_host(ALIGNED, 64, page_size=16, layout=layout)
@@ -317,6 +320,8 @@ def test_the_compiled_reader_reads_cached_files_and_cold_ones_with_direct_io(tmp
         pytest.fail(f"the files stayed cached after 20 evictions: {list(read_statuses)}")
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
     assert store.direct_io
+    learned = {m for m, rate in store.cold_reads.rates().items() if rate is not None}
+    assert learned == (set() if cold_reads != "auto" else {"staged"})  # the first cold batch of auto: staged
     victim, = object_files(store, keys[1])
     data = bytearray(victim.read_bytes())
     data[2 * ALIGN + 5] ^= 0x10  # part 1 of 2

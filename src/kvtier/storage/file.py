@@ -67,6 +67,7 @@ from ..errors import CorruptObject, NotAnObject, UnexpectedObject, UsageError
 from ..pools import HostKVPool
 from .base import _check_keys
 from .codec import MAX_NAME_BYTES
+from .cold_reads import CHOICES as COLD_CHOICES, ColdReads
 from .objects import PagePlan, Part
 from .options import Opt, check_options
 from . import pageio
@@ -324,15 +325,17 @@ def _aligned(bufs: list, offset: int) -> bool:
 class FileStorage(ThreadedStorage):
     scheme = "file"
     OPTIONS = {**ThreadedStorage.OPTIONS, "capacity_bytes": Opt(int, 1, none_ok=True), "fsync": Opt(bool),
-               "shared": Opt(bool), "direct_io": Opt(bool), "direct_writes": Opt(bool)}
+               "shared": Opt(bool), "direct_io": Opt(bool), "direct_writes": Opt(bool),
+               "cold_reads": Opt(str, choices=COLD_CHOICES)}
     CHUNK_BYTES = 4 << 20  # about a core's share of the CPU cache: staged parts are checked while cached
     READ_STAGING_BYTES = 16 << 20  # a reader thread's staging for cold files, at most (see _staged_files)
 
     def __init__(self, path: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = False,
-                 shared: bool = False, direct_io: bool = True, direct_writes: bool = False, **options) -> None:
+                 shared: bool = False, direct_io: bool = True, direct_writes: bool = False, cold_reads: str = "auto",
+                 **options) -> None:
         super().__init__(**options)
         check_options(self.OPTIONS, capacity_bytes=capacity_bytes, fsync=fsync, shared=shared, direct_io=direct_io,
-                      direct_writes=direct_writes)
+                      direct_writes=direct_writes, cold_reads=cold_reads)
         #: Read files whose header is not in the page cache with O_DIRECT (where the
         #: platform, the filesystem and the buffers' alignment allow; a filesystem that
         #: refuses turns it off).
@@ -341,6 +344,9 @@ class FileStorage(ThreadedStorage):
         #: page cache writeback stalls, at the cost of recent pages no longer being
         #: read from the page cache.
         self.direct_writes = direct_writes and bool(_O_DIRECT)
+        #: Where the compiled reader puts cold files: staging or the pool, learned from
+        #: this store's own cold reads, or fixed (``kvtier.storage.cold_reads``)
+        self.cold_reads = ColdReads(cold_reads)
         self.root = Path(path).resolve() / _ROOT
         self._dir_mode, self._file_mode = (0o770, 0o660) if shared else (0o700, 0o600)
         try:
@@ -557,13 +563,16 @@ class FileStorage(ThreadedStorage):
         copies = _Page(plan, host_pool, parts, order)
         loaded = [False] * len(keys)
         compiled = pageio.compiled() and copies.compiled([part_name(p) for p in parts])
+        mode = self.cold_reads.pick() if compiled and self.direct_io else None
+        counts = []  # per chunk: (files the compiled reader was given, of them read cold)
         t0 = time.perf_counter()
 
         def get_chunk(chunk: range) -> None:
-            scratch = (self._scratch(head_room, copies, self._staged_files(copies),
+            scratch = (self._scratch(head_room, copies, self._staged_files(copies) if mode == "staged" else 1,
                                      copies.cold_staging_bytes if self.direct_io else None)
                        if compiled else self._scratch(head_room, copies))
-            read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2]) if compiled else ()
+            read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2], counts) \
+                if compiled else ()
             for i in chunk:
                 if i in read:
                     loaded[i] = True
@@ -578,9 +587,13 @@ class FileStorage(ThreadedStorage):
             self._run(get_chunk, len(keys), sum(p.nbytes for p in plan.read_parts), least=8 if compiled else 1)
         except Exception as e:  # an unexpected fault: the pages not yet loaded stay misses
             self._fault("get", e)
-        hits = sum(loaded)
-        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_read=hits * sum(p.nbytes for p in plan.read_parts))
-        self._stats.timed("get", time.perf_counter() - t0)
+        seconds, hits = time.perf_counter() - t0, sum(loaded)
+        page_bytes = sum(p.nbytes for p in plan.read_parts)
+        if mode is not None:
+            files, cold = sum(f for f, _ in counts), sum(c for _, c in counts)
+            self.cold_reads.learn(mode, files, cold, hits * page_bytes, seconds)
+        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_read=hits * page_bytes)
+        self._stats.timed("get", seconds)
         return loaded
 
     # -- one page ----------------------------------------------------------------------------------
@@ -679,12 +692,13 @@ class FileStorage(ThreadedStorage):
         return True
 
     def _read_compiled(self, keys, pages, plan: PagePlan, sources, copies: _Page, chunk: range,
-                       staging) -> set[int]:
+                       staging, counts: list) -> set[int]:
         """The pages of ``chunk`` whose files the compiled reader read into the pool and
         checked (``pageio.read_pages``: parts in place, or through ``staging`` and copied
         out once the file checks out; cold files with O_DIRECT when ``direct_io``). The
         others are read again one by one, which judges them: missing, another object,
-        corrupt, a fault, or cold where O_DIRECT fails.
+        corrupt, a fault, or cold where O_DIRECT fails. Appends to ``counts`` the files
+        it was given and how many of them were read cold.
         NOTE: in one call per source and name length: a warm file's Python work (paths,
         opens, checks) took longer here than reading its 1.4 MiB from the page cache."""
         read = set(chunk)
@@ -700,6 +714,7 @@ class FileStorage(ThreadedStorage):
                                            self.direct_io, staging)
                 if status is None:  # switched off meanwhile (KVTIER_NATIVE=0)
                     return set()
+                counts.append((len(files), status.count(pageio.DIRECT)))
                 read -= {i for (i, _), s in zip(todo, status) if s != pageio.READ and s != pageio.DIRECT}
         return read
 
