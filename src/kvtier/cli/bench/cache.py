@@ -93,11 +93,10 @@ def command(args: argparse.Namespace) -> int:
           f"{min(p for p, _ in noise):.0f}-{max(p for p, _ in noise):.0f} µs and p99 {min(extra):.0f}-{max(extra):.0f} "
           "µs more: what the machine itself adds to a p99")
     if hybrid is not None:
-        rows = [[r["page_size"], r["tree_prompts"], f"{r['uniform_match_us']:.1f}", f"{r['hybrid_match_us']:.1f}",
-                 f"{r['match_x_uniform']:.2f}x", f"{r['uniform_fragmented_us']:.1f}",
-                 f"{r['hybrid_fragmented_us']:.1f}", f"{r['fragmented_x_uniform']:.2f}x",
-                 f"{r['uniform_request_us']:.0f}", f"{r['hybrid_request_us']:.0f}",
-                 f"{r['request_x_uniform']:.2f}x"] for r in result["hybrid"]]
+        rows = [_cells(r, ("{}", "page_size tree_prompts"), (_US, "uniform_match_us hybrid_match_us"),
+                       (_X, "match_x_uniform"), (_US, "uniform_fragmented_us hybrid_fragmented_us"),
+                       (_X, "fragmented_x_uniform"), ("{:.0f}", "uniform_request_us hybrid_request_us"),
+                       (_X, "request_x_uniform")) for r in result["hybrid"]]
         print_table(f"hybrid {hybrid.fingerprint()[:60]}... against a uniform cache, same prompts and tree: "
                     "full-hit match (list; fragmented: a node per page), and a request (acquire, commit every "
                     "page, release), µs",
@@ -107,15 +106,23 @@ def command(args: argparse.Namespace) -> int:
     return 0
 
 
+_US, _X = "{:.1f}", "{:.2f}x"
+
+
+def _cells(row: dict, *groups: tuple[str, str]) -> list[str]:
+    """``row``'s cells for a table: per group ``(format, "key key ...")``, its keys' values
+    in that format."""
+    return [fmt.format(row[key]) for fmt, keys in groups for key in keys.split()]
+
+
 def _print_peers(result: dict) -> None:
     """sglang's full hit beside kvtier's, or the line saying why it was skipped."""
     peer = result.get("sglang")
     if peer is not None:
-        rows = [[r["page_size"], r["tree_pages"], f"{r['sglang_us']:.1f}", f"{r['kvtier_list_us']:.1f}",
-                 f"{r['kvtier_array_us']:.1f}", f"{r['kvtier_list_x_sglang']:.2f}x",
-                 f"{r['kvtier_array_x_sglang']:.2f}x", f"{r['sglang_back_to_back_us']:.1f}",
-                 f"{r['sglang_match_back_to_back_us']:.1f}", f"{r['kvtier_list_back_to_back_us']:.1f}",
-                 f"{r['kvtier_array_back_to_back_us']:.1f}"] for r in peer["rows"]]
+        rows = [_cells(r, ("{}", "page_size tree_pages"), (_US, "sglang_us kvtier_list_us kvtier_array_us"),
+                       (_X, "kvtier_list_x_sglang kvtier_array_x_sglang"),
+                       (_US, "sglang_back_to_back_us sglang_match_back_to_back_us kvtier_list_back_to_back_us "
+                             "kvtier_array_back_to_back_us")) for r in peer["rows"]]
         cores = sorted({r["tree_core"] for r in peer["rows"]})
         print_table(f"full hit beside sglang {peer['version']}'s UnifiedRadixCache ({', '.join(cores)}), same prompts, "
                     f"µs: medians of {peer['rounds']} single calls, the three alternated (back to back: "
