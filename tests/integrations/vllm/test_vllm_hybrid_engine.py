@@ -55,14 +55,15 @@ def _half_shared() -> str:
     return " ".join(words[:PROMPT_WORDS // 2] + prompt(PROMPT_WORDS // 2, offset=7).split())
 
 
-def _engine(model: str, *, storage: str | None = None, kvtier: bool = True, retain: int = RETAIN) -> LLM:
+def _engine(model: str, *, storage: str | None = None, kvtier: bool = True, retain: int = RETAIN,
+            own_cache: bool = False) -> LLM:
     extra = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
              "host_bytes": 64 << 20}
     if storage:
         extra["storage"] = storage
     transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                 kv_connector_extra_config=extra) if kvtier else None
-    return LLM(model, block_size=BLOCK, enable_prefix_caching=kvtier, max_model_len=2048, dtype="bfloat16",
+    return LLM(model, block_size=BLOCK, enable_prefix_caching=kvtier or own_cache, max_model_len=2048, dtype="bfloat16",
                enforce_eager=True, seed=0, kv_transfer_config=transfer, prefix_cache_retention_interval=retain)
 
 
@@ -116,13 +117,19 @@ def model(family, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model):
     """Greedy tokens of the same model without kv_transfer_config (nor prefix caching),
-    for the two prompts and the half-shared one."""
+    for the two prompts and the half-shared one; and ``own_half``: the half-shared
+    prompt's tokens and cached tokens where vLLM resumes it from its own prefix cache
+    after the two prompts (what kvtier's resume must equal, block for block)."""
     llm = _engine(model, kvtier=False)
     tokens, _, lengths = _run(llm, _prompts() + [_half_shared()])
     shared = len(llm.get_tokenizer()(" ".join(prompt(PROMPT_WORDS).split()[:PROMPT_WORDS // 2]))["input_ids"])
     _close(llm)
     assert all(n > WINDOW for n in lengths) and len({tuple(t) for t in tokens}) == 3, (tokens, lengths)
-    return {"tokens": tokens, "lengths": lengths, "shared": shared}
+    llm = _engine(model, kvtier=False, own_cache=True)
+    assert _run(llm, _prompts())[0] == tokens[:2]  # cold: computed as above
+    (half,), (cached,), _ = _run(llm, [_half_shared()])
+    _close(llm)
+    return {"tokens": tokens, "lengths": lengths, "shared": shared, "own_half": (half, cached)}
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +180,11 @@ def test_rerun_after_prefix_cache_reset_hits_the_host_tier(first_engine, referen
 
 def test_half_shared_prompt_resumes_inside_the_shared_part(first_engine, reference):
     (tokens,), (cached,), (length,) = first_engine["half"]
-    assert tokens == reference["tokens"][2]
+    # NOTE: against vLLM resuming from its own prefix cache at the same point, not the full
+    # prefill: the rest's prefill then adds in the same order. On an AVX2-only EPYC VM the
+    # full prefill's gpt-oss tokens part from a resumed prefill's at the 11th token, vLLM's
+    # own resume included (the Xeon VMs gave the same tokens either way)
+    assert (tokens, cached) == reference["own_half"]
     shared = reference["shared"]  # tokens the half-shared prompt has in common with the first prompt
     assert WINDOW < shared < length - WINDOW
     # it resumes at the last sliding checkpoint inside the shared part, from the host tier
