@@ -155,10 +155,11 @@ class RadixTree:
         usable = len(tokens) - len(tokens) % self.page_size
         append = path.append
         # NOTE: the run is the hot path of every match: one int lookup and one memcmp of a
-        # whole key per node (compiled: the whole run in C, keys compared in place, 2-4x
-        # faster over many nodes; else array slices of one typecode, which compare with
-        # memcmp after a copy). The rare cases (a first-id collision, a match ending
-        # inside a node) take the outer loop. The switch is read here, once per walk.
+        # whole key per node (compiled: the whole run in C, keys compared in place, which
+        # made a whole match over a node per page 1.5-1.7x faster; else array slices of
+        # one typecode, which compare with memcmp after a copy). The rare cases (a
+        # first-id collision, a match ending inside a node) take the outer loop. The
+        # switch is read here, once per walk.
         compiled = load(COMPILED)
         run = self._run if compiled is None else compiled.walk_run
         while True:
