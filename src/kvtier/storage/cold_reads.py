@@ -13,9 +13,10 @@ They differ in where the disk writes it:
 Which is faster is the machine's: on the VM where staging was added (a virtio disk
 reading 2-3 GB/s), staging read 8 MiB ``page_first`` pages at 3.2 GB/s against 2.4 in
 place; on an AMD EPYC VM whose disk reads 4.5 GB/s with O_DIRECT, in place read them
-at 3.7-4.0 against 2.9-3.1 (MiMo-like pages the same way), alternated in one process. So a store learns it from its own reads (``cold_reads="auto"``): its
-first cold batches try each mode in turn, then it keeps the faster one, trying the
-other every :attr:`ColdReads.EXPLORE` cold batches so that it follows a change.
+at 3.7-4.0 against 2.9-3.1 (MiMo-like pages the same way), alternated in one process.
+So a store learns it from its own reads (``cold_reads="auto"``): its first cold
+batches try each mode in turn, then it keeps the faster one, trying the other every
+:attr:`ColdReads.EXPLORE` cold batches so that it follows a change.
 ``"staged"`` or ``"in_place"`` fixes the mode.
 """
 
