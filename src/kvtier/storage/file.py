@@ -565,10 +565,11 @@ class FileStorage(ThreadedStorage):
         compiled = pageio.compiled() and copies.compiled([part_name(p) for p in parts])
         mode = self.cold_reads.pick() if compiled and self.direct_io else None
         counts = []  # per chunk: (files the compiled reader was given, of them read cold)
+        page_bytes = sum(p.nbytes for p in plan.read_parts)
         t0 = time.perf_counter()
 
         def get_chunk(chunk: range) -> None:
-            scratch = (self._scratch(head_room, copies, self._staged_files(copies) if mode == "staged" else 1,
+            scratch = (self._scratch(head_room, copies, self._staged_files(copies, mode),
                                      copies.cold_staging_bytes if self.direct_io else None)
                        if compiled else self._scratch(head_room, copies))
             read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2], counts) \
@@ -584,11 +585,10 @@ class FileStorage(ThreadedStorage):
         try:
             # a few pages a call for the compiled reader: each call has its setup (paths,
             # arguments parsed and checked)
-            self._run(get_chunk, len(keys), sum(p.nbytes for p in plan.read_parts), least=8 if compiled else 1)
+            self._run(get_chunk, len(keys), page_bytes, least=8 if compiled else 1)
         except Exception as e:  # an unexpected fault: the pages not yet loaded stay misses
             self._fault("get", e)
         seconds, hits = time.perf_counter() - t0, sum(loaded)
-        page_bytes = sum(p.nbytes for p in plan.read_parts)
         if mode is not None:
             files, cold = sum(f for f, _ in counts), sum(c for _, c in counts)
             self.cold_reads.learn(mode, files, cold, hits * page_bytes, seconds)
@@ -597,16 +597,17 @@ class FileStorage(ThreadedStorage):
         return loaded
 
     # -- one page ----------------------------------------------------------------------------------
-    def _staged_files(self, copies: _Page) -> int:
-        """How many files' staging the compiled reader gets: one without direct reads; else
-        two at least (a cold file is hashed, and copied out, while the next is read), up to
+    def _staged_files(self, copies: _Page, mode: str | None) -> int:
+        """How many files' staging the compiled reader gets: one without direct reads or
+        with cold files read into the pool (``mode``, see ``kvtier.storage.cold_reads``);
+        else two at least (a cold file is hashed, and copied out, while the next is read), up to
         8 within ``READ_STAGING_BYTES`` (warm files use the first, cold ones the others in
         turn), each of a whole page (``cold_staging_bytes``).
         NOTE: O_DIRECT reads into the same staging file after file took about twice as
         long as reads into the pool on this VM's disk, and one stretch per file of a call
         recovered most of it (in one process, alternating page_first and page_head pools
         over the same cold files)."""
-        if not self.direct_io:
+        if not self.direct_io or mode != "staged":
             return 1
         return max(2, min(8, self.READ_STAGING_BYTES // max(copies.cold_staging_bytes, 1)))
 
