@@ -76,19 +76,26 @@ def per_call_us(fn, calls: int) -> float:
 
 
 def per_call_us_each(fns: dict, calls: int) -> dict:
-    """:func:`per_call_us` of each of ``fns`` (name -> function), their rounds alternated:
-    figures that are compared (a ratio, a floor) then see the same machine, even when
-    its speed drifts during the run."""
+    """:func:`per_call_us` of each of ``fns`` (name -> function), their rounds alternated
+    (:func:`round_times`)."""
     for fn in fns.values():
         fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(5):
+    return {name: min(ts) * 1e6 for name, ts in round_times(fns, 5, calls).items()}
+
+
+def round_times(fns: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+    """Seconds a call of each of ``fns`` (name -> function) took in each of ``rounds``
+    rounds of ``calls`` calls back to back, the functions alternated in each round:
+    figures that are compared (a ratio, a floor) then see the same machine, even when
+    its speed drifts during the run."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
         for name, fn in fns.items():
             t = time.perf_counter()
             for _ in range(calls):
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - t) / calls)
-    return {name: b * 1e6 for name, b in best.items()}
+            times[name].append((time.perf_counter() - t) / calls)
+    return times
 
 
 def check_config(page_sizes, prompt_tokens: int, tree_pages: int) -> None:

@@ -22,7 +22,6 @@ import gc
 import importlib
 import importlib.util
 import statistics
-import time
 import warnings
 from array import array
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ import torch
 
 from ..errors import IntegrityError, UsageError
 from ._torchvision_standin import torchvision_standin
-from .cache import Prompts, _build, check_config
+from .cache import Prompts, _build, check_config, round_times
 
 SGLANG_VERSION = "0.5.23"
 #: Host bytes per cached token with both trees built (measured: about 32), with room
@@ -197,16 +196,8 @@ def check_hit(name: str, hit: tuple[int, torch.Tensor], expected: torch.Tensor) 
 
 def medians_us(fns: dict, rounds: int, calls: int) -> dict:
     """Median µs a call of each of ``fns`` (name -> function) over ``rounds`` rounds of
-    ``calls`` calls back to back, the functions alternated in each round: compared
-    figures then see the same machine, even when its speed drifts during the run."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t) / calls)
-    return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+    ``calls`` calls back to back, alternated (:func:`round_times`)."""
+    return {name: statistics.median(ts) * 1e6 for name, ts in round_times(fns, rounds, calls).items()}
 
 
 def compare(api: Sglang, page_size: int, prompt_tokens: int, tree_pages: int, seed: int) -> dict:
