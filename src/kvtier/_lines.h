@@ -71,6 +71,32 @@ static inline int lines_wide(void) {
     }
     return known;
 }
+
+/* The same copy half a line per instruction (AVX2), for CPUs without AVX-512:
+ * LINES_HALF, LINES_HALF_TARGET, copy_lines_half and lines_half() as their wide twins.
+ * Two 32-byte stores fill a line's write-combining buffer in half the instructions of
+ * four 16-byte ones (see _native.c for what that gained). */
+#define LINES_HALF 1
+#define LINES_HALF_TARGET __attribute__((target("avx2")))
+
+LINES_HALF_TARGET __attribute__((always_inline)) static inline void copy_lines_half(char *dst, const char *src,
+                                                                                  size_t n) {
+    for (size_t k = 0; k < n; k += LINE) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + k));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + k + 32));
+        _mm256_stream_si256((__m256i *)(dst + k), a);
+        _mm256_stream_si256((__m256i *)(dst + k + 32), b);
+    }
+}
+
+static inline int lines_half(void) {
+    static int known = -1; /* NOTE: a race here only repeats the same answer */
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") != 0;
+    }
+    return known;
+}
 #endif
 
 /* Streaming stores are weakly ordered: this makes the ones before it visible first. */

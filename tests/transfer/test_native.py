@@ -22,10 +22,11 @@ from tests.support.pools import LAYOUT_ORDERS, SPECS, bits, fill_random, random_
 GEOMETRIES = {**SPECS, "lines": KVSpec.mha(2, 2, 32)}
 
 
-@pytest.fixture(params=["1", "0"], ids=["wide-stores", "16-byte-stores"])
+@pytest.fixture(params=["1", "32", "0"], ids=["widest-stores", "32-byte-stores", "16-byte-stores"])
 def stores(request, monkeypatch):
-    """Both kinds of streaming store: a line per store where the CPU has AVX-512 (the
-    default), and 16 bytes per store (``KVTIER_WIDE_STORES=0``, read per call)."""
+    """Every kind of streaming store the CPU runs: the widest (the default; a line per
+    store with AVX-512), at most 32 bytes (AVX2; ``KVTIER_WIDE_STORES=32``) and 16 bytes
+    per store (``KVTIER_WIDE_STORES=0``), read per call."""
     monkeypatch.setenv("KVTIER_WIDE_STORES", request.param)
     return request.param
 
@@ -425,8 +426,8 @@ def _cpu_flags() -> set[str]:
 
 def test_store_bytes_follow_the_cpu_and_the_switch(monkeypatch, capsys, compiled):
     """A line per streaming store exactly where the CPU has AVX-512 (x86-64 Linux here),
-    16 bytes with ``KVTIER_WIDE_STORES=0``, none reported on numpy's path; the bench
-    names them."""
+    half a line where it has AVX2 only, at most 32 bytes with ``KVTIER_WIDE_STORES=32``
+    and 16 with ``0``, none reported on numpy's path; the bench names them."""
     import json
 
     from kvtier.cli import main
@@ -435,7 +436,10 @@ def test_store_bytes_follow_the_cpu_and_the_switch(monkeypatch, capsys, compiled
     if "sse2" not in flags:
         pytest.skip("not an x86-64 Linux CPU with its flags in /proc/cpuinfo")
     monkeypatch.delenv("KVTIER_WIDE_STORES", raising=False)
-    assert native.store_bytes() == (64 if "avx512f" in flags else 16)
+    half = 32 if "avx2" in flags else 16
+    assert native.store_bytes() == (64 if "avx512f" in flags else half)
+    monkeypatch.setenv("KVTIER_WIDE_STORES", "32")
+    assert native.store_bytes() == half
     monkeypatch.setenv("KVTIER_WIDE_STORES", "0")
     assert native.store_bytes() == 16
     args = ["bench", "transfer", "--layers", "2", "--heads", "2", "--dims", "16", "--page-size", "4", "--pages", "4",

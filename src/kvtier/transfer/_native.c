@@ -14,8 +14,8 @@
  * bound by memory latency; prefetching the source a few blocks ahead hides it
  * (numpy, which cannot prefetch, reaches about half of memcpy). Destination blocks of
  * whole cache lines are written with streaming stores, a line per store where the CPU
- * has AVX-512: a plain store first reads the line it writes, a third of a copy's memory
- * traffic. One call takes every component's job and splits each job's pages over
+ * has AVX-512 (half a line with AVX2): a plain store first reads the line it writes, a
+ * third of a copy's memory traffic. One call takes every component's job and splits each job's pages over
  * threads kept between calls (_copy_pool.h), GIL released: a per-layer load then costs
  * one Python call instead of one per component and thread, handed to Python threads
  * (about 400 us of a 4.4 ms load of 64 MiB before).
@@ -195,7 +195,8 @@ static int whole_lines(const Plan *p, const char *dst, size_t block) {
 }
 
 /* The loops, with 16-byte streaming stores (SSE2) and, where the compiler can build
- * them, a line per store (copy_all_wide, run where the CPU has AVX-512). */
+ * them, a line per store (copy_all_wide, run where the CPU has AVX-512) and half a line
+ * (copy_all_half, AVX2). */
 #define LOOP(name) name##_narrow
 #define LOOP_ATTR
 #define LOOP_LINES copy_lines
@@ -222,28 +223,59 @@ static int whole_lines(const Plan *p, const char *dst, size_t block) {
 #undef LOOP_LINES
 #endif
 
-/* wide: the call's choice (wide_stores), the CPU's support included. */
-static void copy_all(const Plan *p, char *dst, const char *src, size_t block, int stream, int wide) {
+/* NOTE: half a line per store where the CPU has AVX2 but not AVX-512 (an AMD Zen 2
+ * VM, 2 cores): a C harness of the per-layer loads' gathers (two threads, best of 21
+ * rounds) copied page_first's 2 KiB rows 64 KiB apart at 15.3-15.6 GB/s with 16-byte
+ * stores and 17.0-18.3 with 32-byte ones, page_head's 256-byte rows 8 KiB apart at
+ * 10.1-10.6 against 10.9-11.5. */
+#ifdef LINES_HALF
+#define LOOP(name) name##_half
+#define LOOP_ATTR LINES_HALF_TARGET
+#define LOOP_LINES copy_lines_half
+#include "_copy_loop.h"
+#undef LOOP
+#undef LOOP_ATTR
+#undef LOOP_LINES
+#endif
+
+/* store: bytes per streaming store, the call's choice (store_width), the CPU's support
+ * included. */
+static void copy_all(const Plan *p, char *dst, const char *src, size_t block, int stream, int store) {
 #ifdef LINES_WIDE
-    if (stream && wide) {
+    if (stream && store == 64) {
         copy_all_wide(p, dst, src, block, stream);
         return;
     }
-#else
-    (void)wide;
 #endif
+#ifdef LINES_HALF
+    if (stream && store == 32) {
+        copy_all_half(p, dst, src, block, stream);
+        return;
+    }
+#endif
+    (void)store;
     copy_all_narrow(p, dst, src, block, stream);
 }
 
-/* Whether this call may store a line at a time: the CPU runs it, and KVTIER_WIDE_STORES
- * is not "0" (read per call, with the GIL held, as Python sets the environment). */
-static int wide_stores(void) {
-#ifdef LINES_WIDE
-    const char *flag = getenv("KVTIER_WIDE_STORES");
-    return lines_wide() && !(flag != NULL && strcmp(flag, "0") == 0);
-#else
-    return 0;
+/* Bytes per streaming store this call may use: the widest the CPU runs (64 with
+ * AVX-512, 32 with AVX2, else 16), capped by KVTIER_WIDE_STORES ("0": 16, "32": 32;
+ * read per call, with the GIL held, as Python sets the environment). */
+static int store_width(void) {
+    int width = 16;
+#ifdef LINES_HALF
+    if (lines_half())
+        width = 32;
 #endif
+#ifdef LINES_WIDE
+    if (lines_wide())
+        width = 64;
+#endif
+    const char *flag = getenv("KVTIER_WIDE_STORES");
+    if (flag != NULL && strcmp(flag, "0") == 0)
+        return 16;
+    if (flag != NULL && strcmp(flag, "32") == 0 && width > 32)
+        return 32;
+    return width;
 }
 
 static int get_int64_tuple(PyObject *seq, int64_t *out, Py_ssize_t n, const char *name) {
@@ -399,7 +431,7 @@ typedef struct {
     const Job *jobs;
     Py_ssize_t count;
     Py_ssize_t part, parts;
-    int wide;
+    int store;
 } Share;
 
 static void copy_share(const Share *sh) {
@@ -412,7 +444,7 @@ static void copy_share(const Share *sh) {
         plan.pages = to - from;
         plan.dst_page += from;
         plan.src_page += from;
-        copy_all(&plan, (char *)job->dst.buf, (const char *)job->src.buf, job->block, job->stream, sh->wide);
+        copy_all(&plan, (char *)job->dst.buf, (const char *)job->src.buf, job->block, job->stream, sh->store);
     }
 }
 
@@ -444,10 +476,10 @@ static long long jobs_bytes(const Job *jobs, Py_ssize_t count) {
 /* Every job's pages split over ``parts`` threads: this one and parts - 1 kept ones
  * (_copy_pool.h), or where another call holds those, started for the call (a thread
  * that cannot start has its share copied here). */
-static void copy_jobs_split(const Job *jobs, Py_ssize_t count, Py_ssize_t parts, int wide) {
+static void copy_jobs_split(const Job *jobs, Py_ssize_t count, Py_ssize_t parts, int store) {
     Share shares[MAX_THREADS];
     for (Py_ssize_t t = 0; t < parts; t++)
-        shares[t] = (Share){jobs, count, t, parts, wide};
+        shares[t] = (Share){jobs, count, t, parts, store};
 #ifndef _WIN32
     if (parts > 1 && pool_run((int)parts, share_part, shares, jobs_bytes(jobs, count)) == 0)
         return;
@@ -484,8 +516,8 @@ PyDoc_STRVAR(copy_jobs_doc,
 "with them asleep a call under 4 MiB runs on this thread alone), with the GIL\n"
 "released. With ``stream`` (default; and SSE2, and every destination block made of\n"
 "whole 64-byte lines) the destination is written with streaming stores, a line per\n"
-"store where the CPU has AVX-512 (KVTIER_WIDE_STORES=0, read per call: 16 bytes per\n"
-"store). Jobs must not write memory that another job, or their own source, holds.\n"
+"store where the CPU has AVX-512, half a line with AVX2 (KVTIER_WIDE_STORES, read per\n"
+"call: 0 keeps 16 bytes per store, 32 at most 32). Jobs must not write memory that another job, or their own source, holds.\n"
 "With ``pages_at``, ``(dst_first, dst_step, src_first, src_step)``, the pages are page\n"
 "numbers instead: page p of a side starts at byte ``first + p * step`` (a negative\n"
 "number, or one whose offset overflows, is refused).");
@@ -514,12 +546,12 @@ static PyObject *copy_jobs(PyObject *self, PyObject *args) {
         if (job_parse(PySequence_Fast_GET_ITEM(fast, parsed), &jobs[parsed]) < 0)
             break;
     if (parsed == count) {
-        int wide = wide_stores();
+        int store = store_width();
 #ifndef _WIN32
         pool_settings();
 #endif
         Py_BEGIN_ALLOW_THREADS
-        copy_jobs_split(jobs, count, threads, wide);
+        copy_jobs_split(jobs, count, threads, store);
         Py_END_ALLOW_THREADS
     }
     for (Py_ssize_t k = 0; k < parsed; k++)
@@ -533,13 +565,14 @@ static PyObject *copy_jobs(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(store_bytes_doc,
 "store_bytes() -> int\n\n"
-"Bytes per streaming store that copy_jobs would use now: 64 where the CPU has AVX-512\n"
-"and KVTIER_WIDE_STORES is not 0, else 16 (SSE2), or 0 where it has no streaming stores.");
+"Bytes per streaming store that copy_jobs would use now: 64 where the CPU has AVX-512,\n"
+"32 where it has AVX2, else 16 (SSE2), capped by KVTIER_WIDE_STORES (0: 16, 32: 32);\n"
+"0 where it has no streaming stores.");
 
 static PyObject *store_bytes(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
 #if defined(__SSE2__)
-    return PyLong_FromLong(wide_stores() ? 64 : 16);
+    return PyLong_FromLong(store_width());
 #else
     return PyLong_FromLong(0);
 #endif

@@ -13,13 +13,15 @@ fast as numpy or faster for every layout and direction, so the CPU engine
 ``pip install`` where a C compiler is present (``setup.py``, ``optional=True``); where
 it is not, kvtier copies with numpy alone.
 
-Where the CPU has AVX-512, a streaming store writes a whole 64-byte line (16 bytes
-otherwise): gathers that write short blocks far apart, the per-layer loads from
-``page_first`` and ``page_head``, went faster (``_native.c`` has the figures).
+Where the CPU has AVX-512, a streaming store writes a whole 64-byte line, where it has
+AVX2 half a line (16 bytes otherwise): gathers that write short blocks far apart, the
+per-layer loads from ``page_first`` and ``page_head``, went faster (``_native.c`` has
+the figures).
 
 Environment: ``KVTIER_NATIVE=0`` forces the pure numpy path (read at each copy plan,
 through ``kvtier.compiled.load``, so tests and benchmarks can switch it);
-``KVTIER_WIDE_STORES=0`` keeps the compiled copy to 16-byte stores (read per call);
+``KVTIER_WIDE_STORES=0`` keeps the compiled copy to 16-byte stores and ``=32`` to at
+most 32 (read per call);
 ``KVTIER_COPY_SPIN_US`` (read at the first copy; default 100) is how long its kept
 threads spin for the next call once a call of a burst ends before they sleep (0: at
 once); ``KVTIER_COPY_TRIALS=0`` (read as each copy plan is made) keeps every plan to
@@ -57,7 +59,8 @@ def path_name() -> str:
 
 def store_bytes() -> int:
     """Bytes per streaming store of the compiled copy now (for reports): 64 where the CPU
-    has AVX-512 and ``KVTIER_WIDE_STORES`` is not ``0``, else 16; 0 on numpy's path."""
+    has AVX-512, 32 where it has AVX2, else 16, capped by ``KVTIER_WIDE_STORES`` (``0``:
+    16, ``32``: 32); 0 on numpy's path."""
     module = load(COMPILED)
     return module.store_bytes() if module is not None else 0
 
