@@ -87,6 +87,30 @@ def test_both_paths_refuse_the_same_ids(path, ids, message):
         tokens.token_array(ids)
 
 
+@pytest.mark.parametrize("given", [
+    torch.tensor([4, 5, 6], requires_grad=False), torch.tensor([[4, 5, 6]]), torch.tensor([4, 5, 6], dtype=torch.int32),
+    torch.tensor([4, 0, 5, 0, 6])[::2], np.array([4, 5, 6], dtype=np.uint64), np.array([[4, 5, 6]], dtype=np.int16),
+    np.array([4, 0, 5, 0, 6])[::2],
+], ids=["tensor", "(1, n) tensor", "int32 tensor", "strided tensor", "uint64", "(1, n) int16", "strided"])
+def test_tensors_and_numpy_arrays_give_a_copy_of_their_ids(given):
+    out = tokens.token_array(given)
+    assert type(out) is array and out.tolist() == [4, 5, 6]
+    given[..., 0] = 9  # the caller's buffer changes; the copy does not
+    assert out[0] == 4
+
+
+@pytest.mark.parametrize("given, message", [
+    (np.zeros((2, 2), dtype=np.int64), r"1-D or \(1, n\), got a numpy array of dtype int64 of shape \(2, 2\)"),
+    (torch.zeros(2, 3, dtype=torch.long), r"got a tensor of dtype torch.int64 of shape \(2, 3\)"),
+    (np.zeros(3, dtype=np.float32), "must hold integers, got a numpy array of dtype float32"),
+    (torch.zeros(3, requires_grad=True), "must hold integers, got a tensor of dtype torch.float32"),
+    (np.array([1, 1 << 63], dtype=np.uint64), "outside the int64 range"),
+])
+def test_tensors_and_numpy_arrays_are_refused_with_their_dtype_and_shape(given, message):
+    with pytest.raises(ValueError, match=message):
+        tokens.token_array(given)
+
+
 def test_the_compiled_reader_is_built(compiled):
     """CI builds it: a missing one fails there instead of silently testing the pure path only."""
     out = array("q", [0]) * 3
