@@ -244,11 +244,14 @@ class HierarchicalCache:
         hybrid, stored = self._sides is not None, self.storage is not None
         probe = [] if hybrid else None
         with self._lock:
-            path, device_len, host_len = self._state.match(tokens, salt, probe)
-            if self._selective:
+            if self._selective:  # the slots once the hit's backups are made (the path locked meanwhile)
+                path, device_len, host_len = self._state.match(tokens, salt, probe)
                 self._hit(path)
+                device = self._state.device_slots(path)
+            else:
+                path, device_len, host_len, device = self._state.match_slots(tokens, salt, probe)
             parent_key = self._parent_key(path) if stored else None
-            device, last = self._ends(path, salt)
+            last = path[-1] if path else self._state.tree.root(salt)
             groups = self._groups(path, device_len, probe) if hybrid else None
             asked = self._probe_keys(tokens, probe, salt) if hybrid and stored else None
         storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0] if stored else 0
