@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.cache.tokens import token_array
 from tests.support.cache_engine import SPEC
 from tests.support.cache_state_rig import StateRig, fill, read, run, same
 
@@ -333,3 +334,51 @@ def test_the_integrity_check_finds_an_evictable_node_missing_from_the_lru():
         rig.check()
     rig.state.lru.rebuild(rig.state.tree.nodes())
     rig.check()
+
+
+def _tree_with_every_kind_of_path() -> tuple[StateRig, list[int]]:
+    """A device node (a3 = A + a page), its child on the device (a3 + X), and a
+    host-only node (B, backed up then evicted from the device); ``a3``."""
+    rig = StateRig(device_tokens=40, host_tokens=24)
+    a3 = run(100, 3)
+    rig.cache(B)
+    node = rig.node(B)
+    with rig.state.lock:
+        assert rig.state.begin_backup(node)
+    [mark] = rig.take("backup")
+    rig.run_backup(mark)
+    with rig.state.lock:
+        assert rig.state.evict("device", 8) == 8
+    assert node.device is None and node.host_ready
+    sa = rig.cache(a3)
+    cache_extension(rig, sa, a3 + X)
+    rig.check()
+    return rig, a3
+
+
+def _lru_order(rig: StateRig) -> list[list[int]]:
+    return [n.key.tolist() for n in sorted(rig.state.tree.nodes(), key=lambda n: (n.last_access, n.key.tolist()))]
+
+
+@pytest.mark.parametrize("query", ["whole node", "node and child", "inside a node", "half a page", "host only",
+                                   "past the tree", "no match", "other tenant"])
+def test_match_slots_is_match_then_device_slots(query):
+    """The uniform full hit's short route (``match_slots``) and the general one give the
+    same path, lengths and slots, and leave the same tree (splits) and LRU order."""
+    got = []
+    for route in ("match_slots", "match"):
+        rig, a3 = _tree_with_every_kind_of_path()
+        tokens, salt = {"whole node": (a3, b""), "node and child": (a3 + X, b""), "inside a node": (a3[:8], b""),
+                        "half a page": (a3 + X[:2], b""), "host only": (B, b""), "past the tree": (a3 + X + C, b""),
+                        "no match": (C, b""), "other tenant": (a3, b"t")}[query]
+        with rig.state.lock:
+            if route == "match_slots":
+                path, device_len, host_len, slots = rig.state.match_slots(token_array(tokens), salt)
+            else:
+                path, device_len, host_len = rig.state.match(token_array(tokens), salt)
+                slots = rig.state.device_slots(path)
+        rig.check()
+        got.append(([n.key.tolist() for n in path], device_len, host_len, slots.tolist(), rig.keys(), _lru_order(rig)))
+    assert got[0] == got[1]
+    path, device_len, host_len, slots = got[0][:4]
+    assert len(slots) == device_len and device_len + host_len == sum(len(k) for k in path)
