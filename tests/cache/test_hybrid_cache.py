@@ -14,6 +14,7 @@ import kvtier.storage
 from kvtier.storage.groups import GroupedStorage
 from kvtier.storage.keys import page_keys
 from kvtier import HierarchicalCache, HybridDevicePool, HybridHostPool, KVSpec
+from kvtier.cache.tokens import token_array
 from tests.support.cache_hybrid_engine import HybridEngine, make_cache, prefix_hashes
 from tests.support.pools import HYBRID_SPECS
 
@@ -486,3 +487,44 @@ def test_the_window_pieces_found_in_the_last_node_are_the_walks(name):
                 checked += bool(walked)
     assert checked > 50
     cache.close()
+
+
+def _pieces(windows) -> dict | None:
+    return None if windows is None else {g: [(lo, held.tolist()) for lo, held in p] for g, p in windows.items()}
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_match_slots_is_match_then_device_slots_on_hybrid_trees(name):
+    """The full hit's short route (``match_slots``: every node and every window on the
+    device) and the general one give the same path, lengths, slots, probe and groups'
+    slots, and leave the same tree and LRU order, whatever each prompt finds."""
+    spec, rng = HYBRID_SPECS[name], random.Random(5)
+    a = prompt(rng, 40)
+    b, c = a + prompt(rng, 24), a[:20] + prompt(rng, 30)
+    queries = [a, b, c, a[:20], a[:30], b[:48], c[:44], b + prompt(rng, 9), prompt(rng, 16), a[:3]]
+    for i, query in enumerate(queries):
+        got = []
+        for route in ("match_slots", "match"):
+            cache = make_cache(spec, 4, sizes(spec, 256, 128), sizes(spec, 512, 256))
+            eng = HybridEngine(cache)
+            eng.serve(a, keep="tail")  # a[:20] then ends a node (c splits it) with its window gone
+            eng.serve(b, keep="tail")
+            cache.flush()
+            cache.evict_device(24)  # some nodes, or some windows, on the host only
+            eng.serve(c, keep="tail")
+            state, probe = cache._state, []
+            with state.lock:
+                tokens = token_array(query)
+                if route == "match_slots":
+                    path, device_len, host_len, slots = state.match_slots(tokens, b"", probe)
+                else:
+                    path, device_len, host_len = state.match(tokens, b"", probe)
+                    slots = state.device_slots(path)
+                groups = state.side_slots(path, device_len, probe[0])
+                lru = sorted(state.tree.nodes(), key=lambda n: (n.last_access, n.key.tolist()))
+                got.append(([n.key.tolist() for n in path], device_len, host_len, slots.tolist(),
+                            probe[0].pages, _pieces(probe[0].windows), {g: s.tolist() for g, s in groups.items()},
+                            sorted(n.key.tolist() for n in state.tree.nodes()), [n.key.tolist() for n in lru]))
+            cache.check_integrity(engine_device_slots=0)
+            cache.close()
+        assert got[0] == got[1], f"query {i}"

@@ -138,19 +138,25 @@ class CacheState(HybridState):
 
     def match_slots(self, tokens: array, salt: bytes, probe: list | None = None) -> tuple:
         """:meth:`match`, and the path's device slots: ``(path, device_len, host_len,
-        slots)``. A uniform match whose every node is matched whole and on the device (a
-        full hit, the common case) takes them straight from the walk."""
-        if self.sides is None:
-            walked = self.tree.walk(tokens, salt, now())  # stamps the nodes matched whole
-            path, matched, inner = walked
-            # NOTE: what match and device_slots would do for such a path (no split, every
-            # node stamped, device_len = matched), without their layers: 3 of a full hit's
-            # 17 us on the Zen 2 VM went to them and the checks they make for other paths
-            if path and path[-1].device is not None and inner == len(path[-1].key):
+        slots)``. A match whose every node is matched whole and on the device, and, hybrid,
+        every sliding window too (a full hit, the common case), is taken straight from the
+        walk."""
+        walked = self.tree.walk(tokens, salt, now())  # stamps the nodes matched whole
+        path, matched, inner = walked
+        # NOTE: what match and device_slots would do for such a path (no split, every node
+        # stamped, device_len = matched, hybrid: no cut), without their layers: 3 of a
+        # uniform full hit's 17 us on the Zen 2 VM went to them and the checks they make
+        # for other paths
+        if path and path[-1].device is not None and inner == len(path[-1].key):
+            if self.sides is None:
                 return path, matched, 0, self._run_slots(path, len(path))
-            path, device_len, host_len = self.match(tokens, salt, walked=walked)
-        else:
-            path, device_len, host_len = self.match(tokens, salt, probe)
+            pages = matched // self.page_size
+            on_device = self._device_windows(path, pages)
+            if on_device is not None:
+                if probe is not None:
+                    probe.append(self._probe(path, pages, on_device))
+                return path, matched, 0, self._run_slots(path, len(path))
+        path, device_len, host_len = self.match(tokens, salt, probe, walked)
         return path, device_len, host_len, self.device_slots(path)
 
     def match_all(self, tokens: array, salt: bytes) -> list[Node]:
