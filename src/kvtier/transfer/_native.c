@@ -15,10 +15,10 @@
  * (numpy, which cannot prefetch, reaches about half of memcpy). Destination blocks of
  * whole cache lines are written with streaming stores, a line per store where the CPU
  * has AVX-512 (half a line with AVX2): a plain store first reads the line it writes, a
- * third of a copy's memory traffic. One call takes every component's job and splits each job's pages over
- * threads kept between calls (_copy_pool.h), GIL released: a per-layer load then costs
- * one Python call instead of one per component and thread, handed to Python threads
- * (about 400 us of a 4.4 ms load of 64 MiB before).
+ * third of a copy's memory traffic. One call takes every component's job and splits
+ * each job's pages over threads kept between calls (_copy_pool.h), GIL released: a
+ * per-layer load then costs one Python call instead of one per component and thread,
+ * handed to Python threads (about 400 us of a 4.4 ms load of 64 MiB before).
  *
  * Nothing read from the caller is trusted: every block of every page of every job is
  * checked to lie inside both buffers before the first byte moves (ValueError otherwise).
@@ -517,7 +517,8 @@ PyDoc_STRVAR(copy_jobs_doc,
 "released. With ``stream`` (default; and SSE2, and every destination block made of\n"
 "whole 64-byte lines) the destination is written with streaming stores, a line per\n"
 "store where the CPU has AVX-512, half a line with AVX2 (KVTIER_WIDE_STORES, read per\n"
-"call: 0 keeps 16 bytes per store, 32 at most 32). Jobs must not write memory that another job, or their own source, holds.\n"
+"call: 0 keeps 16 bytes per store, 32 at most 32). Jobs must not write memory that\n"
+"another job, or their own source, holds.\n"
 "With ``pages_at``, ``(dst_first, dst_step, src_first, src_step)``, the pages are page\n"
 "numbers instead: page p of a side starts at byte ``first + p * step`` (a negative\n"
 "number, or one whose offset overflows, is refused).");
