@@ -46,38 +46,25 @@ static inline void copy_lines(char *dst, const char *src, size_t n) {
 #endif
 }
 
-/* The same copy a whole line per instruction (AVX-512), where the compiler can build it
- * for x86-64: LINES_WIDE is then defined, LINES_WIDE_TARGET marks a function that may
- * use it, and lines_wide() says whether this CPU (and its OS) runs it. Call it only from
- * such a function, and only when lines_wide() is true. A line written by one streaming
- * store leaves the write-combining buffer at once, where four 16-byte stores hold it
- * until the last: gathers that write short blocks far apart went faster (see _native.c). */
+/* The same copy a whole line per instruction (AVX-512) and half a line (AVX2), where the
+ * compiler can build them for x86-64: LINES_WIDE is then defined, LINES_WIDE_TARGET and
+ * LINES_HALF_TARGET mark a function that may use copy_lines_wide or copy_lines_half, and
+ * lines_width() says which this CPU (and its OS) runs. Call each only from such a
+ * function, and only where lines_width() is at least its width. A line written by one
+ * streaming store leaves the write-combining buffer at once, where four 16-byte stores
+ * hold it until the last: gathers that write short blocks far apart went faster with
+ * each wider store (see _native.c). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define LINES_WIDE 1
 #define LINES_WIDE_TARGET __attribute__((target("avx512f")))
+#define LINES_HALF_TARGET __attribute__((target("avx2")))
 
 LINES_WIDE_TARGET __attribute__((always_inline)) static inline void copy_lines_wide(char *dst, const char *src,
                                                                                   size_t n) {
     for (size_t k = 0; k < n; k += LINE)
         _mm512_stream_si512((void *)(dst + k), _mm512_loadu_si512((const void *)(src + k)));
 }
-
-static inline int lines_wide(void) {
-    static int known = -1; /* NOTE: a race here only repeats the same answer */
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") != 0;
-    }
-    return known;
-}
-
-/* The same copy half a line per instruction (AVX2), for CPUs without AVX-512:
- * LINES_HALF, LINES_HALF_TARGET, copy_lines_half and lines_half() as their wide twins.
- * Two 32-byte stores fill a line's write-combining buffer in half the instructions of
- * four 16-byte ones (see _native.c for what that gained). */
-#define LINES_HALF 1
-#define LINES_HALF_TARGET __attribute__((target("avx2")))
 
 LINES_HALF_TARGET __attribute__((always_inline)) static inline void copy_lines_half(char *dst, const char *src,
                                                                                   size_t n) {
@@ -89,11 +76,12 @@ LINES_HALF_TARGET __attribute__((always_inline)) static inline void copy_lines_h
     }
 }
 
-static inline int lines_half(void) {
-    static int known = -1; /* NOTE: a race here only repeats the same answer */
-    if (known < 0) {
+/* Bytes of the widest streaming store this CPU runs: 64 (AVX-512), 32 (AVX2) or 16. */
+static inline int lines_width(void) {
+    static int known; /* NOTE: a race here only repeats the same answer */
+    if (!known) {
         __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") != 0;
+        known = __builtin_cpu_supports("avx512f") ? 64 : __builtin_cpu_supports("avx2") ? 32 : 16;
     }
     return known;
 }

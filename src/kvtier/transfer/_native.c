@@ -228,7 +228,7 @@ static int whole_lines(const Plan *p, const char *dst, size_t block) {
  * rounds) copied page_first's 2 KiB rows 64 KiB apart at 15.3-15.6 GB/s with 16-byte
  * stores and 17.0-18.3 with 32-byte ones, page_head's 256-byte rows 8 KiB apart at
  * 10.1-10.6 against 10.9-11.5. */
-#ifdef LINES_HALF
+#ifdef LINES_WIDE
 #define LOOP(name) name##_half
 #define LOOP_ATTR LINES_HALF_TARGET
 #define LOOP_LINES copy_lines_half
@@ -246,8 +246,6 @@ static void copy_all(const Plan *p, char *dst, const char *src, size_t block, in
         copy_all_wide(p, dst, src, block, stream);
         return;
     }
-#endif
-#ifdef LINES_HALF
     if (stream && store == 32) {
         copy_all_half(p, dst, src, block, stream);
         return;
@@ -261,14 +259,10 @@ static void copy_all(const Plan *p, char *dst, const char *src, size_t block, in
  * AVX-512, 32 with AVX2, else 16), capped by KVTIER_WIDE_STORES ("0": 16, "32": 32;
  * read per call, with the GIL held, as Python sets the environment). */
 static int store_width(void) {
-    int width = 16;
-#ifdef LINES_HALF
-    if (lines_half())
-        width = 32;
-#endif
 #ifdef LINES_WIDE
-    if (lines_wide())
-        width = 64;
+    int width = lines_width();
+#else
+    int width = 16;
 #endif
     const char *flag = getenv("KVTIER_WIDE_STORES");
     if (flag != NULL && strcmp(flag, "0") == 0)
