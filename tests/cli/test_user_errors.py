@@ -105,6 +105,7 @@ def trace(tmp_path, text, mode="w") -> Path:
     (["bench", "overlap", "--head-dim", "x"], "--head-dim: must be an integer, got 'x'"),
     (["bench", "overlap", "--repeat", "0"], "--repeat: must be a positive integer, got '0'"),
     (["bench", "overlap", "--io-backend", "dma"], "--io-backend: invalid choice: 'dma'"),
+    (["bench", "storage", "--cold-reads", "cold"], "--cold-reads: invalid choice: 'cold'"),
     (["bench", "overlap", "--layout", "page_frist"], "--layout: invalid choice: 'page_frist'"),
     (["bench", "overlap", "--device", "tpu"], "device 'tpu': expected cpu, cuda or cuda:N"),
     (["bench", "overlap", "--tokens", "10000000"], "a 10000000-token prompt needs about"),

@@ -85,3 +85,29 @@ def test_the_write_mode_advice_comes_where_o_direct_puts_beat_buffered_ones():
     assert bench.write_mode_advice(_result(False, 9.6, 2.4)) is None
     assert bench.write_mode_advice(_result(True, 0.86, 2.10)) is None
     assert bench.write_mode_advice(_result(False, 0.86, None)) is None
+
+
+@pytest.mark.parametrize("mode", ["in_place", "staged"])
+def test_cold_reads_opens_the_file_store_with_that_mode(monkeypatch, capsys, mode):
+    """``--cold-reads`` fixes how the file store reads cold files (no trial rounds of the
+    other way among the cold get's); the JSON and the header name it."""
+    opened, real = [], bench.storage.open
+
+    def spy(url, **kw):
+        store = real(url, **kw)
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(bench.storage, "open", spy)
+    args = ["bench", "storage", "--backends", "file", "--layers", "2", "--heads", "2", "--head-dim", "8",
+            "--page-size", "4", "--pages", "4", "--repeat", "1", "--cold-reads", mode]
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["cold_reads"] == mode
+    assert [s.cold_reads.fixed for s in opened] == [mode]
+    assert main(args) == 0
+    assert f"cold_reads {mode};" in capsys.readouterr().out
+
+
+def test_bad_cold_reads_are_refused():
+    with pytest.raises(ValueError, match="cold_reads must be one of auto, staged, in_place, got 'cold'"):
+        bench.run(**SMALL, backends=("file",), cold_reads="cold")

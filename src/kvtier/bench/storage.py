@@ -39,6 +39,7 @@ from ..errors import UsageError
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.indices import page_slots
 from ..spec import KVSpec
+from ..storage.cold_reads import CHOICES as COLD_CHOICES
 from ..storage.objects import PagePlan
 from .servers import MooncakeMaster, RedisServer, ServerUnavailable
 from .storage_peers import VllmFsTier, vllm_fs_io
@@ -283,11 +284,17 @@ def memory_bytes(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_hea
 
 def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: int | None = None,
         page_size: int = 64, pages: int = 32, layout: str = "page_head", backends=BACKENDS,
-        directory: str | None = None, repeat: int = 3, io_threads: int = 2, direct_writes: bool = False) -> dict:
+        directory: str | None = None, repeat: int = 3, io_threads: int = 2, direct_writes: bool = False,
+        cold_reads: str = "auto") -> dict:
+    """``cold_reads``: the file store's option (``kvtier.storage.cold_reads``): ``auto``
+    learns from its first cold batches, which the cold get's rounds then include;
+    ``staged`` or ``in_place`` times one way of reading alone."""
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         raise UsageError(f"backends {list(backends)!r}: choose from {', '.join(BACKENDS)}")
     positive_ints(("repeat", repeat), ("io_threads", io_threads))
+    if cold_reads not in COLD_CHOICES:
+        raise UsageError(f"cold_reads must be one of {', '.join(COLD_CHOICES)}, got {cold_reads!r}")
     spec = KVSpec.mha(layers, heads, head_dim, v_head_dim)
     size = pages * page_size
     dev = DeviceKVPool(spec, size, page_size)
@@ -308,7 +315,7 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
                 try:
                     if name == "file":
                         store = storage.open(f"file://{workdir / 'kvtier'}", io_threads=io_threads,
-                                             direct_writes=direct_writes)
+                                             direct_writes=direct_writes, cold_reads=cold_reads)
                         raw = _RawFile(workdir / "raw", page_sizes, io_threads)
                     elif name == "redis":
                         server = stack.enter_context(RedisServer())
@@ -342,7 +349,7 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
         "config": {"spec": spec.fingerprint(), "page_size": page_size, "pages": pages, "layout": layout,
                    "objects_per_page": {"file": 1, "redis": len(plan.write_parts),
                                         "mooncake": len(plan.write_parts)}, "repeat": repeat, "io_threads": io_threads,
-                   "direct_writes": direct_writes,
+                   "direct_writes": direct_writes, "cold_reads": cold_reads,
                    "dir": str(workdir),
                    "filesystem_note": "puts go through the page cache, no fsync (a sync before each, "
                                       "untimed); cold gets read what posix_fadvise dropped from it"},

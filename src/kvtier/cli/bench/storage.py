@@ -15,6 +15,7 @@ from .args import JSON_HELP, SMALLER
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ...bench.storage import BACKENDS
+    from ...storage.cold_reads import CHOICES as COLD_CHOICES
 
     p.add_argument("--layers", type=positive_int, default=32)
     p.add_argument("--heads", type=positive_int, default=8)
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as many threads, raw Redis one pipeline")
     p.add_argument("--direct-writes", action="store_true",
                    help="open the file store with direct_writes (O_DIRECT puts where aligned)")
+    p.add_argument("--cold-reads", default="auto", choices=list(COLD_CHOICES),
+                   help="the file store's cold_reads: auto (default) learns from its first cold batches, which the "
+                        "cold get's rounds include; staged or in_place times one way alone")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
@@ -45,15 +49,15 @@ def command(args: argparse.Namespace) -> int:
     check_host_memory(storage.memory_bytes(**sizes, backends=args.backends),
                       f"{args.pages} pages of {args.page_size} tokens", SMALLER)
     result = storage.run(**sizes, layout=args.layout, backends=args.backends, directory=args.dir, repeat=args.repeat,
-                         io_threads=args.io_threads, direct_writes=args.direct_writes)
+                         io_threads=args.io_threads, direct_writes=args.direct_writes, cold_reads=args.cold_reads)
     if args.json:
         print(json_text(result))
         return 0
     cfg = result["config"]
     per_page = ", ".join(f"{n} {b}" for b, n in cfg["objects_per_page"].items())
     print(f"{cfg['spec']}, page_size {cfg['page_size']}, {cfg['pages']} pages (objects per page: {per_page}), "
-          f"layout {cfg['layout']}, io_threads {cfg['io_threads']}; raw = the backend's own client moving the "
-          f"same objects")
+          f"layout {cfg['layout']}, io_threads {cfg['io_threads']}, cold_reads {cfg['cold_reads']}; raw = the "
+          f"backend's own client moving the same objects")
     rows = [[r["backend"], r["op"], r["objects"], f"{r['gbytes']:.3f}", f"{r['kvtier_gbps']:.2f}",
              f"{r['raw_gbps']:.2f}", f"{r['ratio']:.2f}x", f"{r['median_ratio']:.2f}x"] for r in result["rows"]]
     print_table("storage (ratio = kvtier GB/s / raw client's or peer's GB/s, same run; GB/s of the best rounds, "
