@@ -39,7 +39,7 @@ from ..errors import UsageError
 from ..pools import DeviceKVPool, HostKVPool
 from ..pools.indices import page_slots
 from ..spec import KVSpec
-from ..storage.cold_reads import CHOICES as COLD_CHOICES
+from ..storage.cold_reads import check_mode
 from ..storage.objects import PagePlan
 from .servers import MooncakeMaster, RedisServer, ServerUnavailable
 from .storage_peers import VllmFsTier, vllm_fs_io
@@ -293,8 +293,7 @@ def run(*, layers: int = 32, heads: int = 8, head_dim: int = 128, v_head_dim: in
     if unknown or not backends:
         raise UsageError(f"backends {list(backends)!r}: choose from {', '.join(BACKENDS)}")
     positive_ints(("repeat", repeat), ("io_threads", io_threads))
-    if cold_reads not in COLD_CHOICES:
-        raise UsageError(f"cold_reads must be one of {', '.join(COLD_CHOICES)}, got {cold_reads!r}")
+    check_mode(cold_reads)  # before the pools are made and the first page is written
     spec = KVSpec.mha(layers, heads, head_dim, v_head_dim)
     size = pages * page_size
     dev = DeviceKVPool(spec, size, page_size)

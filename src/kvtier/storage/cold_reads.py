@@ -24,8 +24,18 @@ from __future__ import annotations
 
 import threading
 
+from ..errors import UsageError
+
 MODES = ("staged", "in_place")
 CHOICES = ("auto", *MODES)
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`CHOICES`, else a :class:`UsageError` (a
+    ``ValueError``) naming them."""
+    if mode not in CHOICES:
+        raise UsageError(f"cold_reads must be one of {', '.join(CHOICES)}, got {mode!r}")
+    return mode
 
 
 class ColdReads:
@@ -38,9 +48,7 @@ class ColdReads:
     MIN_FILES = 2  # a batch of fewer cold files teaches nothing
 
     def __init__(self, mode: str = "auto") -> None:
-        if mode not in CHOICES:
-            raise ValueError(f"cold_reads must be one of {', '.join(CHOICES)}, got {mode!r}")
-        self.fixed = None if mode == "auto" else mode
+        self.fixed = None if check_mode(mode) == "auto" else mode
         self._lock = threading.Lock()
         self._rate: dict[str, float | None] = dict.fromkeys(MODES)  # bytes/s, a running average
         self._learned = 0  # cold batches learned from
