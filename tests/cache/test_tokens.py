@@ -199,6 +199,111 @@ def test_the_compiled_walk_run_checks_its_arguments(compiled):
         compiled.walk_run(root, tokens, 0, 0, 8, [], None)
 
 
+def _on_device(tree, rng, page_size):
+    """Every node of ``tree`` given device pages (random, distinct) except a few leaves
+    and every node below them kept off the device; the nodes kept off, by id."""
+    from kvtier.cache.residency import DeviceCopy
+
+    off, pages = set(), iter(rng.sample(range(10 ** 6), 10 ** 4))
+    for node in tree.nodes():
+        if id(node.parent) in off or rng.random() < 0.15:
+            off.add(id(node))
+        else:
+            node.device = DeviceCopy(np.array([next(pages) for _ in range(len(node.key) // page_size)]))
+    return off
+
+
+def test_walk_slots_is_the_walk_and_its_device_slots(compiled):
+    """``RadixTree.walk_slots`` walks as ``walk`` does, from every prompt of a tree with
+    first-id collisions, nodes off the device and walks ending inside a key; it gives
+    the path's device slots exactly where ``walk``'s path is all on the device, matched
+    whole, keyed by first ids (a collision's child is for the Python walk), and ends at
+    the usable tokens or at a node with no child keyed by the next id and no collisions."""
+    rng = random.Random(8)
+    base = [rng.randrange(40) for _ in range(64)]
+    prompts = [base[:rng.randrange(0, 64)] + [rng.randrange(40) for _ in range(rng.randrange(0, 24))]
+               for _ in range(60)]
+    tree = _tree_of(prompts, 4)
+    off = _on_device(tree, rng, 4)
+    assert any(n.collisions for n in tree.nodes())
+    kinds = set()
+    for ids in map(lambda p: array("q", p), prompts + [base, base[:5], [41] * 8, []]):
+        for node in tree.nodes():
+            node.last_access = 0
+        got = tree.walk_slots(ids, b"", 7)
+        stamps = [n.last_access for n in got[0]]
+        want = tree.walk(ids, b"", 9)
+        path, pos, inner = want
+        assert got[:3] == want
+        assert stamps == [7 if n is not path[-1] or inner == len(n.key) else 0 for n in path]  # as walk stamps
+        whole = path and inner == len(path[-1].key) and not any(id(n) in off for n in path)
+        stop = path[-1] if path else None
+        over = pos == len(ids) - len(ids) % 4 or (stop is not None and ids[pos] not in stop.children
+                                                  and not stop.collisions)
+        over = over and all(isinstance(n.edge, int) for n in path)  # a collision's child: the Python walk's
+        if whole and over:
+            slots = np.concatenate([p * 4 + np.arange(4) for n in path for p in n.device.pages])
+            assert got[3] is not None and np.array_equal(np.frombuffer(got[3], dtype=np.int64), slots)
+            kinds.add("slots")
+        else:
+            assert got[3] is None
+            kinds.add("off" if path and not whole else "on" if path else "none")
+        if whole and not over:
+            kinds.add("a child or collision to look at")
+    assert kinds == {"slots", "off", "on", "none", "a child or collision to look at"}, kinds
+
+
+def test_walk_slots_leaves_pages_it_cannot_read_to_the_caller(compiled):
+    """A split's pieces give their slots as one run of their array, node by node where
+    that run does not fit. Pages that are not int64 or not a node's share of the slots,
+    and a node off the device above one on it, give no slots and no error; bad arguments
+    are refused."""
+    from kvtier.cache.residency import DeviceCopy
+
+    tree = _tree_of([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]], 4)
+    root, tokens = tree.root(b""), array("q", [1, 2, 3, 4, 5, 6, 7, 8])
+    top = root.children[1]
+    low = top.children[5]
+    top.device, low.device = DeviceCopy(np.array([3])), DeviceCopy(np.array([6]))
+    assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64)) == \
+        [12, 13, 14, 15, 24, 25, 26, 27]
+    # the pieces of a split: views of one array, taken as one run of it
+    base = np.array([9, 3, 6, 2])
+    top.device, low.device = DeviceCopy(base[1:2], base, 1), DeviceCopy(base[2:3], base, 2)
+    assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64)) == \
+        [12, 13, 14, 15, 24, 25, 26, 27]
+    top.device.pages = np.array([5])  # not what the array holds: the run is read from the array itself
+    assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64))[:4] == \
+        [12, 13, 14, 15]
+    for first, at in ((1, 3), (1, 4), (3, 4), (1, "2")):  # longer than the path, out of the array, not an int
+        top.device, low.device = DeviceCopy(base[1:2], base, first), DeviceCopy(base[2:3], base, at)
+        assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64)) == \
+            [12, 13, 14, 15, 24, 25, 26, 27]  # node by node
+    top.device = DeviceCopy(np.array([3]))
+    for pages in (np.array([6.0]), np.array([6, 7]), np.array([6], dtype=np.int32)):
+        low.device = DeviceCopy(pages)
+        assert compiled.walk_slots(root, tokens, 8, [], None, 4)[3] is None
+    low.device, top.device = DeviceCopy(np.array([6])), None
+    assert compiled.walk_slots(root, tokens, 8, [], None, 4)[3] is None
+    # a collision's child left where the child keyed by its first id was removed: the
+    # walk is not over at its parent (the Python walk goes on to it)
+    top.device = DeviceCopy(np.array([3]))
+    other = tree.add_child(top, array("q", [5, 8, 8, 8]))
+    tree.remove(low)
+    assert not isinstance(other.edge, int) and top.collisions
+    ends = array("q", [1, 2, 3, 4, 5, 8, 8, 8])
+    assert compiled.walk_slots(root, ends, 8, [], None, 4)[:2] == (4, 4)
+    assert compiled.walk_slots(root, ends, 8, [], None, 4)[3] is None
+    assert tree.walk_slots(ends, b"", 1)[:3] == ([top, other], 8, 4)
+    for usable, page_size in ((-1, 4), (9, 4), (8, 0)):
+        with pytest.raises(ValueError, match="0 <= usable"):
+            compiled.walk_slots(root, tokens, usable, [], None, page_size)
+    with pytest.raises(TypeError, match="empty list"):
+        compiled.walk_slots(root, tokens, 8, [top], None, 4)
+    with pytest.raises(TypeError, match="6 arguments"):
+        compiled.walk_slots(root, tokens, 8, [], None)
+
+
 def test_the_radix_walk_matches_the_same_with_either_comparison(monkeypatch, compiled):
     """A tree walked with the compiled comparison and with array slices finds the same
     prefixes (prompts sharing prefixes of every length, in and out of page bounds)."""

@@ -10,6 +10,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "../_slots.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -105,7 +106,7 @@ static PyObject *fill_int64(PyObject *self, PyObject *args) {
 }
 
 /* The attribute names walk_run reads and writes, interned once at import. */
-static PyObject *s_children, *s_key, *s_last_access;
+static PyObject *s_children, *s_key, *s_last_access, *s_collisions, *s_device, *s_pages, *s_base, *s_at;
 
 /* ``node``'s child keyed by the int ``id`` (a new reference), or NULL: with an error set
  * where the lookup failed, without one where there is no such child. */
@@ -154,6 +155,33 @@ static int key_matches(PyObject *child, const int64_t *tok, Py_ssize_t pos, Py_s
     return same;
 }
 
+/* walk_run's loop from ``*node`` (a reference the caller owns, replaced as the walk
+ * goes) at ``tok[*pos]``; an error may be set where it stopped.
+ *
+ * NOTE: the caller holds the tokens' buffer (an array cannot resize meanwhile), and
+ * nothing here runs Python code: slot attributes, int keys and dict lookups are all C. */
+static void run(PyObject **node, const int64_t *tok, Py_ssize_t *pos, Py_ssize_t *inner, Py_ssize_t usable,
+                PyObject *path, PyObject *stamp) {
+    while (*pos < usable) {
+        PyObject *child = child_of(*node, tok[*pos]);
+        if (child == NULL)
+            return;
+        Py_ssize_t len = 0;
+        int same = key_matches(child, tok, *pos, usable, &len);
+        if (same == 1 && PyList_Append(path, child) < 0)
+            same = -1;
+        if (same == 1 && stamp != Py_None && PyObject_SetAttr(child, s_last_access, stamp) < 0)
+            same = -1;
+        if (same != 1) {
+            Py_DECREF(child);
+            return;
+        }
+        *pos += len;
+        *inner = len;
+        Py_SETREF(*node, child);
+    }
+}
+
 PyDoc_STRVAR(walk_run_doc,
 "walk_run(node, tokens, pos, inner, usable, path, stamp) -> (pos, inner, node)\n\n"
 "The radix walk's common steps, from ``node`` at ``tokens[pos]``: while ``pos <\n"
@@ -189,28 +217,8 @@ static PyObject *walk_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
                      "%zd ids, got pos %zd and usable %zd", tb.len / (tb.itemsize ? tb.itemsize : 1), pos, usable);
         return NULL;
     }
-    /* NOTE: the tokens' buffer is held (an array cannot resize meanwhile), and nothing
-     * here runs Python code: slot attributes, int keys and dict lookups are all C. */
-    const int64_t *tok = (const int64_t *)tb.buf;
     Py_INCREF(node);
-    while (pos < usable) {
-        PyObject *child = child_of(node, tok[pos]);
-        if (child == NULL)
-            break;
-        Py_ssize_t len = 0;
-        int same = key_matches(child, tok, pos, usable, &len);
-        if (same == 1 && PyList_Append(path, child) < 0)
-            same = -1;
-        if (same == 1 && stamp != Py_None && PyObject_SetAttr(child, s_last_access, stamp) < 0)
-            same = -1;
-        if (same != 1) {
-            Py_DECREF(child);
-            break;
-        }
-        pos += len;
-        inner = len;
-        Py_SETREF(node, child);
-    }
+    run(&node, (const int64_t *)tb.buf, &pos, &inner, usable, path, stamp);
     PyBuffer_Release(&tb);
     if (PyErr_Occurred()) {
         Py_DECREF(node);
@@ -219,9 +227,187 @@ static PyObject *walk_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(nnN)", pos, inner, node);
 }
 
+/* Whether the walk that stopped at ``node``, ``tok[pos]``, is over: at ``usable``, or
+ * with no child keyed by ``tok[pos]`` and no collisions at ``node`` (the cases the
+ * Python walk goes on with: a child matched in part, a child keyed by its first page).
+ * -1 with an error set. */
+static int walk_over(PyObject *node, const int64_t *tok, Py_ssize_t pos, Py_ssize_t usable) {
+    if (pos >= usable)
+        return 1;
+    PyObject *child = child_of(node, tok[pos]);
+    if (child != NULL) {
+        Py_DECREF(child);
+        return 0;
+    }
+    if (PyErr_Occurred())
+        return -1;
+    PyObject *collisions = PyObject_GetAttr(node, s_collisions);
+    if (collisions == NULL)
+        return -1;
+    int some = PyObject_IsTrue(collisions);
+    Py_DECREF(collisions);
+    return some < 0 ? -1 : !some;
+}
+
+/* An error set by reading what the path's nodes hold, as the callers below answer it:
+ * 0 (cleared) where it was the wrong kind of thing (TypeError, BufferError: the Python
+ * path is left to judge it), else -1 (kept). */
+static int judged(void) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_BufferError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* The slots of pages ``obj[start:start + n]`` (``n < 0``: all of ``obj``) to ``o``,
+ * which has room for ``room``: the slots written; 0 where ``obj`` is not a contiguous
+ * int64 buffer or the range is not in it or not within ``room``; -1 with an error set. */
+static Py_ssize_t expand_range(PyObject *obj, Py_ssize_t start, Py_ssize_t n, Py_ssize_t room, int64_t page_size,
+                               int64_t *o) {
+    Py_buffer view;
+    if (get_int64s(obj, &view, 0, "a node's device pages") < 0)
+        return judged();
+    Py_ssize_t have = view.len / 8, written = 0;
+    if (n < 0)
+        n = have - start;
+    if (start >= 0 && n > 0 && start <= have - n && n <= room / page_size) {
+        expand_into(o, (const int64_t *)view.buf + start, n, page_size, 0);
+        written = n * (Py_ssize_t)page_size;
+    }
+    PyBuffer_Release(&view);
+    return written;
+}
+
+/* An int attribute of ``obj``: its value, or -1 (with an error set where it failed). */
+static Py_ssize_t int_attr(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    Py_ssize_t v = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    return v;
+}
+
+/* Where the device copies ``first`` and ``last`` are views of one array (``base``), the
+ * pages of the path from one to the other are that array's run between them (only a
+ * split shares a base, and its pieces stay parent and child: CacheState._run_slots):
+ * their slots to ``o`` as expand_range writes them. 0 where they are not one run. */
+static Py_ssize_t run_slots(PyObject *first, PyObject *last, Py_ssize_t count, int64_t page_size, int64_t *o) {
+    PyObject *base = PyObject_GetAttr(first, s_base), *other = base ? PyObject_GetAttr(last, s_base) : NULL;
+    Py_ssize_t written = other == NULL ? -1 : 0;
+    if (other != NULL && base == other) {
+        PyObject *pages = PyObject_GetAttr(last, s_pages);
+        Py_ssize_t from = int_attr(first, s_at), to = from < 0 ? -1 : int_attr(last, s_at);
+        Py_ssize_t tail = to < 0 || pages == NULL ? -1 : PyObject_Size(pages);
+        written = tail < 0 ? -1 : expand_range(base, from, to + tail - from, count, page_size, o);
+        Py_XDECREF(pages);
+    }
+    Py_XDECREF(other);
+    Py_XDECREF(base);
+    return written < 0 && PyErr_Occurred() ? judged() : written < 0 ? 0 : written;
+}
+
+/* The device slots of every node of ``path`` (a non-empty list), ``count`` of them, in a
+ * new bytearray of int64: one run of one array where the first and last node's pages
+ * are (run_slots), else node by node; None (no error) where a node is not on the
+ * device, its pages are not a contiguous int64 buffer, or their slots are not its share
+ * of ``count``: the caller's Python path then takes them its own way. NULL with an
+ * error set. */
+static PyObject *path_slots(PyObject *path, Py_ssize_t count, int64_t page_size) {
+    Py_ssize_t nodes = PyList_GET_SIZE(path), filled = 0, got = 1;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    int64_t *o = (int64_t *)PyByteArray_AS_STRING(out);
+    PyObject *first = PyObject_GetAttr(PyList_GET_ITEM(path, 0), s_device);
+    PyObject *last = first == NULL ? NULL : PyObject_GetAttr(PyList_GET_ITEM(path, nodes - 1), s_device);
+    if (last == NULL)
+        got = -1;
+    else if (first == Py_None || last == Py_None)
+        got = 0;
+    else
+        filled = got = run_slots(first, last, count, page_size, o);
+    Py_XDECREF(first);
+    Py_XDECREF(last);
+    if (got == 0) { /* not one run: node by node (each held: reading an attribute may run Python) */
+        got = 1;
+        for (Py_ssize_t i = 0; got > 0 && i < nodes; i++) {
+            PyObject *node = PyList_GET_ITEM(path, i);
+            Py_INCREF(node);
+            PyObject *device = PyObject_GetAttr(node, s_device);
+            PyObject *pages = device == NULL || device == Py_None ? NULL : PyObject_GetAttr(device, s_pages);
+            got = pages == NULL ? (PyErr_Occurred() ? -1 : 0)
+                                : expand_range(pages, 0, -1, count - filled, page_size, o + filled);
+            filled += got > 0 ? got : 0;
+            Py_XDECREF(pages);
+            Py_XDECREF(device);
+            Py_DECREF(node);
+        }
+    }
+    if (got > 0 && filled == count)
+        return out;
+    Py_DECREF(out);
+    if (got < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(walk_slots_doc,
+"walk_slots(node, tokens, usable, path, stamp, page_size) -> (pos, inner, node, slots)\n\n"
+"walk_run from ``node`` at position 0 and, where the walk is over (at ``usable``, or\n"
+"where no child is keyed by the next id and the node has no collisions) and every node\n"
+"appended to ``path`` is on the device, their device slots, one node after another,\n"
+"in a new bytearray of native int64 (``page_size`` slots a page: ``pos`` of them).\n"
+"``slots`` is None otherwise: the caller's own walk goes on from ``(pos, inner,\n"
+"node)``, or takes the slots its own way.");
+
+static PyObject *walk_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "walk_slots(node, tokens, usable, path, stamp, page_size) takes 6 arguments");
+        return NULL;
+    }
+    PyObject *node = args[0], *path = args[3], *stamp = args[4];
+    Py_ssize_t usable = PyLong_AsSsize_t(args[2]);
+    long long page_size = usable == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(args[5]);
+    if (page_size == -1 && PyErr_Occurred())
+        return NULL;
+    if (!PyList_Check(path) || PyList_GET_SIZE(path)) {
+        PyErr_SetString(PyExc_TypeError, "walk_slots: path must be an empty list");
+        return NULL;
+    }
+    Py_buffer tb;
+    if (PyObject_GetBuffer(args[1], &tb, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (tb.itemsize != 8 || page_size < 1 || usable < 0 || usable > tb.len / 8) {
+        PyBuffer_Release(&tb);
+        PyErr_Format(PyExc_ValueError, "walk_slots: tokens must be an int64 buffer with 0 <= usable <= its %zd "
+                     "ids and page_size at least 1, got usable %zd and page_size %lld",
+                     tb.len / (tb.itemsize ? tb.itemsize : 1), usable, page_size);
+        return NULL;
+    }
+    const int64_t *tok = (const int64_t *)tb.buf;
+    Py_ssize_t pos = 0, inner = 0;
+    PyObject *slots = NULL;
+    Py_INCREF(node);
+    run(&node, tok, &pos, &inner, usable, path, stamp);
+    int over = PyErr_Occurred() ? -1 : PyList_GET_SIZE(path) ? walk_over(node, tok, pos, usable) : 0;
+    if (over == 1)
+        slots = path_slots(path, pos, (int64_t)page_size);
+    else if (over == 0)
+        slots = Py_NewRef(Py_None);
+    PyBuffer_Release(&tb);
+    if (slots == NULL) {
+        Py_DECREF(node);
+        return NULL;
+    }
+    return Py_BuildValue("(nnNN)", pos, inner, node, slots);
+}
+
 static PyMethodDef methods[] = {
     {"fill_int64", fill_int64, METH_VARARGS, fill_int64_doc},
     {"walk_run", (PyCFunction)(void (*)(void))walk_run, METH_FASTCALL, walk_run_doc},
+    {"walk_slots", (PyCFunction)(void (*)(void))walk_slots, METH_FASTCALL, walk_slots_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -236,7 +422,13 @@ PyMODINIT_FUNC PyInit__tokens(void) {
     s_children = PyUnicode_InternFromString("children");
     s_key = PyUnicode_InternFromString("key");
     s_last_access = PyUnicode_InternFromString("last_access");
-    if (s_children == NULL || s_key == NULL || s_last_access == NULL)
+    s_collisions = PyUnicode_InternFromString("collisions");
+    s_device = PyUnicode_InternFromString("device");
+    s_pages = PyUnicode_InternFromString("pages");
+    s_base = PyUnicode_InternFromString("base");
+    s_at = PyUnicode_InternFromString("at");
+    if (s_children == NULL || s_key == NULL || s_last_access == NULL || s_collisions == NULL || s_device == NULL ||
+        s_pages == NULL || s_base == NULL || s_at == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

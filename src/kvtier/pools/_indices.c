@@ -13,27 +13,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include "../_sequences.h"
+#include "../_slots.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* Calls longer than this many slots release the GIL while they loop. */
 #define RELEASE_GIL_SLOTS 65536
-
-static int get_int64s(PyObject *obj, Py_buffer *view, int writable, const char *what) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0)
-        return -1;
-    const char *f = view->format;
-    if (view->itemsize != 8 || f == NULL || (strcmp(f, "q") && strcmp(f, "<q") && strcmp(f, "=q") &&
-                                              strcmp(f, "l") && strcmp(f, "<l") && strcmp(f, "=l"))) {
-        PyErr_Format(PyExc_TypeError, "%s must be a buffer of native int64, got format %s itemsize %zd", what,
-                     f ? f : "B", view->itemsize);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
 
 /* Whether ``pages`` (each in [0, 2^62)) names a page twice: an open-addressing set of
  * 2^k >= 2n slots holding page + 1 (0 is empty). -1 on no memory. */
@@ -135,19 +121,6 @@ static PyObject *check_pages(PyObject *self, PyObject *args) {
     if (repeated < 0)
         return PyErr_NoMemory();
     return PyLong_FromSsize_t(repeated ? -2 : bad);
-}
-
-/* The token slots of ``n`` page numbers to ``dst``: page p becomes p * ps .. p * ps + ps - 1.
- * With ``holes``, a negative number (no page) leaves its ps slots as they are. */
-static void expand_into(int64_t *dst, const int64_t *pages, Py_ssize_t n, int64_t ps, int holes) {
-    for (Py_ssize_t p = 0; p < n; p++, dst += ps) {
-        if (holes && pages[p] < 0)
-            continue;
-        /* NOTE: unsigned, so no page number overflows into undefined behaviour */
-        uint64_t first = (uint64_t)pages[p] * (uint64_t)ps;
-        for (int64_t j = 0; j < ps; j++)
-            dst[j] = (int64_t)(first + (uint64_t)j);
-    }
 }
 
 /* What the expansions take: ``(pages, page_size, out)``, ``pages`` one buffer or (with

@@ -1,0 +1,40 @@
+/* Token slots of page numbers, shared by kvtier.pools._indices (the expansions) and
+ * kvtier.cache._tokens (a full hit's slots, taken at the end of its walk). */
+#ifndef KVTIER_SLOTS_H
+#define KVTIER_SLOTS_H
+
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ``obj``'s buffer, C-contiguous native int64 (writable where asked), into ``view``: 0,
+ * or -1 with an error set (a TypeError naming ``what`` where it is not int64). */
+static inline int get_int64s(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    const char *f = view->format;
+    if (view->itemsize != 8 || f == NULL || (strcmp(f, "q") && strcmp(f, "<q") && strcmp(f, "=q") &&
+                                              strcmp(f, "l") && strcmp(f, "<l") && strcmp(f, "=l"))) {
+        PyErr_Format(PyExc_TypeError, "%s must be a buffer of native int64, got format %s itemsize %zd", what,
+                     f ? f : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* The token slots of ``n`` page numbers to ``dst``: page p becomes p * ps .. p * ps + ps - 1.
+ * With ``holes``, a negative number (no page) leaves its ps slots as they are. */
+static inline void expand_into(int64_t *dst, const int64_t *pages, Py_ssize_t n, int64_t ps, int holes) {
+    for (Py_ssize_t p = 0; p < n; p++, dst += ps) {
+        if (holes && pages[p] < 0)
+            continue;
+        /* NOTE: unsigned, so no page number overflows into undefined behaviour */
+        uint64_t first = (uint64_t)pages[p] * (uint64_t)ps;
+        for (int64_t j = 0; j < ps; j++)
+            dst[j] = (int64_t)(first + (uint64_t)j);
+    }
+}
+
+#endif
