@@ -260,14 +260,16 @@ def test_expand_runs_writes_each_run_after_the_last_and_checks_all_first():
         compiled.expand_runs(runs, 0, got)
 
 
-def test_window_slots_fills_holes_and_expands_each_piece_after_checking_them_all():
+def test_window_slots_fills_holes_and_expands_each_piece_after_checking_them_all_and_counts_its_pages():
     compiled = load(indices.COMPILED)
     if compiled is None:
         pytest.skip("the compiled indices module is not built")
     got = np.zeros(12, dtype=np.int64)
-    compiled.window_slots([(1, np.array([7, -1], dtype=np.int64)), (3, np.array([0], dtype=np.int64))], 3, got)
+    written = compiled.window_slots([(1, np.array([7, -1], dtype=np.int64)), (3, np.array([0], dtype=np.int64))], 3,
+                                    got)
     assert got.tolist() == [-1, -1, -1, 21, 22, 23, -1, -1, -1, 0, 1, 2]
-    compiled.window_slots([], 3, got)
+    assert written == 2  # the pages that were not holes
+    assert compiled.window_slots([], 3, got) == 0
     assert got.tolist() == [-1] * 12
     for pieces, error in (([(3, np.array([1, 2], dtype=np.int64))], ValueError),  # past the end
                           ([(-1, np.array([1], dtype=np.int64))], ValueError),

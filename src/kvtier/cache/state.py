@@ -155,10 +155,10 @@ class CacheState(HybridState):
             if self.sides is None:
                 return path, matched, 0, self._path_slots(path, slots)
             pages = matched // self.page_size
-            on_device = self._device_windows(path, pages)
-            if on_device is not None:
+            sides = self._full_hit_sides(path, pages)
+            if sides is not None:
                 if probe is not None:
-                    probe.append(self._probe(path, pages, on_device))
+                    probe.append(self._probe(path, pages, None, sides))
                 return path, matched, 0, self._path_slots(path, slots)
         path, device_len, host_len = self.match(tokens, salt, probe, (path, matched, inner))
         return path, device_len, host_len, self.device_slots(path)

@@ -257,11 +257,12 @@ static PyObject *expand_runs(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(window_slots_doc,
-"window_slots(pieces, page_size, out) -> None\n\n"
+"window_slots(pieces, page_size, out) -> int\n\n"
 "Fill ``out`` (a writable int64 buffer of token slots) with -1, then write the token\n"
 "slots of each piece ``(first, pages)`` from page ``first`` of ``out`` on: ``pages``\n"
 "holds int64 page numbers, a negative one (a hole) leaving its page's slots at -1.\n"
-"Every piece is checked to lie inside ``out`` before anything is written.");
+"Every piece is checked to lie inside ``out`` before anything is written. Returns how\n"
+"many pages were written (the pieces' pages that are not holes).");
 
 static PyObject *window_slots(PyObject *self, PyObject *args) {
     (void)self;
@@ -279,11 +280,16 @@ static PyObject *window_slots(PyObject *self, PyObject *args) {
         }
     }
     memset(e.out.buf, 0xff, (size_t)e.out.len); /* -1 in every slot: all bits set */
-    for (Py_ssize_t i = 0; i < e.count; i++)
-        expand_into((int64_t *)e.out.buf + e.firsts[i] * e.page_size, (const int64_t *)e.views[i].buf,
-                    e.views[i].len / 8, e.page_size, 1);
+    Py_ssize_t written = 0;
+    for (Py_ssize_t i = 0; i < e.count; i++) {
+        const int64_t *pages = (const int64_t *)e.views[i].buf;
+        Py_ssize_t count = e.views[i].len / 8;
+        expand_into((int64_t *)e.out.buf + e.firsts[i] * e.page_size, pages, count, e.page_size, 1);
+        for (Py_ssize_t p = 0; p < count; p++)
+            written += pages[p] >= 0;
+    }
     expansion_release(&e);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(written);
 }
 
 static PyMethodDef methods[] = {
