@@ -462,6 +462,24 @@ def test_a_match_hands_back_the_windows_its_check_found(name, native, monkeypatc
     cache.close()
 
 
+@pytest.mark.parametrize("name", SERVED)
+def test_a_miss_gets_new_empty_slot_tensors_for_every_group(name):
+    """A miss's groups (and full slots) are empty int64 tensors, new for each result:
+    one resized by its caller changes no other."""
+    spec, rng = HYBRID_SPECS[name], random.Random(4)
+    cache = make_cache(spec, 4, sizes(spec, 256, 128), sizes(spec, 256, 128))
+    HybridEngine(cache).serve(prompt(rng, 16))
+    first, second = (cache.match_prefix([999] * 12) for _ in range(2))
+    for m in (first, second):
+        assert m.device_len == 0 and set(m.groups) == {g.name for g in spec.groups if not g.attention.is_full}
+        assert all(t.dtype == torch.int64 and t.shape == (0,) for t in (m.device_indices, *m.groups.values()))
+    for t in (first.device_indices, *first.groups.values()):
+        t.resize_(4).fill_(7)
+    assert all(t.shape == (0,) for t in (second.device_indices, *second.groups.values()))
+    assert all(t.shape == (0,) for t in cache.match_prefix([999] * 12).groups.values())
+    cache.close()
+
+
 @pytest.mark.parametrize("name", ["mimo", "long_window"])
 def test_the_window_pieces_found_in_the_last_node_are_the_walks(name):
     """A window within the path's last node is taken from it alone: for every node's

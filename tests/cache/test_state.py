@@ -93,6 +93,20 @@ def test_match_finds_the_longest_prefix_in_whole_pages():
     rig.check()
 
 
+def test_a_miss_gets_a_new_empty_slot_tensor_each_time():
+    """A miss's device slots (and, hybrid, its groups': ``test_hybrid_cache``) are an
+    empty int64 tensor on the index device, never one shared between results: a caller
+    may resize its own."""
+    rig = StateRig()
+    rig.cache(run(100, 3))
+    first, second = (rig.state.device_slots(rig.match([999] * 8)[0]) for _ in range(2))
+    for got in (first, second):
+        assert got.dtype == torch.int64 and got.shape == (0,) and got.device == rig.state._no_slots.device
+    first.resize_(4).fill_(7)
+    assert second.shape == (0,) and rig.state.device_slots([]).shape == (0,)
+    rig.check()
+
+
 def test_eviction_under_pressure_frees_the_least_recently_used_slots():
     rig = StateRig(device_tokens=24)
     slots = {"A": rig.cache(A), "B": rig.cache(B), "C": rig.cache(C)}

@@ -25,6 +25,7 @@ from ..pools.indices import COMPILED, page_token_slots
 from .sides import HOLE, highest, lowest, resumable, runs
 
 _NONE = np.empty(0, dtype=np.int64)
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)  # what a group's empty slots are made from (new_empty)
 
 
 class Probe:
@@ -200,6 +201,8 @@ class HybridState:
         pages = prefix // ps
         if probe is not None and probe.slots is not None and probe.pages == pages:
             return probe.slots
+        if not pages:  # a miss's: new empty tensors (new_empty: 1.4 us; numpy's way 4.5 a group)
+            return {g: _NO_SLOTS.new_empty(0) for g in self.sides.names}
         compiled = load(COMPILED)
         found = probe.windows if probe is not None and probe.pages == pages else None
         for g in self.sides.names:
