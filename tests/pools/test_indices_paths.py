@@ -238,6 +238,29 @@ def test_compiled_loops_check_their_buffers(compiled):
             expand(pages, 2 ** 62, np.empty(0, dtype=np.int64))
 
 
+@pytest.mark.parametrize("page_size", [*range(1, 10), 15, 16, 17, 63, 64, 65])
+def test_every_expansion_equals_numpy_at_every_page_size(page_size):
+    """The compiled expansions (a vector loop with a tail where the CPU has wide stores)
+    write exactly numpy's slots, at page sizes that fill whole vectors and ones that
+    leave a tail; window_slots leaves a hole's page at -1."""
+    compiled = load(indices.COMPILED)
+    if compiled is None:
+        pytest.skip("the compiled indices module is not built")
+    rng = np.random.default_rng(page_size)
+    pages = rng.permutation(1 << 20)[:37].astype(np.int64)
+    want = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    for expand, pages_in in ((compiled.expand_pages, pages), (compiled.expand_runs, [pages[:5], pages[5:]])):
+        got = np.full(want.size, -7, dtype=np.int64)
+        expand(pages_in, page_size, got)
+        assert np.array_equal(got, want)
+    held = pages.copy()
+    held[[0, 9, 36]] = -1
+    got = np.full(want.size + 2 * page_size, -7, dtype=np.int64)
+    assert compiled.window_slots([(2, held)], page_size, got) == 34
+    assert np.array_equal(got[2 * page_size:], np.where(np.repeat(held < 0, page_size), -1, want))
+    assert (got[:2 * page_size] == -1).all()
+
+
 def test_expand_runs_writes_each_run_after_the_last_and_checks_all_first():
     compiled = load(indices.COMPILED)
     if compiled is None:
