@@ -226,8 +226,12 @@ def test_walk_slots_is_the_walk_and_its_device_slots(compiled):
     tree = _tree_of(prompts, 4)
     off = _on_device(tree, rng, 4)
     assert any(n.collisions for n in tree.nodes())
+    # each prompt cut a page short, and with its last page changed: walks that end
+    # inside a key, where the Python walk goes on into the child the run could not take
+    cut = [p[:len(p) - len(p) % 4 - 4] for p in prompts if len(p) >= 8]
+    changed = [p[:len(p) - len(p) % 4 - 4] + [41] * 4 for p in prompts if len(p) >= 8]
     kinds = set()
-    for ids in map(lambda p: array("q", p), prompts + [base, base[:5], [41] * 8, []]):
+    for ids in map(lambda p: array("q", p), prompts + cut + changed + [base, base[:5], [41] * 8, []]):
         for node in tree.nodes():
             node.last_access = 0
         got = tree.walk_slots(ids, b"", 7)
@@ -285,6 +289,14 @@ def test_walk_slots_leaves_pages_it_cannot_read_to_the_caller(compiled):
         assert compiled.walk_slots(root, tokens, 8, [], None, 4)[3] is None
     low.device, top.device = DeviceCopy(np.array([6])), None
     assert compiled.walk_slots(root, tokens, 8, [], None, 4)[3] is None
+    # a walk that ends inside a child's key (two pages, the prompt has one of them): the
+    # run stops at that child, and the Python walk goes on into it
+    deep = _tree_of([list(range(1, 13)), [1, 2, 3, 4, 9, 9, 9, 9]], 4)
+    for node in deep.nodes():
+        node.device = DeviceCopy(np.arange(len(node.key) // 4))
+    inside = array("q", range(1, 9))
+    assert compiled.walk_slots(deep.root(b""), inside, 8, [], None, 4)[3] is None
+    assert deep.walk_slots(inside, b"", 1)[:3] == deep.walk(inside, b"") and deep.walk(inside, b"")[2] == 4
     # a collision's child left where the child keyed by its first id was removed: the
     # walk is not over at its parent (the Python walk goes on to it)
     top.device = DeviceCopy(np.array([3]))

@@ -156,16 +156,18 @@ static int key_matches(PyObject *child, const int64_t *tok, Py_ssize_t pos, Py_s
 }
 
 /* walk_run's loop from ``*node`` (a reference the caller owns, replaced as the walk
- * goes) at ``tok[*pos]``; an error may be set where it stopped.
+ * goes) at ``tok[*pos]``: 1 where it stopped at a child keyed by ``tok[*pos]`` whose key
+ * did not match, else 0 (at ``usable``, or no such child), with an error set where one
+ * stopped it.
  *
  * NOTE: the caller holds the tokens' buffer (an array cannot resize meanwhile), and
  * nothing here runs Python code: slot attributes, int keys and dict lookups are all C. */
-static void run(PyObject **node, const int64_t *tok, Py_ssize_t *pos, Py_ssize_t *inner, Py_ssize_t usable,
-                PyObject *path, PyObject *stamp) {
+static int run(PyObject **node, const int64_t *tok, Py_ssize_t *pos, Py_ssize_t *inner, Py_ssize_t usable,
+               PyObject *path, PyObject *stamp) {
     while (*pos < usable) {
         PyObject *child = child_of(*node, tok[*pos]);
         if (child == NULL)
-            return;
+            return 0;
         Py_ssize_t len = 0;
         int same = key_matches(child, tok, *pos, usable, &len);
         if (same == 1 && PyList_Append(path, child) < 0)
@@ -174,12 +176,13 @@ static void run(PyObject **node, const int64_t *tok, Py_ssize_t *pos, Py_ssize_t
             same = -1;
         if (same != 1) {
             Py_DECREF(child);
-            return;
+            return 1;
         }
         *pos += len;
         *inner = len;
         Py_SETREF(*node, child);
     }
+    return 0;
 }
 
 PyDoc_STRVAR(walk_run_doc,
@@ -218,7 +221,7 @@ static PyObject *walk_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     Py_INCREF(node);
-    run(&node, (const int64_t *)tb.buf, &pos, &inner, usable, path, stamp);
+    (void)run(&node, (const int64_t *)tb.buf, &pos, &inner, usable, path, stamp);
     PyBuffer_Release(&tb);
     if (PyErr_Occurred()) {
         Py_DECREF(node);
@@ -227,20 +230,13 @@ static PyObject *walk_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(nnN)", pos, inner, node);
 }
 
-/* Whether the walk that stopped at ``node``, ``tok[pos]``, is over: at ``usable``, or
- * with no child keyed by ``tok[pos]`` and no collisions at ``node`` (the cases the
- * Python walk goes on with: a child matched in part, a child keyed by its first page).
- * -1 with an error set. */
-static int walk_over(PyObject *node, const int64_t *tok, Py_ssize_t pos, Py_ssize_t usable) {
+/* Whether the walk that stopped at ``node`` at ``pos`` with no child keyed by the
+ * next id left to look at (run's 0) is over: at ``usable``, or with no collisions at
+ * ``node`` (a child keyed by its first page, which the Python walk goes on with). -1
+ * with an error set. */
+static int walk_over(PyObject *node, Py_ssize_t pos, Py_ssize_t usable) {
     if (pos >= usable)
         return 1;
-    PyObject *child = child_of(node, tok[pos]);
-    if (child != NULL) {
-        Py_DECREF(child);
-        return 0;
-    }
-    if (PyErr_Occurred())
-        return -1;
     PyObject *collisions = PyObject_GetAttr(node, s_collisions);
     if (collisions == NULL)
         return -1;
@@ -390,8 +386,9 @@ static PyObject *walk_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t pos = 0, inner = 0;
     PyObject *slots = NULL;
     Py_INCREF(node);
-    run(&node, tok, &pos, &inner, usable, path, stamp);
-    int over = PyErr_Occurred() ? -1 : PyList_GET_SIZE(path) ? walk_over(node, tok, pos, usable) : 0;
+    /* a child the run could not take: the Python walk looks at it (a match in part) */
+    int unmatched = run(&node, tok, &pos, &inner, usable, path, stamp);
+    int over = PyErr_Occurred() ? -1 : PyList_GET_SIZE(path) && !unmatched ? walk_over(node, pos, usable) : 0;
     if (over == 1)
         slots = path_slots(path, pos, (int64_t)page_size);
     else if (over == 0)
