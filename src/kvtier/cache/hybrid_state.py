@@ -133,23 +133,18 @@ class HybridState:
     def _full_hit_sides(self, path, pages: int) -> dict[str, torch.Tensor] | None:
         """Per sliding group, what :meth:`side_slots` gives for ``pages`` pages of ``path``
         (a full hit: its last node ends there), where every group's window before them
-        is wholly on the device (:meth:`_device_windows`); else ``None``."""
-        compiled = load(COMPILED)
-        if compiled is None:
-            found = self._device_windows(path, pages)
-            return None if found is None else self.side_slots(path, pages * self.page_size,
-                                                              Probe(pages, {}, None, found))
-        # NOTE: one pass: the compiled call counts the window's pages it wrote, which are
-        # all of them where no page is a hole and no node of the window is off the device
+        is wholly on the device (:meth:`_device_windows`' test); else ``None``."""
+        # NOTE: one pass: the expansion counts the window's pages it wrote, which are all
+        # of them where no page is a hole and no node of the window is off the device
         # (_window_pieces leaves those out): 1.5 us of a MiMo full hit's 13 beyond a
         # uniform one's went to _device_windows' own pass and side_slots' layers
-        ps, out = self.page_size, {}
+        ps, out, compiled = self.page_size, {}, load(COMPILED)
         for g in self.sides.names:
             w = self.sides.window_pages(g, pages * ps)
-            slots = np.empty(pages * ps, dtype=np.int64)
-            if compiled.window_slots(self._window_pieces(path, g, w), ps, slots) < len(w):
+            slots, written = self._window_slots(self._window_pieces(path, g, w), pages, compiled)
+            if written < len(w):
                 return None
-            out[g] = torch.from_numpy(slots)
+            out[g] = slots
         return out
 
     def _windows_held(self, path, pages: int) -> bool:
@@ -210,20 +205,28 @@ class HybridState:
                 pieces = found[g]
             else:
                 pieces = self._window_pieces(path, g, self.sides.window_pages(g, pages * ps))
-            if compiled is not None:
-                # NOTE: one call fills the -1s and expands every piece (holes kept): with a
-                # copy of a kept array of -1s and a call per piece, this method took 6.1 us
-                # of a MiMo full hit's 17 beyond a uniform one's (page 64), 4.4 with it
-                slots = np.empty(pages * ps, dtype=np.int64)
-                compiled.window_slots(pieces, ps, slots)
-            else:
-                slots = self.sides.holes(pages * ps)
-                for lo, held in pieces:
-                    piece = page_token_slots(np.maximum(held, 0), ps)
-                    piece[np.repeat(held < 0, ps)] = HOLE
-                    slots[lo * ps:lo * ps + piece.size] = piece
-            out[g] = torch.from_numpy(slots)
+            out[g] = self._window_slots(pieces, pages, compiled)[0]
         return out
+
+    def _window_slots(self, pieces, pages: int, compiled) -> tuple[torch.Tensor, int]:
+        """A sliding group's device slots of ``pages`` pages: its window's ``pieces``
+        (:meth:`_window_pieces`), ``-1`` elsewhere and at holes; and how many pages the
+        pieces gave (those that are not holes). ``compiled``: the indices module, or
+        ``None`` for numpy's way."""
+        ps = self.page_size
+        if compiled is not None:
+            # NOTE: one call fills the -1s and expands every piece (holes kept): with a
+            # copy of a kept array of -1s and a call per piece, side_slots took 6.1 us of
+            # a MiMo full hit's 17 beyond a uniform one's (page 64), 4.4 with it
+            slots = np.empty(pages * ps, dtype=np.int64)
+            return torch.from_numpy(slots), compiled.window_slots(pieces, ps, slots)
+        slots, written = self.sides.holes(pages * ps), 0
+        for lo, held in pieces:
+            piece = page_token_slots(np.maximum(held, 0), ps)
+            piece[np.repeat(held < 0, ps)] = HOLE
+            slots[lo * ps:lo * ps + piece.size] = piece
+            written += int((held >= 0).sum())
+        return torch.from_numpy(slots), written
 
     def _window_spans(self, path, w: range):
         """The nodes of ``path`` that window ``w`` (page indices) lies in, from the path's
