@@ -122,6 +122,21 @@ def test_the_compiled_reader_answers_false_for_what_it_does_not_read(compiled):
         assert compiled.fill_int64(array("q", [0]) * len(ids), ids) is False
 
 
+@pytest.mark.parametrize("n", range(1, 10))
+def test_the_compiled_reader_reads_every_position_the_same(compiled, n):
+    """It reads two ids a step and the last one alone: every position, of either parity
+    and the tail, reads a one-digit id, a larger one, and answers False for a non-int."""
+    rng = random.Random(n)
+    for at in range(n):
+        for odd, want in ((-(1 << 40) - 3, True), (1 << 62, True), (-1, True), (2.0, False), (1 << 63, False)):
+            ids = [rng.randrange(-(1 << 30) + 1, 1 << 30) for _ in range(n)]
+            ids[at] = odd
+            out = array("q", [7]) * n
+            assert compiled.fill_int64(out, ids) is want, (n, at, odd)
+            if want:
+                assert out.tolist() == ids
+
+
 def test_the_compiled_reader_checks_its_arguments(compiled):
     with pytest.raises(ValueError, match="3 ids need 24 bytes, the buffer holds 16"):
         compiled.fill_int64(array("q", [0, 0]), [1, 2, 3])
