@@ -247,7 +247,7 @@ class HierarchicalCache:
             if self._selective:  # the slots once the hit's backups are made (the path locked meanwhile)
                 path, device_len, host_len = self._state.match(tokens, salt, probe)
                 self._hit(path)
-                device = self._state.device_slots(path)
+                device = self._state.device_slots(path, device_len)
             else:
                 path, device_len, host_len, device = self._state.match_slots(tokens, salt, probe)
             parent_key = self._parent_key(path) if stored else None
@@ -256,8 +256,6 @@ class HierarchicalCache:
             asked = self._probe_keys(tokens, probe, salt) if hybrid and stored else None
         storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0] if stored else 0
         self._stats.matched(device_len, host_len, storage_len)
-        if device.numel() != device_len:  # NOTE: a torch slice costs about 1 µs, a hit's whole budget's tenth
-            device = device[:device_len]
         return MatchResult.made(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt, groups)
 
     def peek(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
@@ -273,7 +271,7 @@ class HierarchicalCache:
         with self._lock:
             path, device_len, host_len, used = self._state.peek(tokens, salt, probe)
             parent_key = self._parent_key(path, used)
-            device = self._state.device_slots(path)[:device_len]  # a last node on the device may have more
+            device = self._state.device_slots(path, device_len)  # a last node on the device may have more
             last = path[-1] if path else self._state.tree.roots.get(salt)  # no new root for a new tenant
             groups = self._groups(path, device_len)
             asked = self._probe_keys(tokens, probe, salt)

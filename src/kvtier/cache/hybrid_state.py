@@ -564,7 +564,7 @@ class HybridState:
                 self.allocator.free(reserved)
             keep = path[:]
             self._cut(keep, device_len, split=False)
-            handle = LoadHandle(self.device_slots(keep)[:device_len], layer_num,
+            handle = LoadHandle(self.device_slots(keep, device_len), layer_num,
                                 groups=self.side_slots(keep, device_len))
             handle._finish()
             return handle, None
