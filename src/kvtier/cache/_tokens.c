@@ -20,12 +20,12 @@
  * decoded request's) has them side by side in memory, in its order, so the memory a
  * little past the one being read is the objects a few dozen ids on. Prefetching there
  * costs no load of a later item, where prefetching ``items[i + 64]`` cost one per id.
- * Reading 8K random 30-bit ids on the Zen 2 VM (a throwaway loop, best of 5, three
- * builds alternated): in the CPU's caches 9.4 us with items[i + 64] prefetched, 7.9 with
- * nothing prefetched, 7.7 with this; out of the L2 10.3-10.5 / 8.4-9.1 / 8.4-9.1; 300
- * lists in turn, none in the caches, 21.4-23.5 / 24.7-26.9 / 18.9-21.2 (512 bytes ahead
- * 22.4-23.0, 4 KiB 22.1-22.8). Where the objects lie in another order (a shuffled list
- * in memory) this prefetches nothing useful: 49.5-51.6 us there against 53.7-54.2. */
+ * Reading 8K random 30-bit ids on the Zen 2 VM (a throwaway loop, best of 5, the builds
+ * alternated): in the CPU's caches 9.3-9.5 us with items[i + 64] prefetched, 7.8-7.9 with
+ * nothing prefetched, 7.7-8.1 with this; out of the L2 10.1-10.7 / 8.4-9.4 / 8.4-9.6; 300
+ * lists in turn, none in the caches, 20.5-24.2 / 24.7-26.9 / 18.3-21.2 (512 bytes or 4
+ * KiB ahead no better). Where the objects lie in another order (a list shuffled in
+ * memory) this prefetches nothing useful: 53.7-54.2 us there against 49.5-51.6. */
 #define PREFETCH_AHEAD_BYTES 1024
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
