@@ -104,7 +104,7 @@ static PyObject *fill_int64(PyObject *self, PyObject *args) {
     int64_t a, b;
     /* two ids a step, one prefetch for both: the objects are 32 bytes */
     for (; i + 2 <= n; i += 2) {
-        PREFETCH((const char *)items[i] + PREFETCH_AHEAD_BYTES);
+        PREFETCH((const void *)((uintptr_t)items[i] + PREFETCH_AHEAD_BYTES)); /* never faults */
         if (!int64_of(items[i], &a) || !int64_of(items[i + 1], &b)) {
             ok = 0;
             break;
