@@ -237,8 +237,10 @@ class HierarchicalCache:
     def match_prefix(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
         """The longest cached prefix of ``token_ids`` (whole pages), tier by tier.
         Counts as one request in the statistics and the pages' hit counts."""
+        # NOTE: canonical_salt's and _check_open's common cases in place, without their
+        # calls (0.2 us, a full hit's 1.5%)
         tokens, salt = token_array(token_ids), b"" if salt is None else canonical_salt(salt)
-        if self._closed:  # NOTE: _check_open's test, without its call (a full hit's 1%)
+        if self._closed:
             self._check_open()
         # NOTE: the steps a uniform spec without storage skips are tested here, not called:
         # a call that returns at once costs 60-80 ns, a full hit's 10.8 us had eight
