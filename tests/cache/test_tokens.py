@@ -4,7 +4,9 @@ its own tests are skipped, or fail under KVTIER_REQUIRE_SERVICES=1 (CI)."""
 
 from __future__ import annotations
 
+import platform
 import random
+import sys
 from array import array
 
 import numpy as np
@@ -122,19 +124,32 @@ def test_the_compiled_reader_answers_false_for_what_it_does_not_read(compiled):
         assert compiled.fill_int64(array("q", [0]) * len(ids), ids) is False
 
 
-@pytest.mark.parametrize("n", range(1, 10))
+@pytest.mark.parametrize("n", range(1, 14))
 def test_the_compiled_reader_reads_every_position_the_same(compiled, n):
-    """It reads two ids a step and the last one alone: every position, of either parity
-    and the tail, reads a one-digit id, a larger one, and answers False for a non-int."""
+    """It reads four ids a step (one test for the four where each is one positive digit),
+    then two, then the last one alone: every position of every step reads each kind of id
+    (0, negative, more digits, the one-digit bounds) and answers False for a non-int."""
     rng = random.Random(n)
+    odds = ((-(1 << 40) - 3, True), (1 << 62, True), (-1, True), (0, True), (5, True), (1 << 30, True),
+            ((1 << 30) - 1, True), (-(1 << 30) + 1, True), (-(1 << 63), True), (True, False), (2.0, False),
+            (1 << 63, False))
     for at in range(n):
-        for odd, want in ((-(1 << 40) - 3, True), (1 << 62, True), (-1, True), (2.0, False), (1 << 63, False)):
-            ids = [rng.randrange(-(1 << 30) + 1, 1 << 30) for _ in range(n)]
+        for odd, want in odds:
+            ids = [rng.randrange(1, 1 << 30) for _ in range(n)]
             ids[at] = odd
             out = array("q", [7]) * n
             assert compiled.fill_int64(out, ids) is want, (n, at, odd)
             if want:
                 assert out.tolist() == ids
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or sys.implementation.name != "cpython"
+                    or not (3, 11) <= sys.version_info[:2] <= (3, 13), reason="the one-load test is built for "
+                    "x86-64 CPython 3.11-3.13, whose int layouts it knows")
+def test_the_compiled_reader_tests_one_digit_ids_in_one_load(compiled):
+    """The import checks the int layout on ints it makes and turns the one-load test off
+    where it differs: on the CPythons it is built for, it must find it the same."""
+    assert compiled.one_digit_test == 1
 
 
 def test_the_compiled_reader_checks_its_arguments(compiled):
