@@ -12,6 +12,7 @@ from array import array
 import numpy as np
 import pytest
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from kvtier.cache import tokens
 from kvtier.compiled import load
@@ -243,6 +244,13 @@ def _on_device(tree, rng, page_size):
     return off
 
 
+def _slots(capsule) -> list[int]:
+    """A walk's slots: the DLPack capsule read by torch (once), as a list."""
+    tensor = from_dlpack(capsule)
+    assert tensor.dtype == torch.int64 and tensor.device.type == "cpu" and tensor.is_contiguous()
+    return tensor.tolist()
+
+
 def test_walk_slots_is_the_walk_and_its_device_slots(compiled):
     """``RadixTree.walk_slots`` walks as ``walk`` does, from every prompt of a tree with
     first-id collisions, nodes off the device and walks ending inside a key; it gives
@@ -277,7 +285,7 @@ def test_walk_slots_is_the_walk_and_its_device_slots(compiled):
         over = over and all(isinstance(n.edge, int) for n in path)  # a collision's child: the Python walk's
         if whole and over:
             slots = np.concatenate([p * 4 + np.arange(4) for n in path for p in n.device.pages])
-            assert got[3] is not None and np.array_equal(np.frombuffer(got[3], dtype=np.int64), slots)
+            assert got[3] is not None and np.array_equal(_slots(got[3]), slots)
             kinds.add("slots")
         else:
             assert got[3] is None
@@ -299,19 +307,19 @@ def test_walk_slots_leaves_pages_it_cannot_read_to_the_caller(compiled):
     top = root.children[1]
     low = top.children[5]
     top.device, low.device = DeviceCopy(np.array([3])), DeviceCopy(np.array([6]))
-    assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64)) == \
+    assert _slots(compiled.walk_slots(root, tokens, 8, [], None, 4)[3]) == \
         [12, 13, 14, 15, 24, 25, 26, 27]
     # the pieces of a split: views of one array, taken as one run of it
     base = np.array([9, 3, 6, 2])
     top.device, low.device = DeviceCopy(base[1:2], base, 1), DeviceCopy(base[2:3], base, 2)
-    assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64)) == \
+    assert _slots(compiled.walk_slots(root, tokens, 8, [], None, 4)[3]) == \
         [12, 13, 14, 15, 24, 25, 26, 27]
     top.device.pages = np.array([5])  # not what the array holds: the run is read from the array itself
-    assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64))[:4] == \
+    assert _slots(compiled.walk_slots(root, tokens, 8, [], None, 4)[3])[:4] == \
         [12, 13, 14, 15]
     for first, at in ((1, 3), (1, 4), (3, 4), (1, "2")):  # longer than the path, out of the array, not an int
         top.device, low.device = DeviceCopy(base[1:2], base, first), DeviceCopy(base[2:3], base, at)
-        assert list(np.frombuffer(compiled.walk_slots(root, tokens, 8, [], None, 4)[3], dtype=np.int64)) == \
+        assert _slots(compiled.walk_slots(root, tokens, 8, [], None, 4)[3]) == \
             [12, 13, 14, 15, 24, 25, 26, 27]  # node by node
     top.device = DeviceCopy(np.array([3]))
     for pages in (np.array([6.0]), np.array([6, 7]), np.array([6], dtype=np.int32)):
@@ -344,6 +352,39 @@ def test_walk_slots_leaves_pages_it_cannot_read_to_the_caller(compiled):
         compiled.walk_slots(root, tokens, 8, [top], None, 4)
     with pytest.raises(TypeError, match="6 arguments"):
         compiled.walk_slots(root, tokens, 8, [], None)
+
+
+def test_walk_slots_capsules_free_their_slots_once(compiled):
+    """A walk's slots go with its capsule where no tensor was made of it, and with the
+    tensor where one was (which outlives the capsule): nothing is left behind after
+    hundreds of walks, and a tensor still reads its slots after the capsule is gone."""
+    import gc
+    import tracemalloc
+
+    from kvtier.cache.residency import DeviceCopy
+
+    prompt = list(range(1, 4097))
+    tree = _tree_of([prompt], 4)
+    (node,) = tree.nodes()
+    node.device = DeviceCopy(np.arange(1024, dtype=np.int64)[::-1].copy())
+    tokens, root = array("q", prompt), tree.root(b"")
+    want = (np.arange(1024)[::-1, None] * 4 + np.arange(4)).reshape(-1).tolist()
+    tensor = from_dlpack(compiled.walk_slots(root, tokens, 4096, [], None, 4)[3])
+    gc.collect()
+    assert tensor.tolist() == want  # the capsule is gone, the tensor's slots are not
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(200):
+            assert compiled.walk_slots(root, tokens, 4096, [], None, 4)[3] is not None  # dropped unread
+            made = from_dlpack(compiled.walk_slots(root, tokens, 4096, [], None, 4)[3])
+            assert made[5].item() == want[5]
+            del made
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert left < 4096 * 8, left  # less than one walk's slots (400 walks' would be 13 MB)
 
 
 def test_the_radix_walk_matches_the_same_with_either_comparison(monkeypatch, compiled):

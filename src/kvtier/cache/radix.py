@@ -164,12 +164,13 @@ class RadixTree:
         pos, inner, node = run(node, tokens, pos, inner, usable, path, stamp)
         return self._walk_on(node, tokens, pos, inner, usable, path, stamp, run)
 
-    def walk_slots(self, tokens: array, salt: bytes, stamp: int) -> tuple[list[Node], int, int, bytearray | None]:
+    def walk_slots(self, tokens: array, salt: bytes, stamp: int) -> tuple[list[Node], int, int, object | None]:
         """:meth:`walk` (stamping), and ``slots``: where every node of the path is matched
         whole, on the device and keyed by its first id (not a collision's), and the walk
         ended at the usable tokens or at a node with no child keyed by the next id and
-        no collisions, the path's device slots, ``page_size`` a page, as native int64 in
-        a new bytearray; else ``None`` (and always without the compiled walk)."""
+        no collisions, the path's device slots, ``page_size`` a page, as int64 in a new
+        DLPack capsule (``torch.utils.dlpack.from_dlpack`` takes it as a tensor, once);
+        else ``None`` (and always without the compiled walk)."""
         node, compiled = self.roots.get(salt), load(COMPILED)
         if node is None or compiled is None:
             return *self.walk(tokens, salt, stamp), None
