@@ -38,6 +38,49 @@ def test_acquire_counts_one_request_once(tmp_path):
     assert moved == {"matches": 1, "device_hit_tokens": 4, "host_hit_tokens": 4, "storage_hit_tokens": 8}
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["no-storage", "storage"])
+def test_match_counts_stay_exact_with_threads_switching_often(tmp_path, stored):
+    """A request's match counts are written with the cache's lock held (no lock of their
+    own): threads matching at once, switched every microsecond, lose none, with the
+    storage hit counted after the lookup as well."""
+    import threading
+
+    store = kvtier.storage.open(f"file://{tmp_path}") if stored else None
+    if stored:
+        writer = make_cache(storage=store)
+        serve(writer, A)                                      # storage holds all 4 pages
+        writer.flush()
+    cache = make_cache(storage=store)
+    serve(cache, A[:8])                                       # 2 pages on the device
+    before, switch = cache.stats(), sys.getswitchinterval()
+    errors, seen = [], []
+
+    def requests():
+        try:
+            for _ in range(150):
+                seen.append(hits(cache.match_prefix(A)))  # storage's lookups may time out here: misses
+        except BaseException as e:
+            errors.append(e)
+
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=requests) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors[0]
+    assert {h[:2] for h in seen} == {(8, 0)} and (not stored or any(h[2] == 8 for h in seen)), set(seen)
+    after = cache.stats()
+    moved = {k: after[k] - before[k] for k in ("matches", "device_hit_tokens", "host_hit_tokens",
+                                                "storage_hit_tokens")}
+    assert moved == {"matches": 600, "device_hit_tokens": 600 * 8, "host_hit_tokens": 0,
+                     "storage_hit_tokens": sum(h[2] for h in seen)}
+    cache.close()
+
+
 def test_selective_backup_on_the_second_reuse_through_acquire(tmp_path):
     store = kvtier.storage.open(f"file://{tmp_path}")
     writer = make_cache(storage=store)

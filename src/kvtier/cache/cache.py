@@ -257,8 +257,13 @@ class HierarchicalCache:
             last = path[-1] if path else self._state.tree.root(salt)
             groups = self._groups(path, device_len, probe) if hybrid else None
             asked = self._probe_keys(tokens, probe, salt) if hybrid and stored else None
-        storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0] if stored else 0
-        self._stats.matched(device_len, host_len, storage_len)
+            if not stored:  # the counts are written with the lock held (CacheStats)
+                self._stats.matched(device_len, host_len, 0)
+        storage_len = 0
+        if stored:
+            storage_len = self._storage_hit(tokens, device_len + host_len, parent_key, salt, asked)[0]
+            with self._lock:
+                self._stats.matched(device_len, host_len, storage_len)
         return MatchResult.made(device, device_len, host_len, storage_len, last, tuple(path), tokens, salt, groups)
 
     def peek(self, token_ids: Sequence[int] | torch.Tensor, salt=None) -> MatchResult:
@@ -484,7 +489,7 @@ class HierarchicalCache:
                     state.unlock_node(lease.node)
                     lease = Lease(state.tree.root(salt), state)
                     state.lock_node(lease.node)
-                self._stats.matched(0, 0, 0)
+                    self._stats.matched(0, 0, 0)
                 empty = LoadHandle(state.device_slots([]), self._layer_num,
                                    groups=None if self._sides is None else state.side_slots([], 0))
                 empty._finish()
@@ -492,7 +497,8 @@ class HierarchicalCache:
         reused = len(load)
         device_hit = min(device_len, reused)
         host_hit = min(host_len, reused - device_hit)
-        self._stats.matched(device_hit, host_hit, reused - device_hit - host_hit)
+        with self._lock:
+            self._stats.matched(device_hit, host_hit, reused - device_hit - host_hit)
         return Acquired(match, load, device_hit, host_hit, reused - device_hit - host_hit, lease)
 
     @_checked
@@ -839,6 +845,7 @@ class HierarchicalCache:
     def stats(self) -> dict:
         self._check_open()
         with self._lock:
+            counts = self._stats.snapshot()
             nodes = list(self._state.tree.nodes())
             tiers = {"device_tokens": sum(len(n.key) for n in nodes if n.device is not None),
                      "host_tokens": sum(len(n.key) for n in nodes if n.host_ready),
@@ -848,7 +855,7 @@ class HierarchicalCache:
                                                      if getattr(n, t) is not None) for t in ("device", "host")}
                                           for g in self._sides.names}
         queues = {w.name: w.depth() for w in self._mover.workers}
-        out = {**self._stats.snapshot(), **tiers, "queue_depths": queues}
+        out = {**counts, **tiers, "queue_depths": queues}
         if self.storage is not None:
             try:
                 out["storage"] = self.storage.stats()

@@ -9,15 +9,21 @@ _EVICTED = {"device": "device_evicted_tokens", "host": "host_evicted_tokens"}
 
 
 class CacheStats:
-    _FIELDS = ("matches", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens", "loaded_tokens",
-               "backed_up_tokens", "stored_tokens", "store_dropped_tokens", "prefetched_tokens", "inserted_tokens",
-               "device_evicted_tokens", "host_evicted_tokens", "device_alloc_failures", "errors",
+    """The counters. Each request's match counts (``_MATCHES``) are written by
+    :meth:`matched` with the cache's lock held, which orders every request already; the
+    rest under this object's own lock, from any thread. :meth:`snapshot` is taken with
+    the cache's lock held too."""
+
+    _MATCHES = ("matches", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens")
+    _FIELDS = ("loaded_tokens", "backed_up_tokens", "stored_tokens", "store_dropped_tokens", "prefetched_tokens",
+               "inserted_tokens", "device_evicted_tokens", "host_evicted_tokens", "device_alloc_failures", "errors",
                *(f"{k}_errors" for k in ERROR_KINDS))
 
     def __init__(self, bytes_per_token: int) -> None:
         self._lock = threading.Lock()
         self._bytes_per_token = bytes_per_token
         self._counts = dict.fromkeys(self._FIELDS, 0)
+        self._matches = [0] * len(self._MATCHES)
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -28,23 +34,26 @@ class CacheStats:
         """One failed operation of ``kind`` (one of ``ERROR_KINDS``)."""
         self.add(errors=1, **{f"{kind}_errors": 1})
 
-    # NOTE: the two calls made per request and per eviction update the counters
-    # directly rather than through ``add``'s keyword dict (a replay makes ~10^5 of them).
     def matched(self, device: int, host: int, storage: int) -> None:
-        with self._lock:
-            c = self._counts
-            c["matches"] += 1
-            c["device_hit_tokens"] += device
-            c["host_hit_tokens"] += host
-            c["storage_hit_tokens"] += storage
+        """One request's hit, tier by tier; the cache's lock held.
+        NOTE: without a lock of its own, in a list: 0.8 -> 0.2 us of a full hit's 12 (Zen 2)."""
+        m = self._matches
+        m[0] += 1
+        m[1] += device
+        m[2] += host
+        m[3] += storage
 
+    # NOTE: the call made per eviction updates its counter directly rather than through
+    # ``add``'s keyword dict (a replay makes ~10^5 of them).
     def evicted(self, tier: str, tokens: int) -> None:
         with self._lock:
             self._counts[_EVICTED[tier]] += tokens
 
     def snapshot(self) -> dict:
+        """Every counter (the cache's lock held), with their bytes."""
+        out = dict(zip(self._MATCHES, self._matches))
         with self._lock:
-            out = dict(self._counts)
+            out.update(self._counts)
         bpt = self._bytes_per_token
         out["bytes"] = {"device_hit": out["device_hit_tokens"] * bpt, "host_hit": out["host_hit_tokens"] * bpt,
                         "storage_hit": out["storage_hit_tokens"] * bpt, "loaded": out["loaded_tokens"] * bpt,
