@@ -21,7 +21,7 @@ from .inflight import InFlight
 from .lru import side_tier
 from .residency import held_count
 from ..compiled import load
-from ..pools.indices import COMPILED, page_token_slots
+from ..pools.indices import COMPILED, from_capsule, page_token_slots
 from .sides import HOLE, highest, lowest, resumable, runs
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -218,8 +218,8 @@ class HybridState:
             # NOTE: one call fills the -1s and expands every piece (holes kept): with a
             # copy of a kept array of -1s and a call per piece, side_slots took 6.1 us of
             # a MiMo full hit's 17 beyond a uniform one's (page 64), 4.4 with it
-            slots = np.empty(pages * ps, dtype=np.int64)
-            return torch.from_numpy(slots), compiled.window_slots(pieces, ps, slots)
+            slots, written = compiled.window_slots(pieces, ps, pages * ps)  # a new tensor's memory (slot_tensor)
+            return from_capsule(slots), written
         slots, written = self.sides.holes(pages * ps), 0
         for lo, held in pieces:
             piece = page_token_slots(np.maximum(held, 0), ps)

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import UsageError
 from ..hybrid import HybridSpec
-from ..pools.indices import page_numbers, page_token_slots
+from ..pools.indices import page_numbers, slot_tensor
 
 HOLE = -1
 
@@ -138,7 +138,7 @@ class Sides:
     # -- pages and slots -------------------------------------------------------------------------
     def slots(self, pages: np.ndarray) -> torch.Tensor:
         """Token slots of ``pages`` (no holes)."""
-        return torch.from_numpy(page_token_slots(pages, self.page_size))
+        return slot_tensor(pages, self.page_size)
 
     def pages_of(self, slots: torch.Tensor) -> np.ndarray:
         """Page numbers of whole-page slots."""

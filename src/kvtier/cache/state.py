@@ -31,11 +31,10 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.dlpack import from_dlpack
 
 from ..errors import IntegrityError, UsageError
 from ..compiled import load
-from ..pools.indices import COMPILED, page_token_slots
+from ..pools.indices import COMPILED, from_capsule, slot_tensor
 from ..storage.keys import extend_keys
 from .footprint import Footprint
 from .handles import LoadHandle
@@ -49,9 +48,6 @@ from .stats import CacheStats
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
-# NOTE: what torch.utils.dlpack.from_dlpack calls for a capsule, after checks a capsule
-# skips (0.27 us of a full hit); the public function where a torch lacks it
-_from_capsule = getattr(torch._C, "_from_dlpack", from_dlpack)
 
 
 def _device_count(path) -> int:
@@ -204,7 +200,7 @@ class CacheState(HybridState):
     def _path_slots(self, path, slots) -> torch.Tensor:
         """The device slots of ``path``, every node of it on the device: ``slots``, the
         walk's capsule, where it took them."""
-        return self._run_slots(path, len(path)) if slots is None else _from_capsule(slots)
+        return self._run_slots(path, len(path)) if slots is None else from_capsule(slots)
 
     def _run_slots(self, path, k: int) -> torch.Tensor:
         """The device slots of ``path[:k]``, every one of them on the device (``k > 0``)."""
@@ -229,13 +225,11 @@ class CacheState(HybridState):
                 runs = pages if isinstance(pages, (list, tuple)) else (pages,)
                 if count is None:
                     count = sum([len(r) for r in runs]) * self.page_size
-                out = np.empty(count, dtype=np.int64)
-                try:
-                    compiled.expand_runs(runs, self.page_size, out)
-                    return torch.from_numpy(out)
+                try:  # straight into the new tensor's memory (slot_tensor)
+                    return from_capsule(compiled.expand_runs(runs, self.page_size, count))
                 except (TypeError, ValueError):  # a run not of contiguous int64: numpy's way below
                     pass
-            return torch.from_numpy(page_token_slots(_joined(pages), self.page_size))
+            return slot_tensor(_joined(pages), self.page_size)
         # NOTE: on an accelerator only the page numbers cross (1/page_size of the slots'
         # bytes), and the expansion runs there, queued like any kernel
         on = torch.from_numpy(_joined(pages)).to(self._offsets.device)

@@ -131,8 +131,9 @@ typedef struct {
     Py_ssize_t count;   /* buffers taken */
     Py_buffer *views;   /* count of them */
     Py_ssize_t *firsts; /* placed: each item's first page */
-    Py_buffer out;
+    Py_buffer out;      /* the caller's buffer, or (new) the capsule's slots */
     int has_out;
+    PyObject *capsule;  /* where ``out`` was a count: the new slots, until returned */
     int64_t page_size;
 } expansion_t;
 
@@ -141,6 +142,7 @@ static void expansion_release(expansion_t *e) {
         PyBuffer_Release(&e->views[i]);
     if (e->has_out)
         PyBuffer_Release(&e->out);
+    Py_XDECREF(e->capsule);
     PyMem_Free(e->views);
     PyMem_Free(e->firsts);
     Py_XDECREF(e->seq);
@@ -186,6 +188,21 @@ static int expansion_parse(PyObject *args, const char *name, int many, int place
         if (get_int64s(item, &e->views[e->count], 0, "pages") < 0)
             goto fail;
     }
+    if (PyLong_Check(out_obj)) { /* a count: new slots, in a capsule (slots_capsule) */
+        Py_ssize_t slots = PyLong_AsSsize_t(out_obj);
+        if (slots == -1 && PyErr_Occurred())
+            goto fail;
+        if (slots < 0 || slots > PY_SSIZE_T_MAX / 8) {
+            PyErr_Format(PyExc_ValueError, "%s: %zd slots cannot be made", name, slots);
+            goto fail;
+        }
+        int64_t *data = NULL;
+        if (!(e->capsule = slots_capsule(slots, &data)))
+            goto fail;
+        e->out.buf = data;
+        e->out.len = slots * 8;
+        return 0;
+    }
     if (get_int64s(out_obj, &e->out, 1, "out") < 0)
         goto fail;
     e->has_out = 1;
@@ -193,6 +210,23 @@ static int expansion_parse(PyObject *args, const char *name, int many, int place
 fail:
     expansion_release(e);
     return -1;
+}
+
+/* What a call that wrote ``e`` returns: ``done`` (a new reference, or NULL), or where
+ * ``out`` was a count, the new slots' capsule (with ``done`` beside it, when not None). */
+static PyObject *expansion_result(expansion_t *e, PyObject *done) {
+    PyObject *capsule = e->capsule;
+    e->capsule = NULL;
+    expansion_release(e);
+    if (capsule == NULL || done == NULL) {
+        Py_XDECREF(capsule);
+        return done;
+    }
+    if (done == Py_None) {
+        Py_DECREF(done);
+        return capsule;
+    }
+    return Py_BuildValue("(NN)", capsule, done);
 }
 
 /* Pages of every buffer taken, in all. */
@@ -229,15 +263,16 @@ static PyObject *expand_all(PyObject *args, const char *name, int many) {
     }
     if (save)
         PyEval_RestoreThread(save);
-    expansion_release(&e);
-    Py_RETURN_NONE;
+    return expansion_result(&e, Py_NewRef(Py_None));
 }
 
 PyDoc_STRVAR(expand_pages_doc,
 "expand_pages(pages, page_size, out) -> None\n\n"
 "Write the token slots of ``pages`` (int64 page numbers) to ``out`` (a writable int64\n"
 "buffer of len(pages) * page_size): page p becomes p * page_size .. p * page_size +\n"
-"page_size - 1.");
+"page_size - 1. Where ``out`` is a count of slots, they are written to new memory and\n"
+"returned as a DLPack capsule (torch.utils.dlpack.from_dlpack takes it, without a\n"
+"copy); so for every expansion here.");
 
 static PyObject *expand_pages(PyObject *self, PyObject *args) {
     (void)self;
@@ -262,7 +297,8 @@ PyDoc_STRVAR(window_slots_doc,
 "slots of each piece ``(first, pages)`` from page ``first`` of ``out`` on: ``pages``\n"
 "holds int64 page numbers, a negative one (a hole) leaving its page's slots at -1.\n"
 "Every piece is checked to lie inside ``out`` before anything is written. Returns how\n"
-"many pages were written (the pieces' pages that are not holes).");
+"many pages were written (the pieces' pages that are not holes); with a count for\n"
+"``out``, ``(capsule, written)``.");
 
 static PyObject *window_slots(PyObject *self, PyObject *args) {
     (void)self;
@@ -288,8 +324,7 @@ static PyObject *window_slots(PyObject *self, PyObject *args) {
         for (Py_ssize_t p = 0; p < count; p++)
             written += pages[p] >= 0;
     }
-    expansion_release(&e);
-    return PyLong_FromSsize_t(written);
+    return expansion_result(&e, PyLong_FromSsize_t(written));
 }
 
 static PyMethodDef methods[] = {

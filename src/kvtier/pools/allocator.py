@@ -8,7 +8,7 @@ import torch
 from .._checks import non_negative_int
 from ..errors import IntegrityError, UsageError
 from .common import check_sizes
-from .indices import page_numbers, page_token_slots
+from .indices import page_numbers, slot_tensor
 
 
 #: up to this many pages, an alloc or free marks them one by one (see ``_flags``)
@@ -55,7 +55,7 @@ class PageAllocator:
             return None
         pages = self._take(need)
         self._in_use[pages] = True
-        return torch.from_numpy(page_token_slots(pages, self.page_size))
+        return slot_tensor(pages, self.page_size)
 
     def alloc_pages(self, k: int) -> np.ndarray | None:
         """``k`` whole pages as page numbers (int64 numpy); ``None`` when too few are free."""
