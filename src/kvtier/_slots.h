@@ -52,7 +52,24 @@ SLOTS_INLINE void expand_loop(int64_t *dst, const int64_t *pages, Py_ssize_t n, 
  * 1.1 with these (Zen 2) */
 #ifdef LINES_WIDE
 LINES_HALF_TARGET static void expand_avx2(int64_t *dst, const int64_t *pages, Py_ssize_t n, int64_t ps, int holes) {
-    expand_loop(dst, pages, n, ps, holes);
+    if (ps % 4) {
+        expand_loop(dst, pages, n, ps, holes);
+        return;
+    }
+    /* NOTE: four slots a store, written out: the compiler's loop for a page size known
+     * only at run time set itself up for every page. A call expanding 8K slots took 2.1
+     * us at page 16 and 1.9 at page 64 so, 1.6-1.8 and 1.3-1.8 this way (Zen 2, three
+     * alternated pairs) */
+    const __m256i iota = _mm256_set_epi64x(3, 2, 1, 0), four = _mm256_set1_epi64x(4);
+    for (Py_ssize_t p = 0; p < n; p++, dst += ps) {
+        if (holes && pages[p] < 0)
+            continue;
+        __m256i v = _mm256_add_epi64(_mm256_set1_epi64x((int64_t)((uint64_t)pages[p] * (uint64_t)ps)), iota);
+        for (int64_t j = 0; j < ps; j += 4) {
+            _mm256_storeu_si256((__m256i *)(dst + j), v);
+            v = _mm256_add_epi64(v, four);
+        }
+    }
 }
 #endif
 

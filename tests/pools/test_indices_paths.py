@@ -238,11 +238,12 @@ def test_compiled_loops_check_their_buffers(compiled):
             expand(pages, 2 ** 62, np.empty(0, dtype=np.int64))
 
 
-@pytest.mark.parametrize("page_size", [*range(1, 10), 15, 16, 17, 63, 64, 65])
+@pytest.mark.parametrize("page_size", [*range(1, 10), 15, 16, 17, 32, 63, 64, 65, 128])
 def test_every_expansion_equals_numpy_at_every_page_size(page_size):
-    """The compiled expansions (a vector loop with a tail where the CPU has wide stores)
-    write exactly numpy's slots, at page sizes that fill whole vectors and ones that
-    leave a tail; window_slots leaves a hole's page at -1."""
+    """The compiled expansions (four slots a store where the CPU has wide stores and the
+    page size is a multiple of four, else a vector loop with a tail) write exactly
+    numpy's slots, at page sizes that fill whole vectors and ones that leave a tail;
+    window_slots leaves a hole's page at -1."""
     compiled = load(indices.COMPILED)
     if compiled is None:
         pytest.skip("the compiled indices module is not built")
