@@ -43,8 +43,8 @@
  * value is that digit. The general test reads the type, then the size word, then the
  * digit: four loads an id with its item, which the Zen 2's two loads a cycle took at
  * 2.0-2.1 cycles an id; this makes it three. Reading 8K random 30-bit ids (a throwaway
- * loop, best of 5, Zen 2 VM, the builds side by side): in the CPU's caches 7.7-8.2 us ->
- * 6.5, out of the L2 9.0-10.2 -> 7.6, out of the caches the same (20-21, memory-bound).
+ * loop, best of 5, Zen 2 VM, the builds side by side): in the CPU's caches 7.9-8.2 us ->
+ * 6.5, out of the L2 8.8-9.3 -> 7.6, out of the caches the same (20-21, memory-bound).
  * The layout is private: the import checks it on ints it makes (one_digit_setup) and,
  * where it differs, every id is read the general way. */
 #if defined(__SSE2__) && PY_VERSION_HEX >= 0x030B0000 && PYLONG_BITS_IN_DIGIT == 30
