@@ -12,10 +12,10 @@ from array import array
 import numpy as np
 import pytest
 import torch
-from torch.utils.dlpack import from_dlpack
 
 from kvtier.cache import tokens
 from kvtier.compiled import load
+from tests.support.memory import capsule_tensor, left_after
 from tests.support.services import unavailable
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -246,9 +246,7 @@ def _on_device(tree, rng, page_size):
 
 def _slots(capsule) -> list[int]:
     """A walk's slots: the DLPack capsule read by torch (once), as a list."""
-    tensor = from_dlpack(capsule)
-    assert tensor.dtype == torch.int64 and tensor.device.type == "cpu" and tensor.is_contiguous()
-    return tensor.tolist()
+    return capsule_tensor(capsule).tolist()
 
 
 def test_walk_slots_is_the_walk_and_its_device_slots(compiled):
@@ -359,7 +357,6 @@ def test_walk_slots_capsules_free_their_slots_once(compiled):
     tensor where one was (which outlives the capsule): nothing is left behind after
     hundreds of walks, and a tensor still reads its slots after the capsule is gone."""
     import gc
-    import tracemalloc
 
     from kvtier.cache.residency import DeviceCopy
 
@@ -369,21 +366,15 @@ def test_walk_slots_capsules_free_their_slots_once(compiled):
     node.device = DeviceCopy(np.arange(1024, dtype=np.int64)[::-1].copy())
     tokens, root = array("q", prompt), tree.root(b"")
     want = (np.arange(1024)[::-1, None] * 4 + np.arange(4)).reshape(-1).tolist()
-    tensor = from_dlpack(compiled.walk_slots(root, tokens, 4096, [], None, 4)[3])
+    tensor = capsule_tensor(compiled.walk_slots(root, tokens, 4096, [], None, 4)[3])
     gc.collect()
     assert tensor.tolist() == want  # the capsule is gone, the tensor's slots are not
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(200):
-            assert compiled.walk_slots(root, tokens, 4096, [], None, 4)[3] is not None  # dropped unread
-            made = from_dlpack(compiled.walk_slots(root, tokens, 4096, [], None, 4)[3])
-            assert made[5].item() == want[5]
-            del made
-        gc.collect()
-        left = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+
+    def walks():
+        assert compiled.walk_slots(root, tokens, 4096, [], None, 4)[3] is not None  # dropped unread
+        assert capsule_tensor(compiled.walk_slots(root, tokens, 4096, [], None, 4)[3])[5].item() == want[5]
+
+    left = left_after(walks, 200)
     assert left < 4096 * 8, left  # less than one walk's slots (400 walks' would be 13 MB)
 
 

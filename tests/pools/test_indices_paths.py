@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvtier.compiled import load
 from kvtier.pools import indices
 from kvtier.pools.indices import page_slots, page_starts, page_token_slots
+from tests.support.memory import capsule_tensor, left_after
 from tests.support.services import unavailable
 
 
@@ -315,47 +316,33 @@ def test_expansions_given_a_count_write_new_slots_a_tensor_takes_once(compiled):
     count); a count that does not fit is refused the same way; the memory goes with the
     capsule or the tensor made of it, once."""
     import gc
-    import tracemalloc
-
-    from torch.utils.dlpack import from_dlpack
-
-    def tensor(capsule):
-        t = from_dlpack(capsule)
-        assert t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() and t.dim() == 1
-        return t
 
     pages = np.array([7, 2, 5], dtype=np.int64)
     runs = [np.array([5, 1], dtype=np.int64), np.array([], dtype=np.int64), np.array([9], dtype=np.int64)]
     pieces = [(1, np.array([7, -1], dtype=np.int64)), (3, np.array([0], dtype=np.int64))]
-    assert tensor(compiled.expand_pages(pages, 4, 12)).tolist() == page_token_slots(pages, 4).tolist()
-    assert tensor(compiled.expand_runs(runs, 3, 9)).tolist() == [15, 16, 17, 3, 4, 5, 27, 28, 29]
-    assert tensor(compiled.expand_runs((), 3, 0)).tolist() == []
+    assert capsule_tensor(compiled.expand_pages(pages, 4, 12)).tolist() == page_token_slots(pages, 4).tolist()
+    assert capsule_tensor(compiled.expand_runs(runs, 3, 9)).tolist() == [15, 16, 17, 3, 4, 5, 27, 28, 29]
+    assert capsule_tensor(compiled.expand_runs((), 3, 0)).tolist() == []
     capsule, written = compiled.window_slots(pieces, 3, 12)
-    assert tensor(capsule).tolist() == [-1, -1, -1, 21, 22, 23, -1, -1, -1, 0, 1, 2] and written == 2
+    assert capsule_tensor(capsule).tolist() == [-1, -1, -1, 21, 22, 23, -1, -1, -1, 0, 1, 2] and written == 2
     for call in (lambda: compiled.expand_pages(pages, 4, 11), lambda: compiled.expand_runs(runs, 3, 10),
                  lambda: compiled.window_slots(pieces, 3, 9), lambda: compiled.expand_pages(pages, 4, -12)):
         with pytest.raises(ValueError):
             call()
     with pytest.raises(TypeError):
         compiled.expand_runs([runs[0], runs[2].astype(np.int32)], 3, 9)
-    made = tensor(compiled.expand_pages(np.arange(512, dtype=np.int64), 16, 8192))
+    made = capsule_tensor(compiled.expand_pages(np.arange(512, dtype=np.int64), 16, 8192))
     gc.collect()
     assert made[::16].tolist() == list(range(0, 8192, 16))  # outlives its capsule
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(100):
-            compiled.expand_pages(np.arange(512, dtype=np.int64), 16, 8192)  # dropped unread
-            del made
-            made = tensor(compiled.expand_runs([np.arange(512, dtype=np.int64)], 16, 8192))
-            compiled.window_slots(pieces, 3, 12)
-            with pytest.raises(ValueError):
-                compiled.expand_runs(runs, 3, 8192)  # refused after its memory was made
-        del made
-        gc.collect()
-        left = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+
+    def calls():
+        compiled.expand_pages(np.arange(512, dtype=np.int64), 16, 8192)  # dropped unread
+        assert capsule_tensor(compiled.expand_runs([np.arange(512, dtype=np.int64)], 16, 8192))[17].item() == 17
+        compiled.window_slots(pieces, 3, 12)
+        with pytest.raises(ValueError):
+            compiled.expand_runs(runs, 3, 8192)  # refused after its memory was made
+
+    left = left_after(calls, 100)
     assert left < 8192 * 8, left  # less than one call's slots (300 calls' would be 20 MB)
 
 
