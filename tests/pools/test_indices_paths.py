@@ -326,7 +326,8 @@ def test_expansions_given_a_count_write_new_slots_a_tensor_takes_once(compiled):
     capsule, written = compiled.window_slots(pieces, 3, 12)
     assert capsule_tensor(capsule).tolist() == [-1, -1, -1, 21, 22, 23, -1, -1, -1, 0, 1, 2] and written == 2
     for call in (lambda: compiled.expand_pages(pages, 4, 11), lambda: compiled.expand_runs(runs, 3, 10),
-                 lambda: compiled.window_slots(pieces, 3, 9), lambda: compiled.expand_pages(pages, 4, -12)):
+                 lambda: compiled.window_slots(pieces, 3, 9), lambda: compiled.expand_pages(pages, 4, -12),
+                 lambda: compiled.expand_runs(runs, 3, 1 << 58)):  # checked before its memory is asked for
         with pytest.raises(ValueError):
             call()
     with pytest.raises(TypeError):

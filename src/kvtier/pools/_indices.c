@@ -131,9 +131,10 @@ typedef struct {
     Py_ssize_t count;   /* buffers taken */
     Py_buffer *views;   /* count of them */
     Py_ssize_t *firsts; /* placed: each item's first page */
-    Py_buffer out;      /* the caller's buffer, or (new) the capsule's slots */
+    Py_buffer out;      /* the caller's buffer, or (made) the capsule's slots */
     int has_out;
-    PyObject *capsule;  /* where ``out`` was a count: the new slots, until returned */
+    int make;           /* ``out`` was a count: expansion_made makes its slots, once checked */
+    PyObject *capsule;  /* ... in this capsule, until returned */
     int64_t page_size;
 } expansion_t;
 
@@ -196,11 +197,8 @@ static int expansion_parse(PyObject *args, const char *name, int many, int place
             PyErr_Format(PyExc_ValueError, "%s: %zd slots cannot be made", name, slots);
             goto fail;
         }
-        int64_t *data = NULL;
-        if (!(e->capsule = slots_capsule(slots, &data)))
-            goto fail;
-        e->out.buf = data;
         e->out.len = slots * 8;
+        e->make = 1;
         return 0;
     }
     if (get_int64s(out_obj, &e->out, 1, "out") < 0)
@@ -210,6 +208,18 @@ static int expansion_parse(PyObject *args, const char *name, int many, int place
 fail:
     expansion_release(e);
     return -1;
+}
+
+/* Where ``out`` was a count, its new slots (the call's checks passed): 0, or -1 with an
+ * error set. */
+static int expansion_made(expansion_t *e) {
+    int64_t *data = NULL;
+    if (!e->make || e->capsule != NULL)
+        return 0;
+    if (!(e->capsule = slots_capsule(e->out.len / 8, &data)))
+        return -1;
+    e->out.buf = data;
+    return 0;
 }
 
 /* What a call that wrote ``e`` returns: ``done`` (a new reference, or NULL), or where
@@ -252,6 +262,10 @@ static PyObject *expand_all(PyObject *args, const char *name, int many) {
         else
             PyErr_Format(PyExc_ValueError, "%s: %zd pages of %lld slots need %zd, the output holds %zd", name, pages,
                          (long long)e.page_size, pages * (Py_ssize_t)e.page_size, slots);
+        expansion_release(&e);
+        return NULL;
+    }
+    if (expansion_made(&e) < 0) {
         expansion_release(&e);
         return NULL;
     }
@@ -314,6 +328,10 @@ static PyObject *window_slots(PyObject *self, PyObject *args) {
             expansion_release(&e);
             return NULL;
         }
+    }
+    if (expansion_made(&e) < 0) {
+        expansion_release(&e);
+        return NULL;
     }
     memset(e.out.buf, 0xff, (size_t)e.out.len); /* -1 in every slot: all bits set */
     Py_ssize_t written = 0;
