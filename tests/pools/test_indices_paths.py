@@ -341,7 +341,7 @@ def test_expansions_given_a_count_write_new_slots_a_tensor_takes_once(compiled):
         assert capsule_tensor(compiled.expand_runs([np.arange(512, dtype=np.int64)], 16, 8192))[17].item() == 17
         compiled.window_slots(pieces, 3, 12)
         with pytest.raises(ValueError):
-            compiled.expand_runs(runs, 3, 8192)  # refused after its memory was made
+            compiled.expand_runs(runs, 3, 8192)  # refused, nothing made
 
     left = left_after(calls, 100)
     assert left < 8192 * 8, left  # less than one call's slots (300 calls' would be 20 MB)
