@@ -132,8 +132,7 @@ typedef struct {
     Py_buffer *views;   /* count of them */
     Py_ssize_t *firsts; /* placed: each item's first page */
     Py_buffer out;      /* the caller's buffer, or (made) the capsule's slots */
-    int has_out;
-    int make;           /* ``out`` was a count: expansion_made makes its slots, once checked */
+    int has_out;        /* 0 once parsed: ``out`` was a count, and expansion_made makes its slots */
     PyObject *capsule;  /* ... in this capsule, until returned */
     int64_t page_size;
 } expansion_t;
@@ -198,7 +197,6 @@ static int expansion_parse(PyObject *args, const char *name, int many, int place
             goto fail;
         }
         e->out.len = slots * 8;
-        e->make = 1;
         return 0;
     }
     if (get_int64s(out_obj, &e->out, 1, "out") < 0)
@@ -214,7 +212,7 @@ fail:
  * error set. */
 static int expansion_made(expansion_t *e) {
     int64_t *data = NULL;
-    if (!e->make || e->capsule != NULL)
+    if (e->has_out || e->capsule != NULL)
         return 0;
     if (!(e->capsule = slots_capsule(e->out.len / 8, &data)))
         return -1;

@@ -177,7 +177,7 @@ def slot_tensor(pages: np.ndarray, page_size: int) -> torch.Tensor:
     expansion straight into the tensor's memory where it can (numpy's array and
     ``torch.from_numpy`` around it cost 1.0 us more of 8K slots to make and free)."""
     compiled = load(COMPILED)
-    if compiled is not None and page_size > 1 and pages.dtype == np.int64 and pages.flags.c_contiguous:
+    if compiled is not None and pages.dtype == np.int64 and pages.flags.c_contiguous:
         return from_capsule(compiled.expand_pages(pages, page_size, pages.size * page_size))
     return torch.from_numpy(page_token_slots(pages, page_size))
 
