@@ -573,6 +573,7 @@ class HierarchicalCache:
                 walked = state.check_insert(tokens, pages, salt)
                 owned = state.check_sides(side, walked) if side is not None else frozenset()
                 already, new = state.insert(tokens, pages, salt, walked, side, resume_at, owned)
+                self._stats.inserted(new)
                 held.clear()  # the tree's now
                 if already > reused:  # another request cached these pages first: ours are duplicates
                     state.allocator.free(all_slots[reused:already])
@@ -584,7 +585,6 @@ class HierarchicalCache:
                 groups = self._groups(path, full)
                 # pages another request cached first may still be arriving from its host copy
                 depends = {id(n.loading): n.loading.handle for n in path if n.loading is not None}
-        self._stats.add(inserted_tokens=new)
         load = LoadHandle(device, self._layer_num, tuple(depends.values()), groups=groups)
         load._finish()
         match = MatchResult(device, full, 0, 0, lease.node, tuple(path), tokens[:full], salt, groups=groups)
@@ -681,13 +681,15 @@ class HierarchicalCache:
                 walked = self._state.check_insert(tokens, pages, salt)
                 owned = self._state.check_sides(side, walked) if side is not None else frozenset()
                 already, new = self._state.insert(tokens, pages, salt, walked, side, resume_at, owned)
+                self._stats.inserted(new)
                 held.clear()  # the tree's now
-        self._stats.add(inserted_tokens=new)
         return already
 
     def _resume_points(self, points, tokens: int, what: str) -> tuple[int, ...]:
         """``points`` checked: ints, whole pages, within ``tokens``; only hybrid caches
         keep windows, so a uniform one ignores them (every prefix resumes)."""
+        if type(points) is tuple and not points:  # the default: nothing to check
+            return points
         points = tuple(points)
         bad = [p for p in points if not is_int(p) or not 0 < p <= tokens or p % self.page_size]
         if bad:

@@ -61,6 +61,7 @@ class DeviceKVPool:
         self.size = size
         self.page_size = page_size
         self.device = device
+        self._index_device = torch.device("cpu") if device.type == "meta" else device
         self._layers: dict[str, list[torch.Tensor]] = layers
         self._allocator = PageAllocator(size, page_size, device)
         num_pages = size // page_size
@@ -97,7 +98,7 @@ class DeviceKVPool:
     def index_device(self) -> torch.device:
         """Where this pool's slot indices live: its device, or the CPU for a ``meta``
         pool (the simulator's: metadata only, no memory)."""
-        return torch.device("cpu") if self.device.type == "meta" else self.device
+        return self._index_device
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` token slots in whole pages, on :attr:`index_device`; ``None`` when full."""
