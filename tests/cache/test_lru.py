@@ -176,6 +176,26 @@ def test_rebuild_gives_the_order_of_the_original_pushes():
     assert drain(rebuilt, "host") == [2, 4, 0]
 
 
+def test_the_bound_never_falls_below_the_fullest_heap():
+    # the cache counts the heaps only once the bound passes its limit: a bound under the
+    # true count would let stale entries pile up unseen
+    rng = np.random.default_rng(3)
+    nodes = [node(i, int(s), host=bool(h)) for i, (s, h) in enumerate(zip(rng.integers(0, 50, 40),
+                                                                          rng.integers(0, 2, 40)))]
+    lru = LruIndex()
+    for step in range(400):
+        op = rng.integers(0, 8)
+        if op < 5:
+            lru.push(nodes[rng.integers(0, len(nodes))])
+        elif op < 7:
+            lru.pop("device" if op == 5 else "host", lambda n: True)
+        elif rng.integers(0, 4) == 0:
+            lru.rebuild(nodes[:int(rng.integers(0, len(nodes)))])
+        fullest = max(len(lru._heaps["device"]), len(lru._heaps["host"]))
+        assert lru.bound >= fullest, step
+    assert lru.longest() == lru.bound == fullest
+
+
 def test_rebuild_forgets_nodes_not_given():
     lru = LruIndex()
     kept, gone = node(1, 10), node(2, 5)

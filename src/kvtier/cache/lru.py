@@ -8,7 +8,8 @@ it reaches the top, so the heap's minimum is always the true LRU node among the
 entries. A node is pushed whenever it may have become evictable (created, split,
 unlocked, a transfer settled, a child left the tier); an entry whose node is not
 evictable when it surfaces is dropped. The cache rebuilds the index once the fullest
-heap holds more than four entries a live node and 1,024 more, checked as nodes are
+heap holds more than four entries a live node and 1,024 more (counted once the
+index's running ``bound`` passes that), checked as nodes are
 added and after every unlock (a stream of full hits adds no node, and evicts nothing).
 """
 
@@ -47,6 +48,9 @@ class LruIndex:
             for t in TIERS:
                 self._heaps[side_tier(t, g)] = []
         self._seq = itertools.count()
+        #: at least the fullest heap's entries: a push adds at most one to each heap, and
+        #: :meth:`longest` makes it exact (what the cache checks at every node added)
+        self.bound = 0
         self._bind()
 
     def _bind(self) -> None:
@@ -60,8 +64,12 @@ class LruIndex:
         self._host_side = self._side_heaps["host"][0][1] if one else None
 
     def __len__(self) -> int:
-        """Entries of the fullest heap, stale ones included (asked after every unlock)."""
-        return max(map(len, self._heaps.values()))
+        return self.longest()
+
+    def longest(self) -> int:
+        """Entries of the fullest heap, stale ones included; :attr:`bound` becomes it."""
+        self.bound = max(map(len, self._heaps.values()))
+        return self.bound
 
     def push(self, node) -> None:
         """Index ``node`` in the heap of each tier it has a copy in (only such a node
@@ -72,6 +80,7 @@ class LruIndex:
         # no copy in its tier: such entries would never surface there (a tier with no
         # evictions never pops), and would keep evicted nodes and their keys alive.
         entry = (node.last_access, node.serial, next(self._seq), node)
+        self.bound += 1
         device, host = node.device, node.host
         if device is not None:
             _heappush(self._device, entry)
@@ -128,6 +137,7 @@ class LruIndex:
             if not sides_only or name not in TIERS:
                 heapq.heapify(heap)
         self._bind()
+        self.longest()
 
     def memory_bytes(self) -> int:
         """Host bytes of the heaps and their entries (an entry two heaps share counted
