@@ -158,10 +158,10 @@ def test_pages_by_number_round_trip_and_refuse_double_frees():
     assert a.available_size() == 32 and not a.allocated(pages).any()
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("count", [1, 16, 17, 40])
-def test_free_pages_refuses_a_page_out_of_range_among_many(count):
-    import numpy as np
-
+def test_free_pages_refuses_a_page_out_of_range_among_many(count, native, monkeypatch):
+    monkeypatch.setenv("KVTIER_NATIVE", native)  # many pages: the compiled check, or numpy's
     a = PageAllocator(64, 1)
     pages = a.alloc_pages(count)
     for bad in (-1, 64, -2**62):
@@ -173,13 +173,13 @@ def test_free_pages_refuses_a_page_out_of_range_among_many(count):
 
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("count", [2, 16, 17, 40])
-def test_free_pages_refuses_a_page_named_twice_and_alloc_pages_a_negative_count(count):
+def test_free_pages_refuses_a_page_named_twice_and_alloc_pages_a_negative_count(count, native, monkeypatch):
     """A page named twice in one free would enter the free list twice, and be handed to
     two owners later; a negative count took pages off the ring's end and counted more
     free pages than the pool has. Both are refused before anything changes."""
-    import numpy as np
-
+    monkeypatch.setenv("KVTIER_NATIVE", native)
     a = PageAllocator(64, 1)
     pages = a.alloc_pages(count)
     with pytest.raises(UsageError, match="named twice"):

@@ -365,3 +365,15 @@ def test_page_token_slots_writes_into_a_stretch_of_a_larger_array(native, monkey
         with pytest.raises(ValueError, match=r"out must be a contiguous \(12,\) int64 array"):
             page_token_slots(pages, 4, out=bad)
         assert np.array_equal(bad, before)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pages=st.lists(st.integers(-3, 70) | st.sampled_from([-2**63, 2**62, 2**63 - 1]), min_size=1, max_size=40),
+       native=st.booleans())
+def test_distinct_pages_equals_its_definition(pages, native):
+    """The free of many pages checks them in one compiled pass (``check_pages`` of one-slot
+    pages) or numpy's: both answer as a set would."""
+    want = all(0 <= p < 64 for p in pages) and len(set(pages)) == len(pages)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVTIER_NATIVE", "1" if native else "0")
+        assert indices.distinct_pages(np.array(pages, dtype=np.int64), 64) == want

@@ -8,7 +8,7 @@ import torch
 from .._checks import non_negative_int
 from ..errors import IntegrityError, UsageError
 from .common import check_sizes
-from .indices import page_numbers, slot_tensor
+from .indices import distinct_pages, page_numbers, slot_tensor
 
 
 #: up to this many pages, an alloc or free marks them one by one (see ``_flags``)
@@ -80,8 +80,8 @@ class PageAllocator:
         if pages.dtype != np.int64:
             pages = pages.astype(np.int64)
         # NOTE: a sliding group frees a window's few pages at a time: checked and cleared
-        # over a list and the bytearray; more pages, as uint64 (a negative page is huge),
-        # one reduction checks both ends
+        # over a list and the bytearray; more pages (an eviction's) in one pass that checks
+        # both ends and repeats (distinct_pages)
         n = self._in_use.size
         if pages.size <= _FEW:
             ids, flags = pages.tolist(), self._flags
@@ -95,11 +95,11 @@ class PageAllocator:
             for p in ids:
                 flags[p] = 0
         else:
-            if int(pages.view(np.uint64).max()) >= n:
-                raise UsageError(f"free_pages: page numbers must be in [0, {n})")
-            ordered = np.sort(pages)
-            twice = ordered[1:][ordered[1:] == ordered[:-1]]
-            if twice.size:
+            if not distinct_pages(pages, n):
+                if int(pages.view(np.uint64).max()) >= n:
+                    raise UsageError(f"free_pages: page numbers must be in [0, {n})")
+                ordered = np.sort(pages)
+                twice = ordered[1:][ordered[1:] == ordered[:-1]]
                 raise UsageError(f"free_pages: pages {twice[:8].tolist()} named twice")
             used = self._in_use[pages]
             if np.count_nonzero(used) != pages.size:
