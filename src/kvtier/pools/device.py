@@ -103,7 +103,9 @@ class DeviceKVPool:
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` token slots in whole pages, on :attr:`index_device`; ``None`` when full."""
         slots = self._allocator.alloc(n)
-        return None if slots is None else slots.to(self.index_device)
+        if slots is None or self._index_device.type == "cpu":  # the allocator's own are on the CPU
+            return slots
+        return slots.to(self._index_device)
 
     def free(self, indices: torch.Tensor) -> None:
         self._allocator.free(indices)
