@@ -627,9 +627,9 @@ class CacheState(HybridState):
                 raise UsageError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already "
                                  "holds another cached page; pass slots from alloc_device, or the match's own")
         if self.allocator is self.device_pool and held < pages.size:  # the pages the tree would adopt
-            free = ~self.device_pool.allocated_pages(pages[held:])
-            if np.count_nonzero(free):
-                slot = int(pages[held + int(np.flatnonzero(free)[0])]) * ps
+            adopted = self.device_pool.allocated_pages(pages[held:])
+            if np.count_nonzero(adopted) != adopted.size:
+                slot = int(pages[held + int(np.flatnonzero(~adopted)[0])]) * ps
                 raise UsageError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
         return walked
 
