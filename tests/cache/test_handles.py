@@ -72,6 +72,24 @@ def test_a_finished_handle_with_nothing_to_wait_on_is_waited_at_once():
     assert h.wait()
 
 
+def test_a_handle_made_finished_answers_as_one_finished_after():
+    """``finished=True`` (a device hit's, a commit's handle) waits for nothing, and for
+    the loads it depends on as any finished handle does."""
+    first = handle()
+    made = LoadHandle(torch.arange(8), 4, (first,), finished=True)
+    after = handle(depends=(first,))
+    after._finish()
+    for h in (made, after):
+        assert not h.wait_layer(0, timeout=0.01) and not h.done() and h.error is None
+    first._finish(RuntimeError("its pages failed"))
+    for h in (made, after):
+        assert h.wait(timeout=0) and h.done() and isinstance(h.error, RuntimeError)
+    alone = LoadHandle(torch.arange(8), 4, finished=True)
+    assert alone.wait(timeout=0) and alone.wait_layer(3, timeout=0) and alone.done() and alone.error is None
+    with pytest.raises(IndexError):
+        alone.wait_layer(4)
+
+
 def test_a_layer_outside_the_handle_is_an_index_error_even_when_finished():
     h = handle()
     h._finish()

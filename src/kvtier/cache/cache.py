@@ -491,8 +491,7 @@ class HierarchicalCache:
                     state.lock_node(lease.node)
                     self._stats.matched(0, 0, 0)
                 empty = LoadHandle(state.device_slots([]), self._layer_num,
-                                   groups=None if self._sides is None else state.side_slots([], 0))
-                empty._finish()
+                                   groups=None if self._sides is None else state.side_slots([], 0), finished=True)
                 return Acquired(match, empty, 0, 0, 0, lease)
         reused = len(load)
         device_hit = min(device_len, reused)
@@ -585,8 +584,7 @@ class HierarchicalCache:
                 groups = self._groups(path, full)
                 # pages another request cached first may still be arriving from its host copy
                 depends = {id(n.loading): n.loading.handle for n in path if n.loading is not None}
-        load = LoadHandle(device, self._layer_num, tuple(depends.values()), groups=groups)
-        load._finish()
+        load = LoadHandle(device, self._layer_num, tuple(depends.values()), groups=groups, finished=True)
         match = MatchResult(device, full, 0, 0, lease.node, tuple(path), tokens[:full], salt, groups=groups)
         renewed = Acquired(match, load, acquired.device_hit, acquired.host_hit, acquired.storage_hit, lease)
         return Committed(renewed, new, max(already - reused, 0))

@@ -546,8 +546,7 @@ class HybridState:
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)
             handle = LoadHandle(self.device_slots([]), layer_num,
-                                groups={g: torch.empty(0, dtype=torch.int64) for g in self.sides.names})
-            handle._finish()
+                                groups={g: torch.empty(0, dtype=torch.int64) for g in self.sides.names}, finished=True)
             return handle, None
         target = sum(len(n.key) for n in path)
         plan = self._plan_load(path, target)
@@ -555,8 +554,7 @@ class HybridState:
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)
             handle = LoadHandle(self.device_slots(path), layer_num, tuple(plan[2].values()),
-                                groups=self.side_slots(path, target))
-            handle._finish()
+                                groups=self.side_slots(path, target), finished=True)
             return handle, None
         got = self._load_pages(plan[0], plan[1], reserved) if plan is not None else None
         if got is None:
@@ -565,8 +563,7 @@ class HybridState:
             keep = path[:]
             self._cut(keep, device_len, split=False)
             handle = LoadHandle(self.device_slots(keep, device_len), layer_num,
-                                groups=self.side_slots(keep, device_len))
-            handle._finish()
+                                groups=self.side_slots(keep, device_len), finished=True)
             return handle, None
         whole, partial, depends = plan
         full, side_dev, side_host = got
@@ -582,12 +579,11 @@ class HybridState:
                 node.device.side[g][idx] = side_dev[g][used[g]:used[g] + idx.size]
                 node.device.held += idx.size
                 used[g] += idx.size
-        handle = LoadHandle(self.device_slots(path), layer_num, tuple(depends.values()),
-                            groups=self.side_slots(path, target))
         nodes = [node for node, _ in whole + partial]
+        handle = LoadHandle(self.device_slots(path), layer_num, tuple(depends.values()),
+                            groups=self.side_slots(path, target), finished=not nodes)
         if not nodes:
             self.unlock_node(pin)
-            handle._finish()
             return handle, None
         empty = torch.empty(0, dtype=torch.int64)
         mark = InFlight("load", nodes,

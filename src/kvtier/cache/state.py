@@ -398,9 +398,7 @@ class CacheState(HybridState):
         if not path:
             if reserved is not None and reserved.numel():
                 self.allocator.free(reserved)
-            handle = LoadHandle(self.slots_of(_NO_PAGES), layer_num)
-            handle._finish()
-            return handle, None
+            return LoadHandle(self.slots_of(_NO_PAGES), layer_num, finished=True), None
         pin = path[-1]
         self.tree.lock(pin)  # our own path is not evicted to make room for it
         depends, nodes, pages = {}, [], []
@@ -422,10 +420,9 @@ class CacheState(HybridState):
             pages.append(node.device.pages)
         if reserved is not None and reserved.numel():
             self.allocator.free(reserved)
-        handle = LoadHandle(self.slots_of(pages), layer_num, tuple(depends.values()))
+        handle = LoadHandle(self.slots_of(pages), layer_num, tuple(depends.values()), finished=not nodes)
         if not nodes:
             self.unlock_node(pin)
-            handle._finish()
             return handle, None
         mark = InFlight("load", nodes, device=self.slots_of([n.device.pages for n in nodes]),
                         host=torch.cat([n.host.slots for n in nodes]))
