@@ -95,12 +95,13 @@ class PageAllocator:
             for p in ids:
                 flags[p] = 0
         else:
-            if not distinct_pages(pages, n):
+            if not distinct_pages(pages, n):  # refused, or not judged: numpy's checks (and words)
                 if int(pages.view(np.uint64).max()) >= n:
                     raise UsageError(f"free_pages: page numbers must be in [0, {n})")
                 ordered = np.sort(pages)
                 twice = ordered[1:][ordered[1:] == ordered[:-1]]
-                raise UsageError(f"free_pages: pages {twice[:8].tolist()} named twice")
+                if twice.size:
+                    raise UsageError(f"free_pages: pages {twice[:8].tolist()} named twice")
             used = self._in_use[pages]
             if np.count_nonzero(used) != pages.size:
                 raise IntegrityError(f"free_pages: pages {pages[~used][:8].tolist()} are not allocated "
