@@ -19,8 +19,7 @@ import torch
 import kvtier.storage
 from kvtier import Component, KVSpec
 from kvtier.bench.storage import evict_cached
-from kvtier.storage import file as file_store, pageio
-from kvtier.storage.objects import PagePlan
+from kvtier.storage import pageio
 from kvtier.storage.pagefile import ALIGN
 from kvtier.layout import LAYOUTS
 from tests.support import seccomp
@@ -280,12 +279,19 @@ def test_cold_aligned_pages_read_with_direct_io_bit_exactly(tmp_path, monkeypatc
 
 @pytest.fixture
 def read_statuses(monkeypatch):
-    """Every status the compiled reader returns, as each call returns (skips where it is
-    not used)."""
+    """Every status the compiled reader returns for a file it read, as each call returns
+    (its threads share a batch's files: each answers ``ELSEWHERE`` for the others'
+    files); skips where it is not used."""
     if not pageio.compiled():
         unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
     seen, real = [], pageio.read_pages
-    monkeypatch.setattr(pageio, "read_pages", lambda *a: seen.extend(out := real(*a)) or out)
+
+    def spy(*args):
+        out = real(*args)
+        seen.extend(s for s in out if s != pageio.ELSEWHERE)
+        return out
+
+    monkeypatch.setattr(pageio, "read_pages", spy)
     return seen
 
 
@@ -506,23 +512,29 @@ def test_batches_are_cut_into_steps_of_at_least_least_pages_within_a_workers_sha
         assert sorted(len(c) for c in steps) == sorted(want) and sorted(i for c in steps for i in c) == list(range(n))
 
 
-@pytest.mark.parametrize("call_pages, sizes", [(20, [4, 20, 20, 20]), (0, [8] * 8), (100, [32, 32])])
-def test_the_compiled_reader_takes_read_call_bytes_of_pages_a_call(tmp_path, monkeypatch, call_pages, sizes):
-    """Each call of the compiled reader takes ``_READ_CALL_BYTES`` of pages (each call
-    ends with a file hashed and no read in flight), at least 8 and at most a worker's
-    share of the batch; every page comes back bit-exact."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_compiled_readers_threads_share_a_batch_each_file_read_once(tmp_path, monkeypatch, threads):
+    """Each of ``io_threads`` threads reads the batch in one call of the compiled reader,
+    the calls taking its files in turn from one claim: every file is read by exactly one
+    call (the others answer ``ELSEWHERE`` for it), and every page comes back bit-exact."""
     if not pageio.compiled():
         unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
     host, idx = filled_host(SPEC, 64, seed=21)
-    store = kvtier.storage.open(f"file://{tmp_path}", io_threads=2)
-    store.CHUNK_BYTES = 1  # the steps' own floor out of the way: the reader's rule alone
+    store = kvtier.storage.open(f"file://{tmp_path}", io_threads=threads)
     keys = keys_for(64)
     assert store.batch_set(keys, host, idx) == [True] * 64
-    page_bytes = sum(p.nbytes for p in PagePlan(SPEC, 4).read_parts)
-    monkeypatch.setattr(file_store, "_READ_CALL_BYTES", call_pages * page_bytes)
-    calls, real = [], pageio.read_pages
-    monkeypatch.setattr(pageio, "read_pages", lambda *a: calls.append(len(a[5])) or real(*a))
+    answers, real = [], pageio.read_pages
+
+    def spy(*args):
+        assert len(args[5]) == 64  # the whole batch
+        answers.append(out := real(*args))
+        return out
+
+    monkeypatch.setattr(pageio, "read_pages", spy)
     reader, ridx = blank_host(SPEC, 64 * 4)
     assert store.batch_get(keys, reader, ridx) == [True] * 64
-    assert sorted(calls) == sizes
+    assert 1 <= len(answers) <= threads
+    taken = [sum(a[f] != pageio.ELSEWHERE for a in answers) for f in range(64)]
+    assert taken == [1] * 64
+    assert all(a[f] == pageio.READ for a in answers for f in range(64) if a[f] != pageio.ELSEWHERE)
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))

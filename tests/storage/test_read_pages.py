@@ -35,10 +35,10 @@ def _compiled():
         unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
 
 
-def _pool() -> np.ndarray:
-    raw = np.zeros(PAGES * STEP + ALIGN, dtype=np.uint8)  # aligned for O_DIRECT
+def _pool(pages: int = PAGES) -> np.ndarray:
+    raw = np.zeros(pages * STEP + ALIGN, dtype=np.uint8)  # aligned for O_DIRECT
     skip = -raw.ctypes.data % ALIGN
-    return raw[skip:skip + PAGES * STEP]
+    return raw[skip:skip + pages * STEP]
 
 
 def _pieces(wanted):
@@ -52,9 +52,9 @@ def _pieces(wanted):
     return out
 
 
-def _expected(pool_pages: dict, contents: dict, wanted) -> np.ndarray:
+def _expected(pool_pages: dict, contents: dict, wanted, pages: int = PAGES) -> np.ndarray:
     """The pool once the files ``contents`` (name -> parts' bytes) are read to their pages."""
-    want = _pool()
+    want = _pool(pages)
     for name, page in pool_pages.items():
         for k, _, pieces in _pieces(wanted):
             data = contents[name][k]
@@ -122,6 +122,44 @@ def test_anything_but_the_intact_expected_file_is_not_read(tmp_path):
     assert got == [pageio.MISSING] + [pageio.OTHER] * 4
     assert not pool.any()
     assert _read(pool, files[5:], layout) == [pageio.OTHER, pageio.OTHER, pageio.READ]
+
+
+def test_calls_sharing_a_claim_read_each_file_once_between_them(tmp_path):
+    """Calls over the same files that share a claim, on threads at once, take each file
+    once: the call that took it answers its status and the others ``ELSEWHERE``; a
+    missing file too is answered once; every read page lands bit-exactly."""
+    names = [f"f{i:02d}" for i in range(40)]
+    pages = {name: i for i, name in enumerate(names)}  # a page each
+    contents = {name: _write(tmp_path / name, f"{name}#f") for name in names if name != "f02"}
+    files, layout = _files(tmp_path, pages)
+    pool, claim, answers = _pool(len(names)), pageio.new_claim(), []
+
+    def read():
+        answers.append(pageio.read_pages(pool, layout.header_len, layout.total, len(SIZES), _pieces(range(4)), files,
+                                         False, None, claim))
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 3 and claim[0] >= len(files)
+    mine = [[a[f] for a in answers if a[f] != pageio.ELSEWHERE] for f in range(len(files))]
+    assert mine == [[pageio.MISSING] if name == "f02" else [pageio.READ] for name in names]
+    del pages["f02"]  # its page untouched
+    assert np.array_equal(pool, _expected(pages, contents, range(4), len(names)))
+
+
+def test_a_claim_must_be_an_aligned_int64_counter(tmp_path):
+    _write(tmp_path / "a", "a#f")
+    files, layout = _files(tmp_path, {"a": 0})
+    pool = _pool()
+    unaligned = np.zeros(2, np.int64).view(np.uint8)[1:9]
+    for bad in (np.zeros(4, np.uint8), np.zeros(3, np.int64)[:0], unaligned):
+        with pytest.raises(ValueError, match="claim must be an 8-byte aligned int64 counter"):
+            pageio.read_pages(pool, layout.header_len, layout.total, len(SIZES), _pieces(range(4)), files, False,
+                              None, bad)
+    assert not pool.any()
 
 
 def test_a_piece_outside_the_pool_is_refused_before_any_byte_moves(tmp_path):

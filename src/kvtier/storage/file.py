@@ -18,9 +18,10 @@ the files holding its head groups among the names its geometry's writers can wri
 and reads only their ranges (slot-order parts with more heads than it holds: whole). Parts move through
 ``kvtier.storage.pageio``, which hashes each chunk while it is in the CPU's cache; a
 file the page cache does not hold is read with O_DIRECT where the filesystem allows.
-A batch's files are read in one compiled call per step (``pageio.read_pages``: parts
-in place, or staged and copied out once the file checks out) wherever the pool is one
-allocation; only the files it did not read go through the per-file path.
+A batch's files are read in one compiled call per I/O thread, the threads taking
+them in turn (``pageio.read_pages``: parts in place, or staged and copied out once the
+file checks out) wherever the pool is one allocation; only the files it did not read
+go through the per-file path.
 Objects of earlier layouts are not read: they are misses (version 1, one file per
 part under ``kvtier-v1``; version 2, the same files as now in a directory per key
 under ``kvtier-v2``, then in shards under ``kvtier-v3``, head order only).
@@ -86,14 +87,6 @@ _O_DIRECT, _RWF_NOWAIT = getattr(os, "O_DIRECT", 0), getattr(os, "RWF_NOWAIT", 0
 _NO_NOWAIT = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PROBE = 16 * _PAGE  # bytes of a large file whose cached pages are counted at each of three places
-#: Page bytes one call of the compiled reader takes at least (within a worker's share of
-#: the batch). Each call ends with its last cold file hashed and no read in flight, and
-#: has its own setup: on an AMD EPYC VM whose disk reads 4.5 GB/s with O_DIRECT, cold
-#: gets of 128 pages of 8 MiB went from 4.27-4.32 GB/s (best of 5) in calls of 8 pages
-#: to 4.41-4.45 in calls of 128 MiB and 4.44-4.52 in one call per worker (vLLM's fs tier
-#: 4.49-4.59, alternated in one process); 768 MiMo-like pages of 1.4 MiB 3.41 -> 3.92
-#: (vLLM 4.34); warm gets level (12.9-13.1 against 13.3-13.5 GB/s).
-_READ_CALL_BYTES = 128 << 20
 
 
 class _Page:
@@ -576,24 +569,21 @@ class FileStorage(ThreadedStorage):
         page_bytes = sum(p.nbytes for p in plan.read_parts)
         t0 = time.perf_counter()
 
-        def get_chunk(chunk: range) -> None:
-            scratch = (self._scratch(head_room, copies, self._staged_files(copies, mode),
-                                     copies.cold_staging_bytes if self.direct_io else None)
-                       if compiled else self._scratch(head_room, copies))
-            read = self._read_compiled(keys, pages, plan, sources, copies, chunk, scratch[2], counts) \
-                if compiled else ()
+        def get_rest(chunk: range) -> None:  # the pages the compiled reader did not read: one by one
+            scratch = self._scratch(head_room, copies)
             for i in chunk:
-                if i in read:
+                loaded[rest[i]] = self._get_page(keys[rest[i]], plan, sources, copies, pages[rest[i]], scratch)
+
+        rest = range(len(keys))
+        try:
+            if compiled:
+                read = self._read_compiled(keys, pages, plan, sources, copies, mode, head_room, counts)
+                for i in read:
                     loaded[i] = True
                     if self.capacity_bytes is not None:
                         self._touch(self._stem(keys[i]), sources)
-                else:  # missing, cold, or anything the compiled reader does not judge
-                    loaded[i] = self._get_page(keys[i], plan, sources, copies, pages[i], scratch)
-
-        try:
-            # large calls for the compiled reader (_READ_CALL_BYTES), at least 8 pages
-            least = max(8, _READ_CALL_BYTES // max(page_bytes, 1)) if compiled else 1
-            self._run(get_chunk, len(keys), page_bytes, least=least)
+                rest = [i for i in rest if not loaded[i]]
+            self._run(get_rest, len(rest), page_bytes)
         except Exception as e:  # an unexpected fault: the pages not yet loaded stay misses
             self._fault("get", e)
         seconds, hits = time.perf_counter() - t0, sum(loaded)
@@ -700,31 +690,58 @@ class FileStorage(ThreadedStorage):
             self._touch(stem, read)
         return True
 
-    def _read_compiled(self, keys, pages, plan: PagePlan, sources, copies: _Page, chunk: range,
-                       staging, counts: list) -> set[int]:
-        """The pages of ``chunk`` whose files the compiled reader read into the pool and
-        checked (``pageio.read_pages``: parts in place, or through ``staging`` and copied
-        out once the file checks out; cold files with O_DIRECT when ``direct_io``). The
-        others are read again one by one, which judges them: missing, another object,
-        corrupt, a fault, or cold where O_DIRECT fails. Appends to ``counts`` the files
-        it was given and how many of them were read cold.
-        NOTE: in one call per source and name length: a warm file's Python work (paths,
-        opens, checks) took longer here than reading its 1.4 MiB from the page cache."""
-        read = set(chunk)
-        stems = {i: self._stem(keys[i]) for i in chunk}
+    def _read_compiled(self, keys, pages, plan: PagePlan, sources, copies: _Page, mode: str | None,
+                       head_room: int, counts: list) -> set[int]:
+        """The pages whose files the compiled reader read into the pool and checked
+        (``pageio.read_pages``: parts in place, or through this thread's staging and
+        copied out once the file checks out; cold files with O_DIRECT when
+        ``direct_io``, each way of reading them as ``mode`` says). The others are for the
+        per-file path, which judges them: missing, another object, corrupt, a fault, or
+        cold where O_DIRECT fails. Appends to ``counts`` each call's files and how many
+        of them it read cold.
+
+        One call per source and name length (a warm file's Python work, paths, opens and
+        checks, took longer here than reading its 1.4 MiB from the page cache) on each of
+        ``io_threads`` threads, which take the files in turn from a shared claim until
+        none is left.
+        NOTE: each thread read its share in calls of 128 MiB before. Each call ended with
+        its last cold file hashed and no read in flight, and began with its own setup:
+        1-1.8 ms of idle disk slot per call against a 8 MiB file's 3.8 ms read, traced on
+        an AMD EPYC VM whose disk reads 4.5 GB/s with O_DIRECT. Calls of 8 pages had read
+        128 cold pages of 8 MiB at 4.27-4.32 GB/s, calls of 128 MiB at 4.41-4.45 and one
+        call per thread's fixed half at 4.44-4.52 (vLLM's fs tier 4.49-4.59). A fixed
+        half leaves one thread reading alone at the end when its disk reads ran slower."""
+        stems = [self._stem(key) for key in keys]
+        calls = []  # (layout, its parts, the files, their pages' indices, a claim shared by the threads)
         for field, wanted in sources:
             file_name = self._file_name(field)
             wanted = {name for name, _ in _file_parts(plan, field, wanted, copies.order)}
-            for todo in _by_name_length(keys, field, [i for i in chunk if i in read]):
+            for todo in _by_name_length(keys, field, range(len(keys))):
                 layout, names = self._shape(plan, field, todo[0][1], copies.order)
                 parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names) if name in wanted]
                 files = [(f"{stems[i]}.{file_name}", layout.prefix(name), pages[i]) for i, name in todo]
-                status = pageio.read_pages(copies.flat, layout.header_len, layout.total, len(names), parts, files,
-                                           self.direct_io, staging)
+                calls.append((layout, len(names), parts, files, [i for i, _ in todo], pageio.new_claim()))
+        answers: list[list[bytes]] = [[] for _ in calls]
+
+        def read_share(_) -> None:
+            scratch = self._scratch(head_room, copies, self._staged_files(copies, mode),
+                                    copies.cold_staging_bytes if self.direct_io else None)
+            for (layout, nsums, parts, files, _, claim), answer in zip(calls, answers):
+                status = pageio.read_pages(copies.flat, layout.header_len, layout.total, nsums, parts, files,
+                                           self.direct_io, scratch[2], claim)
                 if status is None:  # switched off meanwhile (KVTIER_NATIVE=0)
-                    return set()
-                counts.append((len(files), status.count(pageio.DIRECT)))
-                read -= {i for (i, _), s in zip(todo, status) if s != pageio.READ and s != pageio.DIRECT}
+                    return
+                answer.append(status)
+                counts.append((len(status) - status.count(pageio.ELSEWHERE), status.count(pageio.DIRECT)))
+
+        self._run(read_share, self.io_threads, 1)
+        read = set(range(len(keys)))
+        for (_, _, _, files, indices, _), answer in zip(calls, answers):
+            ok = np.zeros(len(files), dtype=bool)
+            for status in answer:
+                got = np.frombuffer(status, dtype=np.uint8)
+                ok |= (got == pageio.READ) | (got == pageio.DIRECT)
+            read.difference_update(i for i, good in zip(indices, ok.tolist()) if not good)
         return read
 
     def _read_parts(self, stem: str, key: str, plan: PagePlan, sources, copies: _Page, page: int,

@@ -179,12 +179,12 @@ def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int | None 
     return tuple(sums)
 
 
-#: ``read_pages``'s status of each file
-READ, MISSING, COLD, OTHER, DIRECT = range(5)
+#: ``read_pages``'s status of each file (``ELSEWHERE``: taken by another call sharing the claim)
+READ, MISSING, COLD, OTHER, DIRECT, _, ELSEWHERE = range(7)
 
 
 def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files: list,
-               direct: bool, staging=None) -> bytes | None:
+               direct: bool, staging=None, claim=None) -> bytes | None:
     """Page files of one layout (``header_len``, ``total`` bytes, ``nsums`` checksums)
     read straight into ``pool`` (a writable contiguous buffer) in one compiled call, the
     GIL released; None where the compiled loop is not used (see :func:`compiled`).
@@ -208,16 +208,23 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
     bytes), a cold file goes through it whole and every piece is copied out once the
     file checks out.
 
+    ``claim``: a counter (:func:`new_claim`) that calls over the same ``files`` on
+    several threads share: each call reads the next file no call took yet, until none
+    is left, so that every thread stays busy to the batch's end in one call each.
+
     Per file one status: ``READ``, ``DIRECT`` (read with O_DIRECT), ``MISSING``, ``COLD``
-    (cold, but the file system refuses O_DIRECT: nothing read) or ``OTHER``: for the
-    caller's own path to read again and judge. A page whose file is not read may hold
-    bytes read meanwhile. Raises ``ValueError`` (nothing read) for a piece of any page
-    outside ``pool``."""
+    (cold, but the file system refuses O_DIRECT: nothing read), ``OTHER`` (for the
+    caller's own path to read again and judge) or, with ``claim``, ``ELSEWHERE`` (another
+    call's). A page whose file is not read may hold bytes read meanwhile. Raises
+    ``ValueError`` (nothing read) for a piece of any page outside ``pool``."""
     if not compiled():
         return None
-    if staging is None:
-        return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct)
-    return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct, staging)
+    return _pageio[0].read_pages(pool, header_len, total, nsums, parts, files, CHUNK, direct, staging, claim)
+
+
+def new_claim() -> np.ndarray:
+    """A counter for :func:`read_pages` calls that share one batch of files."""
+    return np.zeros(1, dtype=np.int64)
 
 
 def write_pages(pool, header_len: int, total: int, parts: list, files: list, fsync: bool, mode: int,
