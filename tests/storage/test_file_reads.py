@@ -133,8 +133,8 @@ def test_a_fault_mid_batch_makes_the_remaining_objects_misses(tmp_path, monkeypa
 
 @pytest.mark.parametrize("layout", ["page_head", "page_first"])
 def test_a_fault_of_the_compiled_reader_makes_its_step_misses(tmp_path, monkeypatch, layout):
-    """An unexpected error of the compiled reader is one counted error; its step's pages
-    are misses, the pages it had not reached untouched, and the store still works."""
+    """An unexpected error of the compiled reader is one counted error; the batch's
+    pages are misses, the pages it had not reached untouched, and the store still works."""
     if not pageio.compiled():
         unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
     store = open_store(tmp_path, 1, False)
