@@ -706,7 +706,7 @@ class FileStorage(ThreadedStorage):
         none is left.
         NOTE: each thread read its share in calls of 128 MiB before. Each call ended with
         its last cold file hashed and no read in flight, and began with its own setup:
-        1-1.8 ms of idle disk slot per call against a 8 MiB file's 3.8 ms read, traced on
+        1-1.8 ms of idle disk slot per call against an 8 MiB file's 3.8 ms read, traced on
         an AMD EPYC VM whose disk reads 4.5 GB/s with O_DIRECT. Calls of 8 pages had read
         128 cold pages of 8 MiB at 4.27-4.32 GB/s, calls of 128 MiB at 4.41-4.45 and one
         call per thread's fixed half at 4.44-4.52 (vLLM's fs tier 4.49-4.59). A fixed

@@ -179,8 +179,11 @@ def move(fd: int, parts: list[tuple[int, list]], write: bool, chunk: int | None 
     return tuple(sums)
 
 
-#: ``read_pages``'s status of each file (``ELSEWHERE``: taken by another call sharing the claim)
-READ, MISSING, COLD, OTHER, DIRECT, _, ELSEWHERE = range(7)
+#: ``read_pages``'s status of each file
+READ, MISSING, COLD, OTHER, DIRECT = range(5)
+#: ``read_pages``'s status of a file another call sharing the claim took (5 is the
+#: reader's own, never answered)
+ELSEWHERE = 6
 
 
 def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files: list,
