@@ -132,7 +132,7 @@ def test_a_fault_mid_batch_makes_the_remaining_objects_misses(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("layout", ["page_head", "page_first"])
-def test_a_fault_of_the_compiled_reader_makes_its_step_misses(tmp_path, monkeypatch, layout):
+def test_a_fault_of_the_compiled_reader_makes_its_batch_misses(tmp_path, monkeypatch, layout):
     """An unexpected error of the compiled reader is one counted error; the batch's
     pages are misses, the pages it had not reached untouched, and the store still works."""
     if not pageio.compiled():

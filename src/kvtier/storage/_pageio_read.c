@@ -369,11 +369,8 @@ static Py_ssize_t next_file(long long *claim, Py_ssize_t f) {
 
 /* Every file of the call read (with ``claim``, the files it takes): the cold ones judged
  * by a hasher beside this thread where there are two slots and it starts, else here.
- * NOTE: a shared claim lets each I/O thread read a whole batch in one call. In calls of
- * a share's chunks, each call ended with its last cold file hashed while no read was in
- * flight and began with its own setup (1-1.8 ms of an 8 MiB file's 3.8 ms read, traced);
- * in one call per thread's fixed share, a thread whose reads ran slower held the batch
- * up while the other's disk slot stood idle. */
+ * A shared claim lets each I/O thread read a whole batch in one call, none of them with
+ * a fixed share (why, as traced: the NOTE at FileStorage._read_compiled). */
 static void read_files(reader_t *slot, int nslots, const files_t *fs, unsigned char *status, long long *claim) {
     hasher_t h = {.slot = slot};
     int started = 0, tried = nslots < 2;

@@ -734,6 +734,8 @@ class FileStorage(ThreadedStorage):
                 answer.append(status)
                 counts.append((len(status) - status.count(pageio.ELSEWHERE), status.count(pageio.DIRECT)))
 
+        # io_threads steps of one: each thread (the caller one of them) takes a step and
+        # reads until the claims run out; a thread that takes a second step finds none left
         self._run(read_share, self.io_threads, 1)
         read = set(range(len(keys)))
         for (_, _, _, files, indices, _), answer in zip(calls, answers):
