@@ -163,6 +163,8 @@ def test_large_inputs_and_views():
     idx = page_slots(order, page_size)
     assert torch.equal(idx, (order[:, None] * page_size + torch.arange(page_size)).reshape(-1))
     assert torch.equal(page_starts(idx, page_size=page_size, size=pages * page_size, what="x", unique=True), order)
+    tail = idx[10 * page_size:]  # a view past its storage's start: the compiled check reads from its own address
+    assert torch.equal(page_starts(tail, page_size=page_size, size=pages * page_size, what="x"), order[10:])
     strided = torch.stack([idx, torch.zeros_like(idx)], 1)[:, 0]  # a non-contiguous view
     assert torch.equal(page_starts(strided, page_size=page_size, size=pages * page_size, what="x"), order)
     assert torch.equal(page_starts(idx.to(torch.int32), page_size=page_size, size=pages * page_size, what="x"), order)
@@ -198,6 +200,56 @@ def test_compiled_loops_equal_numpy_on_large_inputs(compiled, monkeypatch):
                         for native in (True, False)]
             assert outcomes[0] == outcomes[1]
             assert outcomes[0][0] == "error" or page_size == 1  # one slot of a page moved breaks the page
+
+
+class _Slots(torch.Tensor):
+    """A tensor subclass: it may answer its attributes its own way, so the check reads it
+    through its numpy view, not at its address."""
+
+
+def test_the_check_in_place_takes_only_plain_contiguous_cpu_int64_tensors(compiled, monkeypatch):
+    calls = []
+    real = compiled.check_pages_at
+    monkeypatch.setattr(indices, "load", lambda name: type("M", (), {
+        "check_pages_at": staticmethod(lambda *a: calls.append(a) or real(*a)),
+        "check_pages": staticmethod(compiled.check_pages)})())
+    idx = torch.arange(64, 96)
+    want = [4, 5]
+    inputs = {"plain": (idx, True), "offset view": (torch.arange(96)[64:], True),
+              "int32": (idx.to(torch.int32), False), "subclass": (idx.as_subclass(_Slots), False),
+              "non-contiguous": (torch.stack([idx, idx], 1)[:, 0], False), "2-D": (idx.reshape(2, 16), False)}
+    for name, (slots, in_place) in inputs.items():
+        calls.clear()
+        if name == "2-D":
+            with pytest.raises(ValueError, match="1-D"):
+                page_starts(slots, page_size=16, size=128, what="x")
+        else:
+            assert page_starts(slots, page_size=16, size=128, what="x", unique=True).tolist() == want, name
+        assert bool(calls) == in_place, name
+    calls.clear()
+    with pytest.raises(ValueError, match="page 1 starts at slot 81"):  # refused in place, worded by the numpy path
+        page_starts(torch.cat([idx[:16], idx[:16] + 17]), page_size=16, size=128, what="x")
+    assert len(calls) == 1
+
+
+def test_check_pages_at_reads_the_slots_at_an_address(compiled):
+    slots, out = np.arange(8, 16, dtype=np.int64), np.empty(2, dtype=np.int64)
+    address = slots.ctypes.data
+    assert compiled.check_pages_at(address, 8, 4, 16, out, True) == -1 and out.tolist() == [2, 3]
+    assert compiled.check_pages_at(address + 32, 4, 4, 16, out[:1]) == -1 and out[0] == 3
+    assert compiled.check_pages_at(address, 8, 4, 12, out) == 1  # page 3 does not fit whole
+    twice = np.array([4, 5, 6, 7, 4, 5, 6, 7], dtype=np.int64)
+    assert compiled.check_pages_at(twice.ctypes.data, 8, 4, 8, out, True) == -2
+    with pytest.raises(ValueError, match="need an output of 2 pages, got 3"):
+        compiled.check_pages_at(address, 8, 4, 16, np.empty(3, dtype=np.int64))
+    for count in (0, -8, 6):
+        with pytest.raises(ValueError, match="need an output"):
+            compiled.check_pages_at(address, count, 4, 16, out)
+    for bad in (0, address + 4):
+        with pytest.raises(ValueError, match="not that of int64s"):
+            compiled.check_pages_at(bad, 8, 4, 16, out)
+    with pytest.raises(TypeError, match="int64"):
+        compiled.check_pages_at(address, 8, 4, 16, np.empty(2, dtype=np.float64))
 
 
 def test_compiled_loops_check_their_buffers(compiled):

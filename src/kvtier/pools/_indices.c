@@ -112,43 +112,20 @@ LINES_HALF_TARGET static Py_ssize_t check_avx2(const int64_t *s, int64_t *o, Py_
 }
 #endif
 
-PyDoc_STRVAR(check_pages_doc,
-"check_pages(slots, page_size, size, out, unique=False) -> int\n\n"
-"``slots``: int64 token slots, a positive multiple of ``page_size`` long; ``out``: a\n"
-"writable int64 buffer of len(slots) // page_size. Writes each page's number to ``out``\n"
-"and returns -1 when every page's slots are consecutive from a multiple of\n"
-"``page_size`` and lie in [0, size) (and, with ``unique``, no page comes twice);\n"
-"otherwise the index of the first page that is not (``out`` partly written), or -2\n"
-"when only a repeated page is wrong.");
-
-static PyObject *check_pages(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *src_obj, *out_obj;
-    Py_ssize_t page_size, size;
-    int unique = 0;
-    if (!PyArg_ParseTuple(args, "OnnO|p:check_pages", &src_obj, &page_size, &size, &out_obj, &unique))
-        return NULL;
+/* check_pages' work, past its arguments: ``n`` slots at ``s``, ``pages`` page numbers
+ * to ``o``; a ValueError (NULL) where the counts do not fit. */
+static PyObject *check_span(const int64_t *s, Py_ssize_t n, Py_ssize_t page_size, Py_ssize_t size, int64_t *o,
+                            Py_ssize_t pages, int unique) {
     if (page_size <= 0 || size < 0) {
         PyErr_Format(PyExc_ValueError, "check_pages: page_size %zd and size %zd must be positive", page_size, size);
         return NULL;
     }
-    Py_buffer src, out;
-    if (get_int64s(src_obj, &src, 0, "slots") < 0)
-        return NULL;
-    if (get_int64s(out_obj, &out, 1, "out") < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    Py_ssize_t n = src.len / 8, pages = out.len / 8;
-    if (n == 0 || n % page_size || pages != n / page_size) {
+    if (n <= 0 || n % page_size || pages != n / page_size) {
         PyErr_Format(PyExc_ValueError, "check_pages: %zd slots with page_size %zd need an output of %zd pages, "
-                     "got %zd", n, page_size, n / page_size, pages);
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&out);
+                     "got %zd", n, page_size, n > 0 ? n / page_size : 0, pages);
         return NULL;
     }
-    const int64_t *s = (const int64_t *)src.buf;
-    int64_t *o = (int64_t *)out.buf, ps = (int64_t)page_size;
+    const int64_t ps = (int64_t)page_size;
     /* a page starts below ``end``: the last whole page of the pool starts before it */
     const int64_t end = (int64_t)(size / page_size) * ps;
     Py_ssize_t bad = -1;
@@ -168,11 +145,67 @@ static PyObject *check_pages(PyObject *self, PyObject *args) {
         repeated = has_duplicate(o, pages);
     if (save)
         PyEval_RestoreThread(save);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&out);
     if (repeated < 0)
         return PyErr_NoMemory();
     return PyLong_FromSsize_t(repeated ? -2 : bad);
+}
+
+PyDoc_STRVAR(check_pages_doc,
+"check_pages(slots, page_size, size, out, unique=False) -> int\n\n"
+"``slots``: int64 token slots, a positive multiple of ``page_size`` long; ``out``: a\n"
+"writable int64 buffer of len(slots) // page_size. Writes each page's number to ``out``\n"
+"and returns -1 when every page's slots are consecutive from a multiple of\n"
+"``page_size`` and lie in [0, size) (and, with ``unique``, no page comes twice);\n"
+"otherwise the index of the first page that is not (``out`` partly written), or -2\n"
+"when only a repeated page is wrong.");
+
+static PyObject *check_pages(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *src_obj, *out_obj;
+    Py_ssize_t page_size, size;
+    int unique = 0;
+    if (!PyArg_ParseTuple(args, "OnnO|p:check_pages", &src_obj, &page_size, &size, &out_obj, &unique))
+        return NULL;
+    Py_buffer src, out;
+    if (get_int64s(src_obj, &src, 0, "slots") < 0)
+        return NULL;
+    if (get_int64s(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = check_span((const int64_t *)src.buf, src.len / 8, page_size, size, (int64_t *)out.buf,
+                                  out.len / 8, unique);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(check_pages_at_doc,
+"check_pages_at(address, count, page_size, size, out, unique=False) -> int\n\n"
+"check_pages of the ``count`` int64 slots at ``address``: the memory of a tensor the\n"
+"caller holds and has checked (CPU, int64, 1-D, contiguous, ``count`` elements, as\n"
+"kvtier.pools.indices does), which this trusts. A tensor's numpy view, the one\n"
+"buffer torch gives, costs more than the check of 8K slots' pages.");
+
+static PyObject *check_pages_at(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long address;
+    Py_ssize_t count, page_size, size;
+    PyObject *out_obj;
+    int unique = 0;
+    if (!PyArg_ParseTuple(args, "KnnnO|p:check_pages_at", &address, &count, &page_size, &size, &out_obj, &unique))
+        return NULL;
+    if (address == 0 || address % sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "check_pages_at: address %llu is not that of int64s", address);
+        return NULL;
+    }
+    Py_buffer out;
+    if (get_int64s(out_obj, &out, 1, "out") < 0)
+        return NULL;
+    PyObject *result = check_span((const int64_t *)(uintptr_t)address, count, page_size, size, (int64_t *)out.buf,
+                                  out.len / 8, unique);
+    PyBuffer_Release(&out);
+    return result;
 }
 
 /* What the expansions take: ``(pages, page_size, out)``, ``pages`` one buffer or (with
@@ -397,6 +430,7 @@ static PyObject *window_slots(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"check_pages", check_pages, METH_VARARGS, check_pages_doc},
+    {"check_pages_at", check_pages_at, METH_VARARGS, check_pages_at_doc},
     {"expand_pages", expand_pages, METH_VARARGS, expand_pages_doc},
     {"expand_runs", expand_runs, METH_VARARGS, expand_runs_doc},
     {"window_slots", window_slots, METH_VARARGS, window_slots_doc},

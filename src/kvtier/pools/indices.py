@@ -57,6 +57,10 @@ def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
                  allowed_devices: tuple[torch.device, ...] = (torch.device("cpu"),),
                  unique: bool = False) -> np.ndarray:
     """:func:`page_starts` as a new int64 numpy array (no tensor around it)."""
+    if _CPU in allowed_devices:
+        pages = _checked_in_place(indices, page_size, size, unique)
+        if pages is not None:
+            return pages
     flat = _cpu_int64(indices) if _CPU in allowed_devices else None
     if flat is None:  # NOTE: a 1-D int64 tensor on an allowed CPU passes every check here
         if not isinstance(indices, torch.Tensor):
@@ -79,6 +83,26 @@ def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
         # NOTE: invalid: fall through, so that one place words every error message
     return _page_ids(_host_int64(indices) if flat is None else flat, page_size=page_size, size=size, what=what,
                      unique=unique)
+
+
+def _checked_in_place(indices, page_size: int, size: int, unique: bool) -> np.ndarray | None:
+    """The page numbers of ``indices`` where it is a plain 1-D contiguous CPU int64
+    tensor (the usual slots) and passes every check, read where they lie; else ``None``,
+    for the numpy view's path to check again and word the error.
+
+    NOTE: the compiled check reads the tensor's memory at its address: a numpy view, the
+    one buffer torch gives, took 3.5 µs of an 8K-token insert (Zen 2, out of the caches),
+    these attributes 1.7. Only an exact ``torch.Tensor``: a subclass may answer them its
+    own way."""
+    if type(indices) is not torch.Tensor or indices.dtype is not torch.int64 or not indices.is_cpu:
+        return None
+    compiled, shape = load(COMPILED), indices.shape
+    if compiled is None or len(shape) != 1 or not shape[0] or shape[0] % page_size or not indices.is_contiguous():
+        return None
+    pages = np.empty(shape[0] // page_size, dtype=np.int64)
+    if compiled.check_pages_at(indices.data_ptr(), shape[0], page_size, size, pages, unique) == -1:
+        return pages
+    return None
 
 
 def _cpu_int64(indices) -> np.ndarray | None:
