@@ -21,7 +21,8 @@ from tests.support.services import unavailable
 
 #: each compiled module and the functions of it that kvtier calls
 FUNCTIONS = {tokens.COMPILED: ("fill_int64", "walk_run"),
-             indices.COMPILED: ("check_pages", "check_pages_at", "expand_pages"), native.COMPILED: ("copy_jobs",)}
+             indices.COMPILED: ("check_pages", "check_pages_at", "expand_pages", "first_flag"),
+             native.COMPILED: ("copy_jobs",)}
 
 
 @pytest.fixture
@@ -53,6 +54,7 @@ def _every_path() -> set[str]:
     assert indices.page_token_slots(np.array([2, 0], dtype=np.int64), 4).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
     many = torch.arange(indices._SMALL_SLOTS * 2)  # past the plain-Python size: numpy or the compiled loop
     assert indices.page_starts(many, page_size=4, size=4096, what="x").tolist() == list(range(many.numel() // 4))
+    assert indices.first_flagged(np.array([True, False]), np.array([0, 1, 0], dtype=np.int64), 1, True) == 2
     # an int32 tensor has no int64 memory to check in place: its numpy copy is checked
     assert indices.page_starts(many.int(), page_size=4, size=4096, what="x").tolist() == list(range(many.numel() // 4))
     spec = KVSpec.mha(1, 1, 8)

@@ -119,6 +119,36 @@ def test_insert_rejects_slots_of_another_cached_prefix():
     check_prefix(cache, A, cache.match_prefix(A).device_indices)
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_insert_names_the_first_page_held_elsewhere_or_not_allocated(native, monkeypatch):
+    """The path's own pages may come back for the prefix it holds; a page another node
+    holds is named where it first appears, among those or after them, then a page the
+    pool did not hand out. The compiled pass and numpy's agree."""
+    monkeypatch.setenv("KVTIER_NATIVE", native)
+    cache = make_cache()
+    serve(cache, A)
+    serve(cache, B)
+    own, theirs = cache.match_prefix(A).device_indices, cache.match_prefix(B).device_indices
+    longer = A + list(range(500, 508))  # A's 3 pages, then 2 new ones
+    fresh = cache.alloc_device(8)
+    before = snapshot(cache)
+    cases = [(torch.cat([own[:4], theirs[:4], own[8:], fresh]), int(theirs[0]), 1),  # among the held pages
+             (torch.cat([own, fresh[:4], theirs[4:]]), int(theirs[4]), 4),  # after them
+             (torch.cat([theirs[4:], own[4:], fresh]), int(theirs[4]), 0)]
+    for slots, slot, page in cases:
+        with pytest.raises(ValueError, match=rf"device slot {slot} \(page {page} of the prompt\) already holds"):
+            cache.insert(longer, slots)
+    cache.free_device(fresh[4:])
+    with pytest.raises(ValueError, match=f"device slot {int(fresh[4])} is not allocated"):
+        cache.insert(longer, torch.cat([own, fresh]))
+    assert snapshot(cache) == before
+    again = cache.alloc_device(4)
+    compute(cache, longer, torch.cat([own, fresh[:4], again]), 12)
+    assert cache.insert(longer, torch.cat([own, fresh[:4], again])) == 12
+    assert hits(cache.match_prefix(longer)) == (20, 0, 0)
+    check_prefix(cache, longer, cache.match_prefix(longer).device_indices)
+
+
 @pytest.mark.parametrize("slots, match", [
     (torch.arange(64, 72), r"outside the pool's \[0, 64\)"),
     (torch.arange(2, 10), "not a multiple of page_size"),

@@ -430,3 +430,36 @@ def test_distinct_pages_equals_its_definition(pages, native):
         mp.setenv("KVTIER_NATIVE", "1" if native else "0")
         got = indices.distinct_pages(np.array(pages, dtype=np.int64), 64)
     assert got is None if not native or built(indices.COMPILED) is None else got == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(flags=st.lists(st.booleans(), min_size=1, max_size=40), data=st.data())
+def test_first_flagged_equals_its_definition(flags, data):
+    """The compiled pass and numpy's both answer the first index from ``start`` whose
+    page's flag is ``value``."""
+    pages = data.draw(st.lists(st.integers(0, len(flags) - 1), max_size=30))
+    start, value = data.draw(st.integers(0, len(pages))), data.draw(st.booleans())
+    want = next((i for i in range(start, len(pages)) if flags[pages[i]] == value), -1)
+    flag_array, page_array = np.array(flags, dtype=bool), np.array(pages, dtype=np.int64)
+    for native in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVTIER_NATIVE", native)
+            assert indices.first_flagged(flag_array, page_array, start, value) == want
+
+
+def test_first_flag_checks_its_pages_and_buffers(compiled):
+    flags, pages = np.array([False, True, False]), np.array([0, 2, 1], dtype=np.int64)
+    assert compiled.first_flag(flags, pages, 0, True) == 2 and compiled.first_flag(flags, pages, 0, False) == 0
+    assert compiled.first_flag(flags, pages, 3, True) == -1
+    with pytest.raises(ValueError, match=r"page 3 \(item 1\) outside the 3 flags"):
+        compiled.first_flag(flags, np.array([0, 3, 1], dtype=np.int64), 0, True)
+    with pytest.raises(ValueError, match=r"page -1 \(item 0\) outside"):
+        compiled.first_flag(flags, np.array([-1], dtype=np.int64), 0, True)
+    assert compiled.first_flag(flags, np.array([1, 3], dtype=np.int64), 0, True) == 0  # stops before the bad one
+    for start in (-1, 4):
+        with pytest.raises(ValueError, match=f"start {start} outside the 3 pages"):
+            compiled.first_flag(flags, pages, start, True)
+    with pytest.raises(TypeError, match="a byte a page"):
+        compiled.first_flag(flags.astype(np.int64), pages, 0, True)
+    with pytest.raises(TypeError, match="int64"):
+        compiled.first_flag(flags, pages.astype(np.int32), 0, True)

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import IntegrityError, UsageError
 from ..compiled import load
-from ..pools.indices import COMPILED, from_capsule, slot_tensor
+from ..pools.indices import COMPILED, first_flagged, from_capsule, slot_tensor
 from ..storage.keys import extend_keys
 from .footprint import Footprint
 from .handles import LoadHandle
@@ -616,19 +616,19 @@ class CacheState(HybridState):
             n = (inner if i == len(path) - 1 else len(node.key)) // ps
             theirs.append(node.device.pages[:n])
             held += n
-        bad = self._owned[pages]  # a page some node holds may only be that node's own
-        if np.count_nonzero(bad):
-            if held:  # the caller's copy of a held page is either the node's or a duplicate
-                bad[:held] &= pages[:held] != np.concatenate(theirs)
-            if np.count_nonzero(bad):
-                page = int(np.flatnonzero(bad)[0])
-                raise UsageError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already "
-                                 "holds another cached page; pass slots from alloc_device, or the match's own")
+        page = first_flagged(self._owned, pages, 0, True)  # a page some node holds may only be that node's own
+        if 0 <= page < held:  # the caller's copy of a held page is either the node's or a duplicate
+            bad = self._owned[pages[:held]] & (pages[:held] != np.concatenate(theirs))
+            found = np.flatnonzero(bad)
+            page = int(found[0]) if found.size else first_flagged(self._owned, pages, held, True)
+        if page >= 0:
+            raise UsageError(f"insert: device slot {int(pages[page]) * ps} (page {page} of the prompt) already "
+                             "holds another cached page; pass slots from alloc_device, or the match's own")
         if self.allocator is self.device_pool and held < pages.size:  # the pages the tree would adopt
-            adopted = self.device_pool.allocated_pages(pages[held:])
-            if np.count_nonzero(adopted) != adopted.size:
-                slot = int(pages[held + int(np.flatnonzero(~adopted)[0])]) * ps
-                raise UsageError(f"insert: device slot {slot} is not allocated; get slots from alloc_device")
+            page = self.device_pool.first_unallocated(pages, held)
+            if page >= 0:
+                raise UsageError(f"insert: device slot {int(pages[page]) * ps} is not allocated; get slots from "
+                                 "alloc_device")
         return walked
 
     def insert(self, tokens: array, pages: np.ndarray, salt: bytes, walked,

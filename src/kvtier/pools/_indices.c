@@ -208,6 +208,62 @@ static PyObject *check_pages_at(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(first_flag_doc,
+"first_flag(flags, pages, start, value) -> int\n\n"
+"The index i >= ``start`` of the first page p = pages[i] whose ``flags[p]`` (a\n"
+"buffer of a byte a page, as a numpy bool array is) is ``value`` (true: nonzero),\n"
+"or -1. ``pages``: int64; each page read must lie in ``flags``, else a ValueError\n"
+"naming it. One pass in place of a gather, a count and a call or two of numpy each.");
+
+static PyObject *first_flag(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *flags_obj, *pages_obj;
+    Py_ssize_t start;
+    int value;
+    if (!PyArg_ParseTuple(args, "OOnp:first_flag", &flags_obj, &pages_obj, &start, &value))
+        return NULL;
+    Py_buffer flags, pages;
+    if (PyObject_GetBuffer(flags_obj, &flags, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (flags.itemsize != 1) {
+        PyErr_Format(PyExc_TypeError, "first_flag: flags must hold a byte a page, got items of %zd bytes",
+                     flags.itemsize);
+        PyBuffer_Release(&flags);
+        return NULL;
+    }
+    if (get_int64s(pages_obj, &pages, 0, "pages") < 0) {
+        PyBuffer_Release(&flags);
+        return NULL;
+    }
+    const Py_ssize_t n = pages.len / 8;
+    const uint8_t *f = (const uint8_t *)flags.buf;
+    const int64_t *p = (const int64_t *)pages.buf;
+    Py_ssize_t found = -1, outside = -1;
+    int failed = start < 0 || start > n;
+    if (failed) {
+        PyErr_Format(PyExc_ValueError, "first_flag: start %zd outside the %zd pages", start, n);
+    } else {
+        for (Py_ssize_t i = start; i < n; i++) {
+            if ((uint64_t)p[i] >= (uint64_t)flags.len) {
+                outside = i;
+                break;
+            }
+            if ((f[p[i]] != 0) == value) {
+                found = i;
+                break;
+            }
+        }
+        if (outside >= 0) {
+            failed = 1;
+            PyErr_Format(PyExc_ValueError, "first_flag: page %lld (item %zd) outside the %zd flags",
+                         (long long)p[outside], outside, flags.len);
+        }
+    }
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&pages);
+    return failed ? NULL : PyLong_FromSsize_t(found);
+}
+
 /* What the expansions take: ``(pages, page_size, out)``, ``pages`` one buffer or (with
  * ``many``) a tuple or list of items, each a buffer or (with ``placed``) a tuple
  * ``(first page, buffer)``. Every item's buffer is taken before any slot is written. */
@@ -431,6 +487,7 @@ static PyObject *window_slots(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"check_pages", check_pages, METH_VARARGS, check_pages_doc},
     {"check_pages_at", check_pages_at, METH_VARARGS, check_pages_at_doc},
+    {"first_flag", first_flag, METH_VARARGS, first_flag_doc},
     {"expand_pages", expand_pages, METH_VARARGS, expand_pages_doc},
     {"expand_runs", expand_runs, METH_VARARGS, expand_runs_doc},
     {"window_slots", window_slots, METH_VARARGS, window_slots_doc},

@@ -8,7 +8,7 @@ import torch
 from .._checks import non_negative_int
 from ..errors import IntegrityError, UsageError
 from .common import check_sizes
-from .indices import distinct_pages, page_numbers, slot_tensor
+from .indices import distinct_pages, first_flagged, page_numbers, slot_tensor
 
 
 #: up to this many pages, an alloc or free marks them one by one (see ``_flags``)
@@ -121,6 +121,11 @@ class PageAllocator:
         """``(n,)`` bool numpy array: which of the (valid) ``page_ids`` (a tensor or numpy
         array) are handed out."""
         return self._in_use[np.asarray(page_ids, dtype=np.int64)]
+
+    def first_free(self, pages: np.ndarray, start: int = 0) -> int:
+        """The index of the first of the (valid) int64 page numbers ``pages[start:]`` that
+        is not handed out, or -1."""
+        return first_flagged(self._in_use, pages, start, False)
 
     def free(self, indices: torch.Tensor) -> None:
         """Return whole pages; :class:`UsageError` for slots that are not whole pages of

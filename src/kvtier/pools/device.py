@@ -115,6 +115,11 @@ class DeviceKVPool:
         array) are allocated."""
         return self._allocator.allocated(page_ids)
 
+    def first_unallocated(self, pages: np.ndarray, start: int = 0) -> int:
+        """The index of the first of the (valid) int64 page numbers ``pages[start:]`` that
+        is not allocated, or -1."""
+        return self._allocator.first_free(pages, start)
+
     def available_size(self) -> int:
         return self._allocator.available_size()
 
