@@ -9,12 +9,15 @@ import time
 
 class LoadFaults:
     """Wraps ``host_pool.load_to_device_layers`` of a cache (its loads' copies): ``fail``
-    (how many upcoming calls raise) and ``gate`` (each call waits for it), recording threads."""
+    (how many upcoming calls raise), ``fail_every`` (every n-th call raises; 0: none)
+    and ``gate`` (each call waits for it), recording threads."""
 
     def __init__(self, cache) -> None:
         self.pool = cache.host_pool
         self.inner = self.pool.load_to_device_layers
         self.fail = 0
+        self.fail_every = 0
+        self.calls = 0
         self.delay = 0.0                   # seconds each call sleeps
         self.gate: threading.Event | None = None
         self.started = threading.Event()
@@ -26,8 +29,9 @@ class LoadFaults:
             assert self.gate.wait(10), "test gate never opened"
         if self.delay:
             time.sleep(self.delay)
-        if self.fail:
-            self.fail -= 1
+        self.calls += 1
+        if self.fail or (self.fail_every and self.calls % self.fail_every == 0):
+            self.fail = max(0, self.fail - 1)
             raise OSError("injected load failure")
         return self.inner(*args, **kwargs)
 
