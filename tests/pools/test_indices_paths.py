@@ -217,11 +217,15 @@ def test_the_check_in_place_takes_only_plain_contiguous_cpu_int64_tensors(compil
     want = [4, 5]
     inputs = {"plain": (idx, True), "offset view": (torch.arange(96)[64:], True),
               "int32": (idx.to(torch.int32), False), "subclass": (idx.as_subclass(_Slots), False),
-              "non-contiguous": (torch.stack([idx, idx], 1)[:, 0], False), "2-D": (idx.reshape(2, 16), False)}
+              "non-contiguous": (torch.stack([idx, idx], 1)[:, 0], False), "2-D": (idx.reshape(2, 16), False),
+              "negative view": (torch._neg_view(idx), False)}  # its memory holds 64..95, its values -64..-95
     for name, (slots, in_place) in inputs.items():
         calls.clear()
         if name == "2-D":
             with pytest.raises(ValueError, match="1-D"):
+                page_starts(slots, page_size=16, size=128, what="x")
+        elif name == "negative view":  # its values, never its memory's pages
+            with pytest.raises(ValueError, match=r"slots in \[-95, -64\], outside the pool's \[0, 128\)"):
                 page_starts(slots, page_size=16, size=128, what="x")
         else:
             assert page_starts(slots, page_size=16, size=128, what="x", unique=True).tolist() == want, name

@@ -93,11 +93,13 @@ def _checked_in_place(indices, page_size: int, size: int, unique: bool) -> np.nd
     NOTE: the compiled check reads the tensor's memory at its address: a numpy view, the
     one buffer torch gives, took 3.5 µs of an 8K-token insert (Zen 2, out of the caches),
     these attributes 1.7. Only an exact ``torch.Tensor``: a subclass may answer them its
-    own way."""
+    own way; and not a negative view (``torch._neg_view``), whose memory holds the
+    values before their negation."""
     if type(indices) is not torch.Tensor or indices.dtype is not torch.int64 or not indices.is_cpu:
         return None
     compiled, shape = load(COMPILED), indices.shape
-    if compiled is None or len(shape) != 1 or not shape[0] or shape[0] % page_size or not indices.is_contiguous():
+    if compiled is None or len(shape) != 1 or not shape[0] or shape[0] % page_size or not indices.is_contiguous() \
+            or indices.is_neg():
         return None
     pages = np.empty(shape[0] // page_size, dtype=np.int64)
     if compiled.check_pages_at(indices.data_ptr(), shape[0], page_size, size, pages, unique) == -1:
@@ -122,8 +124,9 @@ def _cpu_int64(indices) -> np.ndarray | None:
 
 
 def _host_int64(indices: torch.Tensor) -> np.ndarray:
-    """``indices`` as a CPU int64 numpy array, converted by numpy (no torch op)."""
-    a = (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+    """``indices`` as a CPU int64 numpy array, converted by numpy (no torch op but a
+    negative view's negation, which ``numpy()`` refuses)."""
+    a = (indices if indices.device.type == "cpu" else indices.cpu()).resolve_neg().numpy()
     return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
