@@ -185,7 +185,7 @@ PyDoc_STRVAR(check_pages_at_doc,
 "check_pages of the ``count`` int64 slots at ``address``: the memory of a tensor the\n"
 "caller holds and has checked (CPU, int64, 1-D, contiguous, ``count`` elements, as\n"
 "kvtier.pools.indices does), which this trusts. A tensor's numpy view, the one\n"
-"buffer torch gives, costs more than the check of 8K slots' pages.");
+"buffer torch gives, cost half as much as the check of 8K slots itself.");
 
 static PyObject *check_pages_at(PyObject *self, PyObject *args) {
     (void)self;
