@@ -358,8 +358,12 @@ def test_misuse_is_refused_before_anything_changes():
         cache.commit(got, tokens, new, groups={"swa": torch.arange(1, 17)})
     with pytest.raises(ValueError, match="neither a whole page nor all -1"):
         cache.commit(got, tokens, new, groups={"swa": torch.tensor([-1, -1, -1, 3, *range(4, 16)])})
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(ValueError, match=r"groups\['swa'\]: device slot 0 is not allocated"):
         cache.commit(got, tokens, new, groups={"swa": torch.arange(16)})
+    swa = cache.alloc_device(4, group="swa")  # its first page allocated: the error names the next one's
+    with pytest.raises(ValueError, match=rf"device slot {4 if int(swa[0]) == 0 else 0} is not allocated"):
+        cache.commit(got, tokens, new, groups={"swa": torch.arange(16)})
+    cache.free_device(swa, group="swa")
     with pytest.raises(ValueError, match="groups="):
         cache.commit(got, tokens, new, groups={"nope": torch.arange(16)})
     assert cache.stats()["device_tokens"] == 0

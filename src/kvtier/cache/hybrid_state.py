@@ -21,7 +21,7 @@ from .inflight import InFlight
 from .lru import side_tier
 from .residency import held_count
 from ..compiled import load
-from ..pools.indices import COMPILED, from_capsule, page_token_slots
+from ..pools.indices import COMPILED, first_flagged, from_capsule, page_token_slots
 from .sides import HOLE, highest, lowest, resumable, runs
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -335,7 +335,7 @@ class HybridState:
         for g, pages in given.items():
             mine = pages >= 0
             fresh = pages[mine]
-            if np.count_nonzero(self.sides.owned[g][fresh]):  # only the node's own page at the same place
+            if first_flagged(self.sides.owned[g], fresh, 0, True) >= 0:  # only the node's own page at the same place
                 own = np.full(pages.size, HOLE, dtype=np.int64)
                 at = 0
                 for i, node in enumerate(path):
@@ -351,9 +351,10 @@ class HybridState:
                                      "already holds another cached page; pass slots from alloc_device(n, group=...)")
                 fresh = pages[mine & (pages != own)]
                 owned.add(g)
-            if fresh.size and np.count_nonzero(self.sides.device[g].allocated_pages(fresh)) != fresh.size:
-                raise UsageError(f"groups[{g!r}]: a device slot is not allocated; get slots from "
-                                 "alloc_device(n, group=...)")
+            free = self.sides.device[g].first_unallocated(fresh) if fresh.size else -1
+            if free >= 0:
+                raise UsageError(f"groups[{g!r}]: device slot {int(fresh[free]) * ps} is not allocated; get slots "
+                                 "from alloc_device(n, group=...)")
         return owned
 
     def adopt_sides(self, path, given: dict[str, np.ndarray], tokens: int, resume_at=(), owned=frozenset()) -> None:
