@@ -57,11 +57,12 @@ def page_numbers(indices: torch.Tensor, *, page_size: int, size: int, what: str,
                  allowed_devices: tuple[torch.device, ...] = (torch.device("cpu"),),
                  unique: bool = False) -> np.ndarray:
     """:func:`page_starts` as a new int64 numpy array (no tensor around it)."""
-    if _CPU in allowed_devices:
+    on_cpu = _CPU in allowed_devices
+    if on_cpu:
         pages = _checked_in_place(indices, page_size, size, unique)
         if pages is not None:
             return pages
-    flat = _cpu_int64(indices) if _CPU in allowed_devices else None
+    flat = _cpu_int64(indices) if on_cpu else None
     if flat is None:  # NOTE: a 1-D int64 tensor on an allowed CPU passes every check here
         if not isinstance(indices, torch.Tensor):
             raise UsageError(f"{what} must be a torch.Tensor of int64 token slots, got {type(indices).__name__}")
