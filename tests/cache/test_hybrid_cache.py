@@ -364,6 +364,8 @@ def test_misuse_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match=rf"device slot {4 if int(swa[0]) == 0 else 0} is not allocated"):
         cache.commit(got, tokens, new, groups={"swa": torch.arange(16)})
     cache.free_device(swa, group="swa")
+    with pytest.raises(ValueError, match=rf"group 'swa''s slot {int(swa[0])} is not allocated"):
+        cache.free_device(swa, group="swa")  # a second free of the same page
     with pytest.raises(ValueError, match="groups="):
         cache.commit(got, tokens, new, groups={"nope": torch.arange(16)})
     assert cache.stats()["device_tokens"] == 0

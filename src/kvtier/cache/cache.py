@@ -118,12 +118,12 @@ def _checking(cache: "HierarchicalCache", bound):
 
 
 
-def _check_allocated(pool, pages: torch.Tensor, page_size: int, whose: str = "") -> None:
-    """``UsageError`` unless every page of ``pages`` (CPU int64) is allocated in ``pool``: a
-    slot the caller frees twice is the caller's mistake, not a broken invariant."""
-    held = pool.allocated_pages(pages)
-    if not held.all():
-        slot = int(pages[int(np.flatnonzero(~held)[0])]) * page_size
+def _check_allocated(pool, pages: np.ndarray, page_size: int, whose: str = "") -> None:
+    """``UsageError`` unless every page of ``pages`` (int64 numpy) is allocated in ``pool``:
+    a slot the caller frees twice is the caller's mistake, not a broken invariant."""
+    free = pool.first_unallocated(pages)
+    if free >= 0:
+        slot = int(pages[free]) * page_size
         raise UsageError(f"free_device: {whose}slot {slot} is not allocated (freed already?); only free slots you own")
 
 
@@ -784,18 +784,17 @@ class HierarchicalCache:
                 if held.any():
                     raise UsageError(f"free_device: slot {int(pages[held][0]) * self.page_size} of group {group!r} "
                                      "holds a cached page; only free slots you own")
-                _check_allocated(pool, torch.from_numpy(pages), self.page_size, f"group {group!r}'s ")
+                _check_allocated(pool, pages, self.page_size, f"group {group!r}'s ")
                 pool.free(indices)
             return
-        self._check_slots(indices)
+        pages = self._check_slots(indices)
         with self._lock:
             owned = self._state.owned(indices)
             if owned.any():
                 slot = int(indices[int(owned.argmax()) * self.page_size])
                 raise UsageError(f"free_device: slot {slot} holds a cached page; only free slots you own")
             if self.allocator is self.device_pool:  # an engine's own allocator judges its slots itself
-                _check_allocated(self.device_pool, indices.reshape(-1)[::self.page_size].cpu() // self.page_size,
-                                 self.page_size)
+                _check_allocated(self.device_pool, pages, self.page_size)
             self.allocator.free(indices)
 
     @_checked
