@@ -451,6 +451,37 @@ def test_first_flagged_equals_its_definition(flags, data):
             assert indices.first_flagged(flag_array, page_array, start, value) == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(flags=st.lists(st.booleans(), max_size=20), data=st.data())
+def test_first_flagged_refuses_pages_outside_its_flags_alike(flags, data):
+    """A page outside the flags before the first hit is a ``ValueError`` naming it, on
+    both paths (numpy's indexing would wrap a negative page and raise ``IndexError`` for
+    a large one); a bad start too. Pages after the hit are not read."""
+    n = len(flags)
+    pages = data.draw(st.lists(st.integers(-3, n + 2), max_size=20))
+    start, value = data.draw(st.integers(-1, len(pages) + 1)), data.draw(st.booleans())
+    want, error = -1, None
+    if not 0 <= start <= len(pages):
+        error = f"start {start} outside the {len(pages)} pages"
+    else:
+        for i in range(start, len(pages)):
+            if not 0 <= pages[i] < n:
+                error = rf"page {pages[i]} \(item {i}\) outside the {n} flags"
+                break
+            if flags[pages[i]] == value:
+                want = i
+                break
+    flag_array, page_array = np.array(flags, dtype=bool), np.array(pages, dtype=np.int64)
+    for native in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVTIER_NATIVE", native)
+            if error is None:
+                assert indices.first_flagged(flag_array, page_array, start, value) == want
+            else:
+                with pytest.raises(ValueError, match=error):
+                    indices.first_flagged(flag_array, page_array, start, value)
+
+
 def test_first_flag_checks_its_pages_and_buffers(compiled):
     flags, pages = np.array([False, True, False]), np.array([0, 2, 1], dtype=np.int64)
     assert compiled.first_flag(flags, pages, 0, True) == 2 and compiled.first_flag(flags, pages, 0, False) == 0

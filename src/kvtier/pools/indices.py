@@ -203,8 +203,18 @@ def first_flagged(flags: np.ndarray, pages: np.ndarray, start: int, value: bool)
     compiled = load(COMPILED)
     if compiled is not None and pages.flags.c_contiguous:
         return compiled.first_flag(flags, pages, start, value)
-    hits = flags[pages[start:]] == value
-    return start + int(np.flatnonzero(hits)[0]) if np.count_nonzero(hits) else -1
+    # the compiled pass's answers and errors: pages are read up to the first hit only
+    if not 0 <= start <= len(pages):
+        raise UsageError(f"first_flag: start {start} outside the {len(pages)} pages")
+    tail = pages[start:]
+    outside = np.flatnonzero((tail < 0) | (tail >= len(flags)))
+    end = int(outside[0]) if len(outside) else len(tail)
+    hits = np.flatnonzero(flags[tail[:end]] == value)
+    if len(hits):
+        return start + int(hits[0])
+    if len(outside):
+        raise UsageError(f"first_flag: page {int(tail[end])} (item {start + end}) outside the {len(flags)} flags")
+    return -1
 
 
 def _steps(flat: np.ndarray, page_size: int) -> np.ndarray:
