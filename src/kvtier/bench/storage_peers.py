@@ -2,7 +2,13 @@
 ``fs`` secondary tier (``vllm.v1.kv_offload.tiering.fs.io``, vLLM 0.32), driven through
 its own batch functions, buffered and with O_DIRECT (its default where the
 filesystem allows it), one file per page from one contiguous buffer, the pages
-split between ``threads`` as its thread pool does."""
+split between ``threads``.
+
+NOTE: vLLM's tier (``manager.py``) starts 16 read-priority and 16 write-priority
+threads, but submits each transfer job (one request's blocks) as a single task: one
+thread reads or writes a job's blocks one after another, and only concurrent jobs
+use more threads. So a batch split between kvtier's ``io_threads`` (2 by default)
+gives vLLM at least the requests in flight that one of its jobs has."""
 
 from __future__ import annotations
 
