@@ -89,8 +89,8 @@ def test_non_blocking_stop_policies_return_before_storage_answers(store, policy)
 
 def test_failed_storage_writes_are_counted_not_raised(tmp_path):
     store = kvtier.storage.open(f"file://{tmp_path}")
-    (tmp_path / "kvtier-v4").rmdir()
-    (tmp_path / "kvtier-v4").write_text("not a directory")
+    (tmp_path / "kvtier-v5").rmdir()
+    (tmp_path / "kvtier-v5").write_text("not a directory")
     cache = make_cache(storage=store)
     serve(cache, A)
     cache.flush()

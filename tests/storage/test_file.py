@@ -157,7 +157,7 @@ def test_a_link_at_a_shards_name_is_removed_not_followed(tmp_path, monkeypatch, 
     host, idx = filled_host(SPEC, 1)
     key, = keys_for(1)
     store = kvtier.storage.open(f"file://{tmp_path}/store")
-    shard = tmp_path / "store" / "kvtier-v4" / hashlib.sha256(key.encode()).hexdigest()[:2]
+    shard = tmp_path / "store" / "kvtier-v5" / hashlib.sha256(key.encode()).hexdigest()[:2]
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep").write_bytes(b"x")
@@ -227,7 +227,7 @@ def test_a_keys_files_sit_side_by_side_in_its_shard(tmp_path):
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = _sharing_a_shard(3)
     assert store.batch_set(keys, host, idx) == [True] * 3
-    root = tmp_path / "kvtier-v4"
+    root = tmp_path / "kvtier-v5"
     shard = hashlib.sha256(keys[0].encode()).hexdigest()[:2]
     assert [p.name for p in root.iterdir()] == [shard] and all(p.is_file() for p in (root / shard).iterdir())
     assert sorted(p.name.partition(".")[0] for p in (root / shard).iterdir()) \
@@ -264,7 +264,7 @@ def test_keys_never_leave_the_directory(tmp_path):
         assert store.batch_set([key], host, idx) == [True]
         assert store.batch_exists([key]) == 1
     assert all(root in p.parents for p in object_files(tmp_path))
-    assert {p.parent.parent.name for p in object_files(tmp_path)} == {"kvtier-v4"}
+    assert {p.parent.parent.name for p in object_files(tmp_path)} == {"kvtier-v5"}
 
 
 def test_open_rejects_bad_urls(tmp_path):
@@ -276,7 +276,7 @@ def test_open_rejects_bad_urls(tmp_path):
         kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=0)
     (tmp_path / "a_file").write_text("")
     for unusable in ("/proc/x", f"{tmp_path}/a_file/below"):
-        with pytest.raises(ValueError, match="file storage: cannot use directory .*/kvtier-v4: "):
+        with pytest.raises(ValueError, match="file storage: cannot use directory .*/kvtier-v5: "):
             kvtier.storage.open(f"file://{unusable}")
     with pytest.raises(ValueError, match="head_groups 3 does not divide"):
         kvtier.storage.open(f"file://{tmp_path}", spec=SPEC, page_size=4, head_groups=3)
@@ -400,7 +400,7 @@ def test_objects_are_owner_only_whatever_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     for name, (dirs, files) in {"private": (0o700, 0o600), "shared": (0o770, 0o660)}.items():
-        root = tmp_path / name / "kvtier-v4"
+        root = tmp_path / name / "kvtier-v5"
         found = list(root.rglob("*"))
         assert {stat.S_IMODE(p.stat().st_mode) for p in found if p.is_dir()} | {stat.S_IMODE(root.stat().st_mode)} \
             == {dirs}
@@ -465,7 +465,7 @@ def test_clear_removes_every_object_and_stray_but_keeps_the_shard_directories(tm
     keys = keys_for(6)
     store = kvtier.storage.open(f"file://{tmp_path}")
     assert store.batch_set(keys, host, idx) == [True] * 6
-    root = tmp_path / "kvtier-v4"
+    root = tmp_path / "kvtier-v5"
     shards = sorted(p for p in root.iterdir() if p.is_dir())
     assert shards and len(object_files(tmp_path)) == 6
     (shards[0] / "stray").write_bytes(b"x")

@@ -1,8 +1,9 @@
 """File backend: the orders of a page file's parts. A ``page_first`` pool writes slot
 order and a ``page_first_direct`` pool layer order (a part per component, its page's
-own bytes), and each reads its own in place; ``page_head`` and ``layer_first`` pools
-write head order (a part per head group); every layout and every tensor-parallel
-size reads any order, bit-exactly, and a damaged part is a miss."""
+own bytes), a ``page_head`` pool split order (a part per component and head group,
+each component's groups in turn), and each reads its own in place; ``layer_first``
+pools write head order (a part per head group); every layout and every
+tensor-parallel size reads any order, bit-exactly, and a damaged part is a miss."""
 
 import struct
 from pathlib import Path
@@ -15,13 +16,14 @@ import kvtier.storage
 from kvtier import Component, KVSpec
 from kvtier.layout import LAYOUTS
 from kvtier.storage import pageio
-from kvtier.storage.pagefile import ALIGN, HEAD, LAYER, SLOT, OtherOrder
+from kvtier.storage.pagefile import ALIGN, HEAD, LAYER, SLOT, SPLIT, OtherOrder
 from tests.support.pools import SPECS, bits
 from tests.support.services import unavailable
 from tests.support.storage import blank_host, filled_host, flat_pages, shard_flat
 
 SPEC = SPECS["asym"]  # K 4 heads x 12, V 4 heads x 8: head order has 4 parts, slot and layer order 2
 COMPONENT_ORDERS = ["page_first", "page_first_direct"]  # the layouts that write a part per component
+IN_PLACE = {"page_first": SLOT, "page_first_direct": LAYER, "page_head": SPLIT}  # the orders read in place
 WITH_REP = KVSpec(2, (Component("k", 4, 12), Component("v", 4, 8), Component("idx", 1, 6)), torch.bfloat16)
 
 
@@ -40,12 +42,14 @@ def header_fields(data: bytes) -> tuple[int, int, int, int]:
     return version, parts, header_len, order
 
 
-@pytest.mark.parametrize("layout, order, parts", [("page_first", SLOT, 2), ("page_head", HEAD, 4),
+@pytest.mark.parametrize("layout, order, parts", [("page_first", SLOT, 2), ("page_head", SPLIT, 8),
                                                   ("layer_first", HEAD, 4), ("page_first_direct", LAYER, 2)])
 def test_each_layout_writes_the_order_it_holds_contiguously(tmp_path, layout, order, parts):
     """A page_first or page_first_direct page's file holds, after its header, each
     component's page span byte for byte (at 4 KiB boundaries), each part's xxh3-64 in
-    the header; the other layouts write a part per head group."""
+    the header; a page_head page's, each component's head groups in turn (split
+    order), each group's heads as the pool holds them; layer_first writes a part per
+    head group."""
     host, idx = filled_host(SPEC, 2, layout=layout, seed=1)
     store = kvtier.storage.open(f"file://{tmp_path}")
     keys = keys_for(2)
@@ -53,18 +57,23 @@ def test_each_layout_writes_the_order_it_holds_contiguously(tmp_path, layout, or
     for page, key in enumerate(keys):
         data = the_file(store, key).read_bytes()
         version, count, header_len, got_order = header_fields(data)
-        assert (version, count, header_len, got_order) == (3, parts, ALIGN, order)
+        assert (version, count, header_len, got_order) == (4, parts, ALIGN, order)
         if order == HEAD:
             continue
+        spans = []
+        for comp in ("k", "v"):
+            view = host.page_views[comp].np_all_layers[idx[page * 4].item() // 4]  # (slot, layer, head, dim)
+            if order == SPLIT:  # each head group (one head here) as (head, slot, layer, dim)
+                spans += [view[:, :, h:h + 1].transpose(2, 0, 1, 3).tobytes() for h in range(view.shape[2])]
+            else:
+                spans.append((view if order == SLOT else view.transpose(1, 0, 2, 3)).tobytes())
         offset = end = header_len
         name_len = struct.unpack_from("<H", data, 24)[0]
-        sums = struct.unpack_from("<2Q", data, 26 + name_len)
-        for i, comp in enumerate(("k", "v")):
+        sums = struct.unpack_from(f"<{parts}Q", data, 26 + name_len)
+        for i, span in enumerate(spans):
             if i:
                 assert not any(data[end:offset]), "zeros between parts"
-            view = host.page_views[comp].np_all_layers[idx[page * 4].item() // 4]  # (slot, layer, head, dim)
-            span = (view if order == SLOT else view.transpose(1, 0, 2, 3)).tobytes()
-            assert data[offset:offset + len(span)] == span, comp
+            assert data[offset:offset + len(span)] == span, i
             assert sums[i] == xxhash.xxh3_64_intdigest(span)
             end = offset + len(span)
             offset = -(-end // ALIGN) * ALIGN
@@ -90,11 +99,11 @@ def test_every_layout_reads_files_of_either_order(tmp_path, monkeypatch, writer,
     assert store.stats()["errors"] == 0
 
 
-@pytest.mark.parametrize("layout", COMPONENT_ORDERS)
+@pytest.mark.parametrize("layout", list(IN_PLACE))
 def test_a_pool_reads_its_own_orders_files_in_place_with_the_compiled_reader(tmp_path, monkeypatch, layout):
     """Slot-order files go straight into a page_first pool, layer-order ones into a
-    page_first_direct pool: the compiled reader reads every one (no per-file path, no
-    staging copy) bit-exactly."""
+    page_first_direct pool, split-order ones into a page_head pool: the compiled reader
+    reads every one (no per-file path, no staging copy) bit-exactly."""
     if not pageio.compiled():
         unavailable("kvtier.storage._pageio is not built or bound, or KVTIER_NATIVE=0")
     seen, real = [], pageio.read_pages
@@ -113,10 +122,10 @@ def test_a_pool_reads_its_own_orders_files_in_place_with_the_compiled_reader(tmp
     assert all(torch.equal(a, b) for a, b in zip(flat_pages(reader, ridx), flat_pages(host, idx)))
 
 
-@pytest.mark.parametrize("layout", COMPONENT_ORDERS)
+@pytest.mark.parametrize("layout", list(IN_PLACE))
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_a_damaged_per_component_part_is_a_miss_and_is_deleted(tmp_path, monkeypatch, native, layout):
-    """Either part of a slot- or layer-order file damaged: that page misses (read in
+    """A part of a slot-, layer- or split-order file damaged: that page misses (read in
     place, so its pool page may hold what was read), is counted corrupt and deleted;
     the others load."""
     monkeypatch.setenv("KVTIER_NATIVE", native)
@@ -163,13 +172,43 @@ def test_shards_read_their_heads_of_a_full_writers_per_component_file(tmp_path, 
     assert store.stats()["corrupt"] == 1 and not victim.exists()
 
 
-@pytest.mark.parametrize("writer", COMPONENT_ORDERS)
+@pytest.mark.parametrize("layout", ["page_first", "page_head", "layer_first", "page_first_direct"])
+def test_shards_read_their_groups_of_a_full_writers_split_file(tmp_path, layout):
+    """A full page_head writer leaves one split-order file a page: K's four head groups,
+    V's four, then the replicated part. Ranks of 2 and of 4 read their groups' parts
+    of each component, bit-exactly; a damaged byte of head 3's K part is a miss for the
+    rank that holds head 3, and the other rank of 2 still hits."""
+    full, idx = filled_host(WITH_REP, 3, seed=9, layout="page_head")
+    store = kvtier.storage.open(f"file://{tmp_path}")
+    keys = keys_for(3)
+    assert store.batch_set(keys, full, idx) == [True] * 3
+    victim = the_file(store, keys[1])
+    assert header_fields(victim.read_bytes())[:2] == (4, 9)
+    truth = flat_pages(full, idx)
+    for size in (2, 4):
+        for rank in range(size):
+            reader, ridx = blank_host(WITH_REP.shard(rank, size), 12, layout=layout)
+            assert store.batch_get(keys, reader, ridx) == [True] * 3, (rank, size)
+            for got, want in zip(flat_pages(reader, ridx), truth):
+                assert torch.equal(got, bits(shard_flat(want.view(WITH_REP.dtype), WITH_REP, 4, rank, size)))
+    data = bytearray(victim.read_bytes())
+    data[4 * ALIGN + 1] ^= 0x01  # the fourth part: K of head group 3 (one head), rank 1's of 2
+    victim.write_bytes(bytes(data))
+    reader, ridx = blank_host(WITH_REP.shard(0, 2), 12, layout=layout)
+    assert store.batch_get(keys, reader, ridx) == [True] * 3  # rank 0 reads none of head 3
+    assert store.stats()["corrupt"] == 0
+    reader, ridx = blank_host(WITH_REP.shard(1, 2), 12, layout=layout)
+    assert store.batch_get(keys, reader, ridx) == [True, False, True]
+    assert store.stats()["corrupt"] == 1 and not victim.exists()
+
+
+@pytest.mark.parametrize("writer", list(IN_PLACE))
 @pytest.mark.parametrize("reader_layout", ["page_first", "page_head", "layer_first", "page_first_direct"])
 def test_a_full_reader_joins_the_per_component_files_of_two_shards(tmp_path, reader_layout, writer):
-    """Two page_first (page_first_direct) ranks write their halves in slot (layer)
-    order, rank 0 with the replicated part; a full reader of any layout finds both
-    files and puts each part's heads in place, bit-exactly; ranks of 4 read their
-    quarter out of a half."""
+    """Two page_first (page_first_direct, page_head) ranks write their halves in slot
+    (layer, split) order, rank 0 with the replicated part; a full reader of any layout
+    finds both files and puts each part's heads in place, bit-exactly; ranks of 4 read
+    their quarter out of a half."""
     full, idx = filled_host(WITH_REP, 3, seed=6)
     truth = flat_pages(full, idx)
     store = kvtier.storage.open(f"file://{tmp_path}")
@@ -182,8 +221,7 @@ def test_a_full_reader_joins_the_per_component_files_of_two_shards(tmp_path, rea
         assert store.batch_set(keys, host, hidx) == [True] * 3
     files = [Path(p) for p in store._key_files(keys[0])]
     assert sorted(f.name.rsplit(".", 1)[1] for f in files) == ["g0-2of4+rep", "g2-4of4"]
-    order = SLOT if writer == "page_first" else LAYER
-    assert [header_fields(f.read_bytes())[3] for f in files] == [order, order]
+    assert [header_fields(f.read_bytes())[3] for f in files] == [IN_PLACE[writer]] * 2
     reader, ridx = blank_host(WITH_REP, 12, layout=reader_layout)
     assert store.batch_get(keys, reader, ridx) == [True] * 3
     assert all(torch.equal(a, b) for a, b in zip(truth, flat_pages(reader, ridx)))
@@ -198,7 +236,7 @@ def test_a_full_reader_joins_the_per_component_files_of_two_shards(tmp_path, rea
 def test_a_file_of_another_order_is_never_judged_corrupt(tmp_path):
     """A reader that expects one order meets a file of another of the same size and
     name: it reads it in that order, deletes nothing (every writer, every reader)."""
-    spec = KVSpec.mha(2, 2, 64)  # every order: a 4 KiB header and two 8 KiB parts
+    spec = KVSpec.mha(2, 2, 64)  # every order: a 4 KiB header and 16 KiB of parts (two or four)
     layouts = ("page_head", "page_first", "page_first_direct")
     stores = {}
     for layout in layouts:
@@ -213,7 +251,7 @@ def test_a_file_of_another_order_is_never_judged_corrupt(tmp_path):
     sizes = {layout: [the_file(s, k).stat().st_size for k in keys] for layout, s in stores.items()}
     assert sizes["page_head"] == sizes["page_first"] == sizes["page_first_direct"]
     assert all(s.stats()["corrupt"] == 0 and s.stats()["errors"] == 0 for s in stores.values())
-    assert [header_fields(the_file(stores[layout], keys[0]).read_bytes())[3] for layout in layouts] == [HEAD, SLOT,
+    assert [header_fields(the_file(stores[layout], keys[0]).read_bytes())[3] for layout in layouts] == [SPLIT, SLOT,
                                                                                                         LAYER]
 
 
@@ -230,12 +268,12 @@ def test_a_file_that_changes_order_while_read_is_a_counted_miss_that_stays(tmp_p
     real = store._read_source
 
     def replaced_meanwhile(path, *args):
-        if path == str(victim) and args[5] == HEAD:  # the second read, in the file's own order
+        if path == str(victim) and args[5] == SPLIT:  # the second read, in the file's own order
             raise OtherOrder(SLOT)
         return real(path, *args)
 
     monkeypatch.setattr(store, "_read_source", replaced_meanwhile)
-    reader, ridx = blank_host(SPEC, 12)  # page_first: expects slot order, meets head order
+    reader, ridx = blank_host(SPEC, 12)  # page_first: expects slot order, meets split order
     assert store.batch_get(keys, reader, ridx) == [True, False, True]
     pages, want = flat_pages(reader, ridx), flat_pages(host, idx)
     assert torch.equal(pages[0], want[0]) and torch.equal(pages[2], want[2])

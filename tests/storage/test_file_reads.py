@@ -80,7 +80,7 @@ def test_a_corrupt_object_mid_batch_is_a_miss_that_leaves_its_page_untouched(tmp
     neither the first nor the last of the batch: the pages around it load. A staged
     layout's page keeps every byte (no staged part is copied before all its parts
     pass); ``page_head`` reads in place, so its miss page holds what was read. The
-    files are in head order (a ``page_head`` writer's): ``page_first`` expects slot
+    files are in split order (a ``page_head`` writer's): ``page_first`` expects slot
     order, so it reads them staged on the per-file path."""
     store = open_store(tmp_path, io_threads, one_page_steps)
     host, idx = filled_host(SPEC, 7, seed=3, layout="page_head")
@@ -88,8 +88,8 @@ def test_a_corrupt_object_mid_batch_is_a_miss_that_leaves_its_page_untouched(tmp
     assert store.batch_set(keys, host, idx) == [True] * 7
     victim, = object_files(store, keys[4])
     data = bytearray(victim.read_bytes())
-    assert len(data) == 4 * ALIGN + 480  # a one-block header, then each part at a block boundary
-    data[3 * ALIGN + 240] ^= 0x01  # inside part 2 of 4
+    assert len(data) == 8 * ALIGN + 192  # a one-block header, then each part at a block boundary
+    data[3 * ALIGN + 144] ^= 0x01  # inside part 3 of 8 (K of head 2)
     victim.write_bytes(bytes(data))
     reader, ridx = blank_host(SPEC, 28, layout=layout)
     before = [p.clone() for p in flat_pages(reader, ridx)]

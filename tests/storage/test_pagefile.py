@@ -13,8 +13,8 @@ from kvtier import Component, HostKVPool, KVSpec
 from kvtier.errors import CorruptObject
 from kvtier.storage.codec import MAX_NAME_BYTES
 from kvtier.storage.objects import PagePlan
-from kvtier.storage.pagefile import ALIGN, HEAD, LAYER, SLOT, FileLayout, field_parts, file_field, header_room, \
-    longest_name
+from kvtier.storage.pagefile import ALIGN, HEAD, LAYER, SLOT, SPLIT, FileLayout, field_parts, file_field, \
+    header_room, longest_name
 from tests.support.storage import blank_host, filled_host, flat_pages
 
 GEOMETRIES = {
@@ -35,7 +35,7 @@ def _writer_fields(spec: KVSpec, page_size: int, head_groups: int | None = None)
         for rank in range(size):
             shard = PagePlan(spec.shard(rank, size) if size > 1 else spec, page_size, plan.groups)
             field = file_field(shard, shard.write_parts)
-            for order in (HEAD, SLOT, LAYER):
+            for order in (HEAD, SLOT, LAYER, SPLIT):
                 parts = field_parts(plan, field.rsplit("/", 1)[1], order)
                 yield field, [n for _, n in parts], order
 
@@ -54,7 +54,7 @@ def test_the_bounds_are_those_of_the_files_writers_write(name):
             headers.append(FileLayout(f"{key}#{field}", sizes, order).header_len)
         assert max(names) == longest_name(len(key), plan)
         assert max(headers) == header_room(len(key), plan)
-        for key_bytes in (0, 4000, 4096 - 26):  # across a header block boundary too
+        for key_bytes in (0, *range(3800, 4100, 4)):  # across a header block boundary: each order's in turn
             big = [FileLayout("k" * key_bytes + f"#{f}", s, o).header_len
                    for f, s, o in _writer_fields(spec, 16, head_groups)]
             assert max(big) == header_room(key_bytes, plan)

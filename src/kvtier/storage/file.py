@@ -1,17 +1,19 @@
 """``file:///dir``: one file per page (and writer), in 256 shard directories; the embedded default.
 
-    <dir>/kvtier-v4/<h[0:2]>/<h[2:]>.<field>    h = sha256(key), field = "<fingerprint>.p<page size>.g<a>-<b>of<G>"
+    <dir>/kvtier-v5/<h[0:2]>/<h[2:]>.<field>    h = sha256(key), field = "<fingerprint>.p<page size>.g<a>-<b>of<G>"
     (plus "+rep" for the replicated part; "<fingerprint>.p<page size>.rep" when that is all)
 
 A key's files sit side by side in its shard, named by the key's hash and their field:
 no directory per key, whose ``mkdir`` cost a new page more than writing 1.4 MiB of it.
 
 The file format is ``kvtier.storage.pagefile``: a checked header, then the page's
-parts at aligned offsets, in head order (a part per head group) or, from a pool that
-holds a component's page contiguously (``page_first``), in slot order (a part per
-component). So ``page_head`` and ``page_first`` pools read and write their parts in
-place (``preadv``/``writev`` straight between the file and the pool, no staging
-copy) and other layouts go through a per-thread staging arena. A reader expects its
+parts at aligned offsets: from a ``page_head`` pool in split order (a part per
+component and head group, each component's groups in turn), from a pool that holds
+a component's page contiguously (``page_first``) in slot order (a part per
+component), else in head order (a part per head group). So ``page_head`` and
+``page_first`` pools read and write their parts in place (``preadv``/``writev``
+straight between the file and the pool, no staging copy) and other layouts go
+through a per-thread staging arena. A reader expects its
 own layout's order and reads a file of the other one (another layout wrote it) on
 the per-file path. A reader of another tensor-parallel size than the writer finds
 the files holding its head groups among the names its geometry's writers can write,
@@ -24,7 +26,8 @@ file checks out) wherever the pool is one allocation; only the files it did not 
 go through the per-file path.
 Objects of earlier layouts are not read: they are misses (version 1, one file per
 part under ``kvtier-v1``; version 2, the same files as now in a directory per key
-under ``kvtier-v2``, then in shards under ``kvtier-v3``, head order only).
+under ``kvtier-v2``, then in shards under ``kvtier-v3``, head order only; version 3
+under ``kvtier-v4``, ``page_head`` pools' files in head order).
 
 Key text never becomes a path (it is hashed), so no key can leave ``dir``. KV is as
 sensitive as the prompts it came from: directories are created 0700 and objects 0600
@@ -72,11 +75,11 @@ from .cold_reads import CHOICES as COLD_CHOICES, ColdReads
 from .objects import PagePlan, Part
 from .options import Opt, check_options
 from . import pageio
-from .pagefile import (ALIGN, HEAD, LAYER, ORDERS, FileLayout, OtherOrder, align_up, field_groups, field_parts,
-                       file_field, header_room, longest_name, part_name, writer_files)
+from .pagefile import (ALIGN, HEAD, LAYER, ORDERS, SLOT, SPLIT, FileLayout, OtherOrder, align_up, field_groups,
+                       field_parts, file_field, header_room, longest_name, part_name, writer_files)
 from .threaded import ThreadedStorage, aligned
 
-_ROOT = "kvtier-v4"
+_ROOT = "kvtier-v5"
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")  # <h[:2]>
 _counter = itertools.count()
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -157,7 +160,7 @@ class _Page:
 
 def _order(plan: PagePlan, pool: HostKVPool) -> int:
     """The order of parts (``pagefile``) in which a pool's files are written, and read
-    first: the first of head, slot and layer order whose parts the pool holds
+    first: the first of split, slot and layer order whose parts the pool holds
     contiguously (``page_head``, ``page_first``, ``page_first_direct``), so its pages
     move in place; else head order (``layer_first`` is staged in any)."""
     held = plan.held_groups
@@ -167,9 +170,9 @@ def _order(plan: PagePlan, pool: HostKVPool) -> int:
     def in_place(parts) -> bool:
         return all(view[0].flags.c_contiguous for p in parts for view, _, _ in plan.part_views(pool, p))
 
-    if in_place(p for p in plan.read_parts if part_name(p) != "rep"):
-        return HEAD
-    return next((order for order in range(1, len(ORDERS))
+    if in_place(plan.split_parts(held)):
+        return SPLIT
+    return next((order for order in (SLOT, LAYER)
                  if in_place(plan.component_parts(held.start, held.stop, ORDERS[order]))), HEAD)
 
 
@@ -177,9 +180,10 @@ def _write_parts(plan: PagePlan, order: int) -> list[Part]:
     """The parts of a writer's file in ``order``, in file order."""
     if order == HEAD:
         return plan.write_parts
-    held = plan.held_groups
-    return (plan.component_parts(held.start, held.stop, ORDERS[order])
-            + [p for p in plan.write_parts if part_name(p) == "rep"])
+    held, rep = plan.held_groups, [p for p in plan.write_parts if part_name(p) == "rep"]
+    if order == SPLIT:
+        return plan.split_parts(held) + rep
+    return plan.component_parts(held.start, held.stop, ORDERS[order]) + rep
 
 
 def _file_parts(plan: PagePlan, field: str, wanted, order: int) -> list[tuple[str, Part | None]]:
@@ -191,6 +195,11 @@ def _file_parts(plan: PagePlan, field: str, wanted, order: int) -> list[tuple[st
     by_name = {part_name(p): p for p in plan.read_parts}
     if order == HEAD:
         return [(n, by_name[n]) for n in names if n in wanted]
+    if order == SPLIT:  # per component, the wanted head groups' parts (named h{j}of{G}.<component>)
+        span = field_groups(tail) if names else None
+        groups = [j for j in range(*span) if f"h{j}of{plan.groups}" in wanted] if span else []
+        return ([(part_name(p), p) for p in plan.split_parts(groups)]
+                + ([("rep", by_name["rep"])] if "rep" in wanted else []))
     cut = plan.component_parts(*field_groups(tail), ORDERS[order]) if any(w != "rep" for w in wanted) else []
     return list(zip(names, cut)) + ([("rep", by_name["rep"])] if "rep" in wanted else [])
 

@@ -15,7 +15,10 @@ multi-head component over a run of head groups (:meth:`PagePlan.component_parts`
 in **slot order** ``(slot, layer, head, dim)``, a ``page_first`` pool's page, or
 **layer order** ``(layer, slot, head, dim)``, a ``page_first_direct`` pool's: those
 pools (``page_first`` is the default) then move their pages in place too; a reader
-of fewer heads reads such a part whole and keeps its own.
+of fewer heads reads such a part whole and keeps its own. From a ``page_head`` pool
+it writes a part per component and head group (:meth:`PagePlan.split_parts`), each
+component's groups in turn, so that a whole page is one piece of the pool per
+component and a reader of fewer heads still reads only its groups.
 
 ``G`` defaults to the greatest common divisor of the multi-head components' head
 counts, the finest cut every shard size divides. A part's field name is
@@ -104,6 +107,23 @@ class PagePlan:
             out.append(Part(f"{self.prefix}/{order[0]}.{c.name}.g{a}-{b}", local, nbytes, order) if inside else None)
         return out
 
+    def split_parts(self, groups) -> list[Part]:
+        """Per multi-head component, per head group ``j`` of ``groups`` (all held here):
+        that component's heads of the group in head order ``(head, slot, layer, dim)``,
+        named :func:`split_name`. A ``page_head`` pool holds each contiguously, and a
+        component's run of groups contiguously too: a file of these parts, components
+        one after another, reads into such a pool as one piece per component."""
+        held, out = self.held_groups, []
+        for c in self.multi:
+            per_group = c.head_num // self.groups
+            nbytes = per_group * c.head_dim * self._token_bytes
+            for j in groups:
+                if j not in held:
+                    raise UsageError(f"head group {j} is not held here (groups {held.start}..{held.stop - 1})")
+                local = ((c.name, (j - held.start) * per_group, (j - held.start + 1) * per_group),)
+                out.append(Part(f"{self.prefix}/{split_name(c.name, j, self.groups)}", local, nbytes))
+        return out
+
     def component_bytes(self, a: int, b: int) -> list[int]:
         """The bytes of each of :meth:`component_parts`' parts (held here or not)."""
         return [(b - a) * (c.head_num // self.groups) * c.head_dim * self._token_bytes for c in self.multi]
@@ -137,6 +157,12 @@ class PagePlan:
     def unpack(self, pool, page: int, part: Part, buf) -> None:
         """Write ``part``'s bytes from ``buf`` (any buffer, may be read-only) into page ``page``."""
         unpack_part(self.part_views(pool, part), page, buf)
+
+
+def split_name(component: str, group: int, groups: int) -> str:
+    """The name of component ``component``'s part of head group ``group`` of ``groups``
+    in a file of split order (see :meth:`PagePlan.split_parts`)."""
+    return f"h{group}of{groups}.{component}"
 
 
 def pack_part(views, page: int, buf: np.ndarray) -> None:

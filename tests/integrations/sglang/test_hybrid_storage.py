@@ -179,8 +179,8 @@ def test_restorable_prefixes_are_the_ends_of_whole_windows(checkpoint, tmp_path)
         (6, [6], {"kv": 10, "swa": 6})
     # a corrupt SWA page (page 5): present, but its read fails and removes it
     key = swa.keys(hashes[5:6])[0]
-    h = hashlib.sha256(key.encode()).hexdigest()  # file:// layout: <dir>/kvtier-v4/<h[:2]>/<h[2:]>.<field>
-    victim = sorted((tmp_path / "kvtier-v4" / h[:2]).glob(f"{h[2:]}.*"))[0]
+    h = hashlib.sha256(key.encode()).hexdigest()  # file:// layout: <dir>/kvtier-v5/<h[:2]>/<h[2:]>.<field>
+    victim = sorted((tmp_path / "kvtier-v5" / h[:2]).glob(f"{h[2:]}.*"))[0]
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))

@@ -212,8 +212,8 @@ def test_several_pools_restore_only_prefixes_every_pool_can_serve(rig):
 def test_unrelated_files_in_storage_are_never_hits(rig):
     rig.write_kv("r0")
     (rig.dir / "random_unrelated_file.bin").write_bytes(b"\0" * 16)
-    (rig.dir / "kvtier-v4" / "zz").mkdir(parents=True, exist_ok=True)
-    (rig.dir / "kvtier-v4" / "zz" / "junk").write_bytes(b"\1" * 64)
+    (rig.dir / "kvtier-v5" / "zz").mkdir(parents=True, exist_ok=True)
+    (rig.dir / "kvtier-v5" / "zz" / "junk").write_bytes(b"\1" * 64)
     assert rig.storage.batch_exists_v2(["r0"]).kv_hit_pages == 1
     assert rig.storage.batch_exists_v2(["missing_key"]).kv_hit_pages == 0
 

@@ -75,8 +75,8 @@ def test_a_corrupt_object_is_a_counted_miss_and_is_removed(damage, tmp_path):
     controller, host, src = written("asym", "page_first", f"file://{tmp_path}", pages=3)
     backend = controller.storage_backend
     (key,) = backend.binding("kv").keys(page_keys(tokens_for(3))[1:2])
-    h = hashlib.sha256(key.encode()).hexdigest()  # file:// layout: <dir>/kvtier-v4/<h[:2]>/<h[2:]>.<field>
-    victim = sorted((tmp_path / "kvtier-v4" / h[:2]).glob(f"{h[2:]}.*"))[0]
+    h = hashlib.sha256(key.encode()).hexdigest()  # file:// layout: <dir>/kvtier-v5/<h[:2]>/<h[2:]>.<field>
+    victim = sorted((tmp_path / "kvtier-v5" / h[:2]).glob(f"{h[2:]}.*"))[0]
     data = bytearray(victim.read_bytes())
     if damage == "truncate":
         del data[len(data) // 2:]
