@@ -145,6 +145,17 @@ def test_a_damaged_per_component_part_is_a_miss_and_is_deleted(tmp_path, monkeyp
     assert store.stats()["corrupt"] == 2 and store._key_files(keys[1]) == store._key_files(keys[2]) == []
 
 
+def shards_read_their_heads(store, keys, truth, layout):
+    """Ranks of 2 and of 4 of ``WITH_REP`` in ``layout`` each read every key, bit-exactly
+    their own heads of the pages ``truth``."""
+    for size in (2, 4):
+        for rank in range(size):
+            reader, ridx = blank_host(WITH_REP.shard(rank, size), 12, layout=layout)
+            assert store.batch_get(keys, reader, ridx) == [True] * 3, (rank, size)
+            for got, want in zip(flat_pages(reader, ridx), truth):
+                assert torch.equal(got, bits(shard_flat(want.view(WITH_REP.dtype), WITH_REP, 4, rank, size)))
+
+
 @pytest.mark.parametrize("writer", COMPONENT_ORDERS)
 @pytest.mark.parametrize("layout", ["page_first", "page_head", "page_first_direct"])
 def test_shards_read_their_heads_of_a_full_writers_per_component_file(tmp_path, layout, writer):
@@ -157,12 +168,7 @@ def test_shards_read_their_heads_of_a_full_writers_per_component_file(tmp_path, 
     keys = keys_for(3)
     assert store.batch_set(keys, full, idx) == [True] * 3
     truth = flat_pages(full, idx)
-    for size in (2, 4):
-        for rank in range(size):
-            reader, ridx = blank_host(WITH_REP.shard(rank, size), 12, layout=layout)
-            assert store.batch_get(keys, reader, ridx) == [True] * 3, (rank, size)
-            for got, want in zip(flat_pages(reader, ridx), truth):
-                assert torch.equal(got, bits(shard_flat(want.view(WITH_REP.dtype), WITH_REP, 4, rank, size)))
+    shards_read_their_heads(store, keys, truth, layout)
     victim = the_file(store, keys[1])
     data = bytearray(victim.read_bytes())
     data[ALIGN + 3 * 2 * 12 + 1] ^= 0x01  # K of head 3, slot 0, layer 0 (either order): rank 1's (of 2)
@@ -185,12 +191,7 @@ def test_shards_read_their_groups_of_a_full_writers_split_file(tmp_path, layout)
     victim = the_file(store, keys[1])
     assert header_fields(victim.read_bytes())[:2] == (4, 9)
     truth = flat_pages(full, idx)
-    for size in (2, 4):
-        for rank in range(size):
-            reader, ridx = blank_host(WITH_REP.shard(rank, size), 12, layout=layout)
-            assert store.batch_get(keys, reader, ridx) == [True] * 3, (rank, size)
-            for got, want in zip(flat_pages(reader, ridx), truth):
-                assert torch.equal(got, bits(shard_flat(want.view(WITH_REP.dtype), WITH_REP, 4, rank, size)))
+    shards_read_their_heads(store, keys, truth, layout)
     data = bytearray(victim.read_bytes())
     data[4 * ALIGN + 1] ^= 0x01  # the fourth part: K of head group 3 (one head), rank 1's of 2
     victim.write_bytes(bytes(data))
