@@ -549,3 +549,24 @@ def test_match_slots_is_match_then_device_slots_on_hybrid_trees(name):
             cache.check_integrity(engine_device_slots=0)
             cache.close()
         assert got[0] == got[1], f"query {i}"
+
+
+def test_freeing_a_sliding_page_the_tree_holds_is_refused_naming_it():
+    """``free_device(..., group=)`` of a sliding page a node holds, between pages the
+    caller owns: a ``ValueError`` naming the held page's first slot, and nothing is freed."""
+    spec = HYBRID_SPECS["oss"]
+    cache = make_cache(spec, 4, {g.name: 64 for g in spec.groups}, {g.name: 64 for g in spec.groups},
+                       synchronous=True)
+    a = list(range(100, 132))
+    HybridEngine(cache).commit_whole(a)
+    held = cache.match_prefix(a).groups["swa"]
+    held = held[held >= 0][:4]  # one whole sliding page of the tree's
+    assert held.numel() == 4
+    mine = cache.alloc_device(8, group="swa")
+    free_before = cache.stats()["sliding_pages"]["swa"]["device"]
+    with pytest.raises(ValueError, match=rf"slot {int(held[0])} of group 'swa' holds a cached page"):
+        cache.free_device(torch.cat([mine[:4], held, mine[4:]]), group="swa")
+    cache.free_device(mine, group="swa")  # still the caller's: the refused call freed nothing
+    assert cache.stats()["sliding_pages"]["swa"]["device"] == free_before
+    assert cache.match_prefix(a).device_len == 32
+    cache.close()

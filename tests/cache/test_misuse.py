@@ -120,6 +120,21 @@ def test_insert_rejects_slots_of_another_cached_prefix():
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
+def test_freeing_a_cached_page_names_its_first_slot_and_frees_nothing(native, monkeypatch):
+    """A ``free_device`` of a page the caller owns, then pages a node holds: the error
+    names the first held page's first slot, and the caller's page is still its own."""
+    monkeypatch.setenv("KVTIER_NATIVE", native)
+    cache = make_cache()
+    serve(cache, A)
+    theirs = cache.match_prefix(A).device_indices[4:12]
+    mine = cache.alloc_device(4)
+    with pytest.raises(ValueError, match=f"free_device: slot {int(theirs[0])} holds a cached page"):
+        cache.free_device(torch.cat([mine, theirs]))
+    cache.free_device(mine)  # freed once, here: the refused call freed nothing
+    check_prefix(cache, A, cache.match_prefix(A).device_indices)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
 def test_insert_names_the_first_page_held_elsewhere_or_not_allocated(native, monkeypatch):
     """The path's own pages may come back for the prefix it holds; a page another node
     holds is named where it first appears, among those or after them, then a page the

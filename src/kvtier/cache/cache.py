@@ -20,7 +20,7 @@ import torch
 from .._checks import is_int, non_negative_int, positive_number
 from ..errors import CacheClosedError, UsageError
 from ..pools import DeviceKVPool, HostKVPool, HybridDevicePool, HybridHostPool
-from ..pools.indices import page_numbers
+from ..pools.indices import first_flagged, page_numbers
 from ..spec import KVSpec
 from ..storage.groups import GroupedStorage
 from ..storage.keys import extend_keys
@@ -780,18 +780,18 @@ class HierarchicalCache:
             pages = page_numbers(indices, page_size=self.page_size, size=pool.size, what="free_device indices",
                                  allowed_devices=(pool.index_device,), unique=True)
             with self._lock:
-                held = self._sides.owned[group][pages]
-                if held.any():
-                    raise UsageError(f"free_device: slot {int(pages[held][0]) * self.page_size} of group {group!r} "
+                held = first_flagged(self._sides.owned[group], pages, 0, True)
+                if held >= 0:
+                    raise UsageError(f"free_device: slot {int(pages[held]) * self.page_size} of group {group!r} "
                                      "holds a cached page; only free slots you own")
                 _check_allocated(pool, pages, self.page_size, f"group {group!r}'s ")
                 pool.free(indices)
             return
         pages = self._check_slots(indices)
         with self._lock:
-            owned = self._state.owned(indices)
-            if owned.any():
-                slot = int(indices[int(owned.argmax()) * self.page_size])
+            owned = self._state.first_owned(pages)  # the pages the slot check made, not made again
+            if owned >= 0:
+                slot = int(pages[owned]) * self.page_size
                 raise UsageError(f"free_device: slot {slot} holds a cached page; only free slots you own")
             if self.allocator is self.device_pool:  # an engine's own allocator judges its slots itself
                 _check_allocated(self.device_pool, pages, self.page_size)

@@ -323,6 +323,11 @@ class CacheState(HybridState):
         """``(pages,)`` bool: which whole pages of ``slots`` a node holds."""
         return self._owned[self._pages(slots)]
 
+    def first_owned(self, pages: np.ndarray) -> int:
+        """The index of the first of the device page numbers ``pages`` (checked, int64) that
+        a node holds, or -1."""
+        return first_flagged(self._owned, pages, 0, True)
+
     # -- allocation and eviction --------------------------------------------------------------------
     def alloc(self, tier: str, n: int, group: str | None = None) -> torch.Tensor | None:
         """``n`` slots of ``tier``, evicting that tier's LRU unlocked pages if it is full
