@@ -21,27 +21,46 @@ def test_the_compiled_limit_copy_moves_every_byte(monkeypatch, size):
 
 
 def test_the_limit_is_the_best_of_every_copy_it_tried(monkeypatch):
-    """Every candidate (torch's copy_, the compiled one; the given pair, a fresh one) is
-    timed, each fresh buffer written first, and the fastest is the limit."""
-    tried, written = [], []
-    real_empty = torch.empty
+    """Every candidate (torch's copy_, the compiled one; the given pair, a fresh written
+    one) copies its bytes, and the fastest is the limit."""
+    dst, src = torch.zeros(4096, dtype=torch.uint8), torch.randint(1, 256, (4096,), dtype=torch.uint8)
+    copies = timing.limit_copies(dst, src, 4096)
+    assert [n for n, _ in copies] == [4096] * len(copies) and len(copies) == (4 if native.enabled() else 2)
+    for _, copy in copies[:len(copies) // 2]:  # the given pair's
+        dst.zero_()
+        copy()
+        assert torch.equal(dst, src)
+    fresh = copies[len(copies) // 2:]
+    fresh_dst, fresh_src = (fresh[0][1].__defaults__[i] for i in (0, 1))
+    assert fresh_src.data_ptr() != src.data_ptr() and bool((fresh_src == 2).all())  # written before timed
+    for _, copy in fresh:
+        fresh_dst.zero_()
+        copy()
+        assert bool((fresh_dst == 2).all())
 
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        real_fill = t.fill_
-        t.fill_ = lambda v: (written.append(t.data_ptr()), real_fill(v))[1]
-        return t
+    seconds = [4.0, 1.0, 2.0, 8.0][:len(copies)]
+    monkeypatch.setattr(timing, "alternated", lambda fns, repeat, warmup=1, cuda=False: seconds[:len(fns)])
+    assert timing.memcpy_gbps(dst, src, 4096, 3) == pytest.approx(4096 / 1.0 / 1e9)
 
-    def gbps(d, s, repeat):
-        tried.append((d.data_ptr(), s.data_ptr()))
-        return 10.0 * len(tried)
 
-    monkeypatch.setattr(timing.torch, "empty", empty)
-    monkeypatch.setattr(timing, "_copy_gbps", gbps)
-    dst, src = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
-    assert timing.memcpy_gbps(dst, src, 4096, 1) == 20.0
-    assert tried[0] == (dst.data_ptr(), src.data_ptr())
-    assert tried[1][0] in written and tried[1][1] != src.data_ptr()
+def test_rounds_run_every_function_once_in_turn_after_their_warmups(monkeypatch):
+    """A round runs each function once, in order: figures timed in rounds fall in the same
+    spells of the machine; each keeps its fastest run."""
+    calls, ticks = [], iter(range(1000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
+    fns = [lambda k=k: calls.append(k) for k in "abc"]
+    best = timing.alternated(fns, 3, warmup=[2, 0, 1])
+    assert calls == ["a", "a", "c"] + ["a", "b", "c"] * 3
+    assert best == [1.0, 1.0, 1.0]  # each run reads the clock twice, one tick apart
+
+
+@pytest.mark.parametrize("repeat, warmup, error", [(0, 1, "repeat must be at least 1"),
+                                                   (2, [1], "1 warmup counts for 2 functions")])
+def test_rounds_refuse_bad_counts_before_running_anything(repeat, warmup, error):
+    calls = []
+    with pytest.raises(Exception, match=error):
+        timing.alternated([lambda: calls.append(1)] * 2, repeat, warmup)
+    assert calls == []
 
 
 @pytest.mark.parametrize("nbytes, llc, want", [
@@ -57,9 +76,9 @@ def test_the_fresh_pair_holds_the_copy_cut_to_twice_the_last_level_cache(nbytes,
 
 
 def test_the_fresh_pair_is_as_large_as_fresh_bytes_says(monkeypatch):
-    """The fresh buffers ``memcpy_gbps`` times are ``fresh_bytes`` of the copy each."""
-    sizes = []
+    """The fresh buffers the limit times are ``fresh_bytes`` of the copy each."""
     monkeypatch.setattr(timing, "fresh_bytes", lambda n: n // 2)
-    monkeypatch.setattr(timing, "_copy_gbps", lambda d, s, repeat: sizes.append((d.numel(), s.numel())) or 1.0)
-    timing.memcpy_gbps(torch.ones(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8), 8192, 1)
-    assert sizes == [(8192, 8192), (4096, 4096)]
+    copies = timing.limit_copies(torch.ones(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8), 8192)
+    half = len(copies) // 2
+    assert [n for n, _ in copies] == [8192] * half + [4096] * half
+    assert all(fn.__defaults__[0].numel() == fn.__defaults__[1].numel() == 4096 for _, fn in copies[half:])

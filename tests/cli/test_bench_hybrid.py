@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+import kvtier.bench.timing as transfer_timing
 from kvtier.bench.transfer import MetaRow, TransferRow
 from kvtier.bench.transfer_hybrid import ResumeBytes, check_hybrid, hybrid_memory_bytes, resume_pages
 from kvtier.cli import main
@@ -130,17 +131,27 @@ def test_window_blind_copies_fail_the_check(capsys, monkeypatch):
 
 def test_each_row_is_judged_by_each_groups_memcpy(capsys, monkeypatch):
     """A row's limit: one memcpy of each group's bytes between that group's pools, one after the other
-    (timed before the layout's rows and after them, the faster kept)."""
+    (its copies timed in the same rounds as the layout's rows)."""
     seen = []
 
-    def memcpy(dst, src, nbytes, repeat):
+    def limit_copies(dst, src, nbytes):
+        def copy():
+            pass
         seen.append(nbytes)
-        return {32 * 64: 1.0, 8 * 96: 4.0}[nbytes]  # GB/s: full group's bytes, sliding group's
+        copy.seconds = nbytes / 1e9 / {32 * 64: 1.0, 8 * 96: 4.0}[nbytes]  # GB/s: full group's bytes, sliding group's
+        return [(nbytes, copy)]
 
-    monkeypatch.setattr("kvtier.bench.transfer_hybrid.memcpy_gbps", memcpy)
+    def alternated(fns, repeat, warmup=1, cuda=False):
+        return [getattr(fn, "seconds", None) or real(fn) for fn in fns]
+
+    def real(fn):
+        return transfer_timing.alternated([fn], 1)[0]
+
+    monkeypatch.setattr("kvtier.bench.transfer_hybrid.limit_copies", limit_copies)
+    monkeypatch.setattr("kvtier.bench.transfer.alternated", alternated)
     code, data = bench_json(capsys, "--spec", TINY, "--page-size", "4", "--pages", "8", "--repeat", "1",
                             "--layouts", "page_first_direct", "--backends", "direct")
-    assert code == 0 and sorted(seen) == [768] * 4 + [2048] * 4
+    assert code == 0 and sorted(seen) == [768] * 2 + [2048] * 2
     limit = 2816 / (2048 / 1.0 + 768 / 4.0)
     assert data["memcpy_gbps"] == {"p4": dict.fromkeys(("backup", "load", "load runs"), pytest.approx(limit))}
     assert all(r["memcpy_gbps"] == pytest.approx(limit) for r in data["transfer"])

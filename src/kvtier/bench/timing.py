@@ -8,7 +8,7 @@ maps the kernel's shared zero page, whose reads cost almost nothing: an unwritte
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -60,29 +60,71 @@ def best_seconds(fn: Callable[[], None], repeat: int, warmup: int = 1, cuda: boo
 
 def memcpy_gbps(dst: torch.Tensor, src: torch.Tensor, nbytes: int, repeat: int) -> float:
     """The machine's limit for moving ``nbytes`` from ``src`` to ``dst``: GB/s of the
-    fastest contiguous copy of them seen now. On the CPU, the best of torch's ``copy_``
-    (all of torch's threads) and kvtier's compiled copy (streaming stores, one thread per
-    torch thread), each between ``dst`` and ``src`` and between a fresh pair of written
-    buffers (on a VM one allocation can copy at almost twice the speed of another, and
-    the fastest copy is the limit). On CUDA, one ``cudaMemcpy`` between the two."""
+    fastest of :func:`limit_copies` seen in ``repeat`` rounds."""
+    copies = limit_copies(dst, src, nbytes)
+    best = alternated([fn for _, fn in copies], repeat, cuda=_on_cuda(dst, src))
+    return max(n / s / 1e9 for (n, _), s in zip(copies, best))
+
+
+def limit_copies(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> list[tuple[int, Callable[[], None]]]:
+    """``(bytes, copy)`` for each contiguous copy a limit for moving ``nbytes`` from ``src``
+    to ``dst`` takes the fastest of. On the CPU: torch's ``copy_`` (all of torch's threads)
+    and kvtier's compiled copy (streaming stores, one thread per torch thread), each
+    between ``dst`` and ``src`` and between a fresh pair of written buffers (on a VM one
+    allocation can copy at almost twice the speed of another, and the fastest copy is the
+    limit; :func:`fresh_bytes`). On CUDA, one ``cudaMemcpy`` between the two."""
     d, s = dst.view(torch.uint8)[:nbytes], src.view(torch.uint8)[:nbytes]
-    if "cuda" in (d.device.type, s.device.type):
-        return nbytes / best_seconds(lambda: d.copy_(s, non_blocking=True), repeat, cuda=True) / 1e9
-    fresh = fresh_bytes(nbytes)
-    fd = torch.empty(fresh, dtype=torch.uint8)
+    if _on_cuda(d, s):
+        return [(nbytes, lambda: d.copy_(s, non_blocking=True))]
+    fd = torch.empty(fresh_bytes(nbytes), dtype=torch.uint8)
     fs = torch.empty_like(fd)
     fd.fill_(1)
     fs.fill_(2)
-    return max(_copy_gbps(d, s, repeat), _copy_gbps(fd, fs, repeat))
+    out = []
+    for a, b in ((d, s), (fd, fs)):
+        out.append((a.numel(), lambda a=a, b=b: a.copy_(b)))
+        if native.enabled():
+            threads = max(1, torch.get_num_threads())
+            out.append((a.numel(), lambda a=a, b=b: _native_copy(threads, a, b)))
+    return out
 
 
-def _copy_gbps(d: torch.Tensor, s: torch.Tensor, repeat: int) -> float:
-    n = d.numel()
-    rates = [n / best_seconds(lambda: d.copy_(s), repeat) / 1e9]
-    if native.enabled():
-        threads = max(1, torch.get_num_threads())
-        rates.append(n / best_seconds(lambda: _native_copy(threads, d, s), repeat) / 1e9)
-    return max(rates)
+def alternated(fns: Sequence[Callable[[], None]], repeat: int, warmup: Sequence[int] | int = 1,
+               cuda: bool = False) -> list[float]:
+    """Fastest seconds of each of ``fns`` over ``repeat`` rounds, each round running every
+    one once, in turn, after ``warmup`` untimed runs of each (one count, or one per fn).
+    With ``cuda``, each run ends with a device synchronize.
+
+    Why rounds: this project's VMs copy at one speed for seconds and then at another (a
+    2-core AMD EPYC VM, 2026-12-07: a 512 MiB copy at 46-51 GB/s, then 28-31, by turns).
+    Figures timed one after the other, each in a burst, can fall in different spells; a
+    ratio of two of them then measures the spells. Timed in rounds, each figure's fastest
+    run comes from the same spells as the others'."""
+    if repeat < 1:
+        raise UsageError(f"repeat must be at least 1, got {repeat}")
+    warmups = [warmup] * len(fns) if isinstance(warmup, int) else list(warmup)
+    if len(warmups) != len(fns):
+        raise ValueError(f"{len(warmups)} warmup counts for {len(fns)} functions")
+
+    def run(fn):
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+
+    for fn, n in zip(fns, warmups):
+        for _ in range(n):
+            run(fn)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            run(fn)
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def _on_cuda(*tensors: torch.Tensor) -> bool:
+    return any(t.device.type == "cuda" for t in tensors)
 
 
 def _native_copy(threads: int, d: torch.Tensor, s: torch.Tensor) -> None:

@@ -4,10 +4,10 @@ Backup copies every layer of ``pages`` pages in one call; load copies the same
 pages one layer per call, for every layer. Page order is randomly permuted on
 both sides, so no two pages coalesce. Each GB/s figure is reported as a ratio to
 the limit: the fastest contiguous copy of the same number of bytes seen in the same
-process (:func:`~kvtier.bench.timing.memcpy_gbps`: torch's ``copy_`` and kvtier's
-compiled copy, between the same two pools and between a fresh written pair). Every
-buffer is written before it is timed (never-written memory reads as the shared zero
-page, nearly free).
+process (:func:`~kvtier.bench.timing.limit_copies`: torch's ``copy_`` and kvtier's
+compiled copy, between the same two pools and between a fresh written pair), timed in
+the same rounds as the rows (:func:`time_layout`). Every buffer is written before it is
+timed (never-written memory reads as the shared zero page, nearly free).
 
 A hybrid spec's copies (one pool per layer group, one resume point) are in
 :mod:`kvtier.bench.transfer_hybrid`.
@@ -29,7 +29,7 @@ from ..pools.hybrid import HybridHostPool
 from ..pools.indices import page_slots
 from ..spec import DTYPE_NAMES, KVSpec
 from ..transfer import native
-from .timing import best_seconds, memcpy_gbps
+from .timing import alternated, best_seconds, limit_copies
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _permuted_slots(pages: int, page_size: int, gen: torch.Generator) -> torch.T
     return page_slots(torch.randperm(pages, generator=gen), page_size)
 
 
-#: The copies every row times, in order (keys of :func:`copies`' and :func:`time_copies`' tuples)
+#: The copies every row times, in order (:func:`copies`' tuple)
 DIRECTIONS = ("backup", "load", "load runs")
 
 
@@ -85,20 +85,39 @@ def copies(host, dev, host_idx, dev_idx, layers: int, backend: str):
     return backup, load, load_runs
 
 
-def time_copies(fns, repeat: int, cuda: bool) -> tuple[float, ...]:
-    """Best seconds of each of ``fns`` (:func:`copies`), in turn, each after enough untimed
-    calls that every copy plan has finished trying its loop orders (``native.Blocks``): a
-    row times the order a server keeps, not its first few calls."""
-    warmup = 1 + native.TRIALS * native.MAX_ORDERS
-    return tuple(best_seconds(fn, repeat, warmup=warmup, cuda=cuda) for fn in fns)
+#: Untimed runs of each row's copy before its rounds: every copy plan has then finished
+#: trying its loop orders (``native.Blocks``), so a row times the order a server keeps
+ROW_WARMUP = 1 + native.TRIALS * native.MAX_ORDERS
 
 
-def _own_limits(host, dev, nbytes: int, repeat: int) -> dict[str, float]:
-    """GB/s per direction of :func:`memcpy_gbps` of ``nbytes`` between a layout's two pools."""
-    own = {"backup": memcpy_gbps(host.raw, dev.raw, nbytes, repeat),
-           "load": memcpy_gbps(dev.raw, host.raw, nbytes, repeat)}
-    own["load runs"] = own["load"]  # the same bytes the same way
-    return own
+Parts = list[tuple[int, list]]  # per part of a copy: its bytes, and timing.limit_copies of them
+
+
+def time_layout(limits: dict[str, Parts], rows: dict, repeat: int, cuda: bool) -> tuple[dict, dict]:
+    """One layout's rows and its limits, timed in the same rounds (:func:`alternated`), the
+    limit's copies also in rounds of their own before and after them: ``(limit GB/s per
+    direction, best seconds per row key)``.
+
+    ``limits[direction]`` lists the parts of the copy a row makes (one for a plain spec,
+    one per layer group for a hybrid one): each part's bytes, moved at the best GB/s of
+    its candidate copies. A direction's limit moves every part, one after the other."""
+    candidates = [(d, i, n, fn) for d, parts in limits.items() for i, (_, copies) in enumerate(parts)
+                  for n, fn in copies]
+    limit_fns = [fn for *_, fn in candidates]
+    before = alternated(limit_fns, repeat, 1, cuda)
+    best = alternated(limit_fns + list(rows.values()), repeat, [0] * len(candidates) + [ROW_WARMUP] * len(rows), cuda)
+    # NOTE: the limit's copies also run on their own before the rows' rounds and after them,
+    # the fastest of all kept: a VM's fast spells can be shorter than a round, and a limit
+    # that missed them all would make rows look faster than a plain copy (a 2-core AMD EPYC
+    # VM, 2026-12-07: backups at 1.44-1.73x of a limit timed in the rounds alone)
+    after = alternated(limit_fns, repeat, 0, cuda)
+    rate: dict[tuple[str, int], float] = {}
+    for (d, i, n, _), *seconds in zip(candidates, before, best, after):
+        rate[d, i] = max(rate.get((d, i), 0.0), n / min(seconds) / 1e9)
+    gbps = {d: sum(n for n, _ in parts) / sum(n / rate[d, i] for i, (n, _) in enumerate(parts))
+            for d, parts in limits.items()}
+    gbps["load runs"] = gbps["load"]  # the same bytes the same way
+    return gbps, dict(zip(rows, best[len(candidates):]))
 
 
 def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, repeat: int,
@@ -107,9 +126,9 @@ def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, r
     (backup = device -> host, load = host -> device).
 
     Each row's limit is a memcpy between the same two pools (each layout has its own
-    host pool): on a VM, one allocation can copy at almost twice the speed of another
-    (different backing of the same guest memory), so the limit is measured on the
-    memory the row copies, before the layout's rows and after them, the faster kept."""
+    host pool) or a fresh pair: on a VM, one allocation can copy at almost twice the
+    speed of another (different backing of the same guest memory). The limit's copies
+    and the rows are timed in the same rounds (:func:`time_layout`)."""
     gen = torch.Generator().manual_seed(seed)
     size = pages * page_size
     dev = DeviceKVPool(spec, size, page_size, device=device)
@@ -122,18 +141,16 @@ def bench_spec(spec: KVSpec, *, page_size: int, pages: int, layouts, backends, r
     for layout in layouts:
         host = HostKVPool(spec, size, page_size, layout=layout, pin_memory=cuda)
         host.raw.fill_(0)
-        before = _own_limits(host, dev, nbytes, repeat)
-        times = {backend: time_copies(copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
-                 for backend in backends}
-        # NOTE: the limits timed again after the rows and the faster kept: a limit timed while
-        # the machine stalled (one run's was half the others') made its rows look faster than
-        # a plain copy
-        own = {d: max(before[d], after) for d, after in _own_limits(host, dev, nbytes, repeat).items()}
+        limits = {"backup": [(nbytes, limit_copies(host.raw, dev.raw, nbytes))],
+                  "load": [(nbytes, limit_copies(dev.raw, host.raw, nbytes))]}
+        rows = {(backend, d): fn for backend in backends
+                for d, fn in zip(DIRECTIONS, copies(host, dev, host_idx, dev_idx, spec.layer_num, backend))}
+        own, times = time_layout(limits, rows, repeat, cuda)
         limit = {d: max(limit[d], own[d]) for d in limit}
-        timed += [(layout, backend, d, t, own[d]) for backend in backends for d, t in zip(DIRECTIONS, times[backend])]
-        # NOTE: the copies close over ``host`` only inside time_copies' call, so this frees
-        # the layout's pool before the next one is allocated
-        del host
+        timed += [(layout, backend, d, t, own[d]) for (backend, d), t in times.items()]
+        # NOTE: the copies and the limit's buffers close over ``host``: dropped here, they
+        # free the layout's pool before the next one is allocated
+        del host, limits, rows
     fp = spec.fingerprint()
     rows = [TransferRow(fp, page_size, lay, be, direction, nbytes / 1e9, nbytes / t / 1e9, memcpy,
                         nbytes / t / 1e9 / memcpy)

@@ -27,8 +27,8 @@ from ..layout import LAYOUTS
 from ..pools.common import check_device
 from ..pools.hybrid import HybridDevicePool, HybridHostPool
 from ..pools.indices import page_slots
-from .timing import memcpy_gbps
-from .transfer import DIRECTIONS, TransferRow, copies, run_fields, time_copies
+from .timing import limit_copies
+from .transfer import DIRECTIONS, TransferRow, copies, run_fields, time_layout
 
 
 @dataclass(frozen=True)
@@ -92,18 +92,15 @@ def _prefix_slots(pool_pages: int, pages: range, page_size: int, gen: torch.Gene
     return page_slots(torch.randperm(pool_pages, generator=gen)[pages.start:pages.stop], page_size)
 
 
-def _memcpy_limits(host: HybridHostPool, dev: HybridDevicePool, nbytes: dict[str, int], repeat: int) -> dict:
-    """Per direction, GB/s of one memcpy of each group's ``nbytes[group]`` between that
-    group's two pools after the other (:func:`memcpy_gbps` each): the limit for moving
-    those bytes between those pools."""
-    def limit(to_host: bool) -> float:
-        seconds = 0.0
-        for name, n in nbytes.items():
-            h, d = host[name].raw, dev[name].raw
-            seconds += n / 1e9 / memcpy_gbps(*((h, d) if to_host else (d, h)), n, repeat)
-        return sum(nbytes.values()) / 1e9 / seconds
+def _limit_parts(host: HybridHostPool, dev: HybridDevicePool, nbytes: dict[str, int]) -> dict:
+    """Per direction, each group's ``nbytes[group]`` and the copies of them between that
+    group's two pools (:func:`limit_copies`): the limit moves each group's bytes at its
+    best copy's GB/s, one group after the other (``transfer.time_layout``)."""
+    def parts(to_host: bool) -> list:
+        return [(n, limit_copies(*((host[g].raw, dev[g].raw) if to_host else (dev[g].raw, host[g].raw)), n))
+                for g, n in nbytes.items()]
 
-    return {"backup": limit(True), "load": limit(False)}
+    return {"backup": parts(True), "load": parts(False)}
 
 
 def _nonzero(pools) -> int:
@@ -142,7 +139,8 @@ def bench_hybrid(spec: HybridSpec, *, tokens: int, page_size: int, layouts, back
     pages on both sides; only :func:`resume_pages` move. Backup copies every group in one
     call; load copies one model layer per call, every layer; ``load runs`` copies the runs
     of layers the cache's loads take off a CUDA stream (a copy per group in each run). A
-    row's limit is a memcpy of each group's bytes between that group's two pools."""
+    row's limit is a memcpy of each group's bytes between that group's two pools, timed
+    in the rows' rounds."""
     gen = torch.Generator().manual_seed(seed)
     dev = HybridDevicePool(spec, tokens, page_size, device=device)
     for _, pool in dev:
@@ -161,15 +159,12 @@ def bench_hybrid(spec: HybridSpec, *, tokens: int, page_size: int, layouts, back
             pool.raw.fill_(0)
         if copied is None:  # before the memcpys below write into the pools
             copied = _copied_bytes(dev, host, copies(host, dev, host_idx, dev_idx, spec.layer_num, backends[0]), cuda)
-        before = _memcpy_limits(host, dev, nbytes, repeat)
-        times = {backend: time_copies(copies(host, dev, host_idx, dev_idx, spec.layer_num, backend), repeat, cuda)
-                 for backend in backends}
-        # NOTE: timed again after the rows, the faster kept (as bench_spec's)
-        own = {d: max(before[d], after) for d, after in _memcpy_limits(host, dev, nbytes, repeat).items()}
-        own["load runs"] = own["load"]  # the same bytes the same way
+        rows = {(backend, d): fn for backend in backends
+                for d, fn in zip(DIRECTIONS, copies(host, dev, host_idx, dev_idx, spec.layer_num, backend))}
+        own, times = time_layout(_limit_parts(host, dev, nbytes), rows, repeat, cuda)
         limit = {d: max(limit[d], own[d]) for d in limit}
-        timed += [(layout, backend, d, t, own[d]) for backend in backends for d, t in zip(DIRECTIONS, times[backend])]
-        del host  # free this layout's pools before the next ones are allocated (no copy closes over them now)
+        timed += [(layout, backend, d, t, own[d]) for (backend, d), t in times.items()]
+        del host, rows  # free this layout's pools before the next ones are allocated
     fp = spec.fingerprint()
     rows = [TransferRow(fp, page_size, lay, be, d, total / 1e9, total / t / 1e9, memcpy, total / t / 1e9 / memcpy)
             for lay, be, d, t, memcpy in timed]
