@@ -58,14 +58,6 @@ def best_seconds(fn: Callable[[], None], repeat: int, warmup: int = 1, cuda: boo
     return best
 
 
-def memcpy_gbps(dst: torch.Tensor, src: torch.Tensor, nbytes: int, repeat: int) -> float:
-    """The machine's limit for moving ``nbytes`` from ``src`` to ``dst``: GB/s of the
-    fastest of :func:`limit_copies` seen in ``repeat`` rounds."""
-    copies = limit_copies(dst, src, nbytes)
-    best = alternated([fn for _, fn in copies], repeat, cuda=_on_cuda(dst, src))
-    return max(n / s / 1e9 for (n, _), s in zip(copies, best))
-
-
 def limit_copies(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> list[tuple[int, Callable[[], None]]]:
     """``(bytes, copy)`` for each contiguous copy a limit for moving ``nbytes`` from ``src``
     to ``dst`` takes the fastest of. On the CPU: torch's ``copy_`` (all of torch's threads)

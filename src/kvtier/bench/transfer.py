@@ -42,7 +42,7 @@ class TransferRow:
     # "load runs" (host->device, the cache's runs of layers: kvtier.cache.mover.layer_runs)
     gbytes: float
     gbps: float
-    memcpy_gbps: float  # the limit: the fastest contiguous copy of the bytes this run saw (timing.memcpy_gbps)
+    memcpy_gbps: float  # the limit: the fastest contiguous copy of the bytes this run saw (time_layout)
     ratio: float  # gbps / memcpy_gbps
 
 
