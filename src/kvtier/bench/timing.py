@@ -40,22 +40,7 @@ def fresh_bytes(nbytes: int, llc: int | None = None) -> int:
 def best_seconds(fn: Callable[[], None], repeat: int, warmup: int = 1, cuda: bool = False) -> float:
     """Fastest of ``repeat`` runs after ``warmup`` untimed ones (first touches fault pages in).
     With ``cuda``, each run ends with a device synchronize, so queued copies count."""
-    if repeat < 1:
-        raise UsageError(f"repeat must be at least 1, got {repeat}")
-
-    def run():
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-
-    for _ in range(warmup):
-        run()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return alternated([fn], repeat, warmup, cuda)[0]
 
 
 def limit_copies(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> list[tuple[int, Callable[[], None]]]:
@@ -72,11 +57,11 @@ def limit_copies(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> list[tupl
     fs = torch.empty_like(fd)
     fd.fill_(1)
     fs.fill_(2)
+    threads = max(1, torch.get_num_threads())
     out = []
     for a, b in ((d, s), (fd, fs)):
         out.append((a.numel(), lambda a=a, b=b: a.copy_(b)))
         if native.enabled():
-            threads = max(1, torch.get_num_threads())
             out.append((a.numel(), lambda a=a, b=b: _native_copy(threads, a, b)))
     return out
 
