@@ -96,7 +96,8 @@ def test_cached_files_land_at_their_pages_bit_exactly(tmp_path, wanted):
 
 
 def test_anything_but_the_intact_expected_file_is_not_read(tmp_path):
-    """Missing; a symlink to a good file; a FIFO (no block); another size; another
+    """Missing; under a regular file (ENOTDIR: ``OTHER``, for the caller to judge, not
+    missing); a symlink to a good file; a FIFO (no block); another size; another
     object's header; a damaged part; bytes in the header's padding. Another object's
     file moves no byte into the pool."""
     good = _write(tmp_path / "g", "g#f")
@@ -115,13 +116,13 @@ def test_anything_but_the_intact_expected_file_is_not_read(tmp_path):
     with open(tmp_path / "h", "r+b") as f:
         f.seek(ALIGN - 1)
         f.write(b"\1")
-    names = ["m", "s", "p", "x", "o", "d", "h", "g"]
+    names = ["m", "g/m", "s", "p", "x", "o", "d", "h", "g"]
     files, layout = _files(tmp_path, {name: i % PAGES for i, name in enumerate(names)})
     pool = _pool()
-    got = _read(pool, files[:5], layout)
-    assert got == [pageio.MISSING] + [pageio.OTHER] * 4
+    got = _read(pool, files[:6], layout)
+    assert got == [pageio.MISSING] + [pageio.OTHER] * 5
     assert not pool.any()
-    assert _read(pool, files[5:], layout) == [pageio.OTHER, pageio.OTHER, pageio.READ]
+    assert _read(pool, files[6:], layout) == [pageio.OTHER, pageio.OTHER, pageio.READ]
 
 
 def test_calls_sharing_a_claim_read_each_file_once_between_them(tmp_path):

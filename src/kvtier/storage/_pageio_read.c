@@ -230,7 +230,7 @@ static int read_file(reader_t *r, const char *path, const char *prefix, Py_ssize
     r->prefix = prefix, r->prefix_len = prefix_len, r->page = page, r->direct = 0;
     r->fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (r->fd < 0)
-        return errno == ENOENT || errno == ENOTDIR ? READ_MISSING : READ_OTHER;
+        return errno == ENOENT ? READ_MISSING : READ_OTHER; /* the caller judges the rest (ENOTDIR: a fault) */
     int status = READ_OTHER, have_head = 0, cold = 0;
     struct stat st;
     if (fstat(r->fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != sh->total)

@@ -581,12 +581,13 @@ class FileStorage(ThreadedStorage):
         def get_rest(chunk: range) -> None:  # the pages the compiled reader did not read: one by one
             scratch = self._scratch(head_room, copies)
             for i in chunk:
-                loaded[rest[i]] = self._get_page(keys[rest[i]], plan, sources, copies, pages[rest[i]], scratch)
+                loaded[rest[i]] = self._get_page(keys[rest[i]], plan, sources, copies, pages[rest[i]], scratch,
+                                                 gone.get(rest[i], ()))
 
-        rest = range(len(keys))
+        rest, gone = range(len(keys)), {}
         try:
             if compiled:
-                read = self._read_compiled(keys, pages, plan, sources, copies, mode, head_room, counts)
+                read, gone = self._read_compiled(keys, pages, plan, sources, copies, mode, head_room, counts)
                 for i in read:
                     loaded[i] = True
                     if self.capacity_bytes is not None:
@@ -671,14 +672,18 @@ class FileStorage(ThreadedStorage):
                         self._account(stem, file_name, layout.total)
         return written
 
-    def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, scratch) -> bool:
-        """Read one page's parts into the pool (checked); False: a miss (faults counted)."""
-        stem, read = self._stem(key), sources
+    def _get_page(self, key: str, plan: PagePlan, sources, copies: _Page, page: int, scratch,
+                  gone: tuple[str, ...] = ()) -> bool:
+        """Read one page's parts into the pool (checked); False: a miss (faults counted).
+        ``gone``: fields of ``sources`` whose files the compiled reader found missing; the
+        files other writers wrote are then looked for at once, those not asked again.
+        NOTE: a missing page took 60-100 us here before (its parts, buffers and layout
+        worked out for an open that fails), against 5-6 us for ``batch_exists``."""
+        stem = self._stem(key)
         try:
-            try:
-                self._read_parts(stem, key, plan, sources, copies, page, scratch)
-            except FileNotFoundError:
-                read = self._cover(stem, plan)
+            read = None if gone else self._read_own(stem, key, plan, sources, copies, page, scratch)
+            if read is None:  # a file of sources is missing: other writers' files may hold the page
+                read = self._cover(stem, plan, dict.fromkeys(gone, False))
                 if read is None or read == sources:
                     return False
                 self._read_parts(stem, key, plan, read, copies, page, scratch)
@@ -699,15 +704,24 @@ class FileStorage(ThreadedStorage):
             self._touch(stem, read)
         return True
 
+    def _read_own(self, stem: str, key: str, plan: PagePlan, sources, copies: _Page, page: int, scratch):
+        """``sources`` once read into the pool (``_read_parts``); None where a file of them is missing."""
+        try:
+            self._read_parts(stem, key, plan, sources, copies, page, scratch)
+        except FileNotFoundError:
+            return None
+        return sources
+
     def _read_compiled(self, keys, pages, plan: PagePlan, sources, copies: _Page, mode: str | None,
-                       head_room: int, counts: list) -> set[int]:
+                       head_room: int, counts: list) -> tuple[set[int], dict[int, tuple[str, ...]]]:
         """The pages whose files the compiled reader read into the pool and checked
         (``pageio.read_pages``: parts in place, or through this thread's staging and
         copied out once the file checks out; cold files with O_DIRECT when
         ``direct_io``, each way of reading them as ``mode`` says). The others are for the
         per-file path, which judges them: missing, another object, corrupt, a fault, or
-        cold where O_DIRECT fails. Appends to ``counts`` each call's files and how many
-        of them it read cold.
+        cold where O_DIRECT fails. Returned with them: per page of the others, the
+        fields of ``sources`` whose files it found missing (``MISSING``: ENOENT). Appends
+        to ``counts`` each call's files and how many of them it read cold.
 
         One call per source and name length (a warm file's Python work, paths, opens and
         checks, took longer here than reading its 1.4 MiB from the page cache) on each of
@@ -729,13 +743,13 @@ class FileStorage(ThreadedStorage):
                 layout, names = self._shape(plan, field, todo[0][1], copies.order)
                 parts = [(k, layout.offsets[k], copies.pieces(name)) for k, name in enumerate(names) if name in wanted]
                 files = [(f"{stems[i]}.{file_name}", layout.prefix(name), pages[i]) for i, name in todo]
-                calls.append((layout, len(names), parts, files, [i for i, _ in todo], pageio.new_claim()))
+                calls.append((field, layout, len(names), parts, files, [i for i, _ in todo], pageio.new_claim()))
         answers: list[list[bytes]] = [[] for _ in calls]
 
         def read_share(_) -> None:
             scratch = self._scratch(head_room, copies, self._staged_files(copies, mode),
                                     copies.cold_staging_bytes if self.direct_io else None)
-            for (layout, nsums, parts, files, _, claim), answer in zip(calls, answers):
+            for (_, layout, nsums, parts, files, _, claim), answer in zip(calls, answers):
                 status = pageio.read_pages(copies.flat, layout.header_len, layout.total, nsums, parts, files,
                                            self.direct_io, scratch[2], claim)
                 if status is None:  # switched off meanwhile (KVTIER_NATIVE=0)
@@ -746,14 +760,17 @@ class FileStorage(ThreadedStorage):
         # io_threads steps of one: each thread (the caller one of them) takes a step and
         # reads until the claims run out; a thread that takes a second step finds none left
         self._run(read_share, self.io_threads, 1)
-        read = set(range(len(keys)))
-        for (_, _, _, files, indices, _), answer in zip(calls, answers):
-            ok = np.zeros(len(files), dtype=bool)
+        read, gone = set(range(len(keys))), {}
+        for (field, _, _, _, files, indices, _), answer in zip(calls, answers):
+            ok, missing = np.zeros(len(files), dtype=bool), np.zeros(len(files), dtype=bool)
             for status in answer:
                 got = np.frombuffer(status, dtype=np.uint8)
                 ok |= (got == pageio.READ) | (got == pageio.DIRECT)
+                missing |= got == pageio.MISSING
             read.difference_update(i for i, good in zip(indices, ok.tolist()) if not good)
-        return read
+            for i in np.flatnonzero(missing).tolist():
+                gone[indices[i]] = gone.get(indices[i], ()) + (field,)
+        return read, gone
 
     def _read_parts(self, stem: str, key: str, plan: PagePlan, sources, copies: _Page, page: int,
                     scratch) -> None:

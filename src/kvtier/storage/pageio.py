@@ -215,7 +215,7 @@ def read_pages(pool, header_len: int, total: int, nsums: int, parts: list, files
     several threads share: each call reads the next file no call took yet, until none
     is left, so that every thread stays busy to the batch's end in one call each.
 
-    Per file one status: ``READ``, ``DIRECT`` (read with O_DIRECT), ``MISSING``, ``COLD``
+    Per file one status: ``READ``, ``DIRECT`` (read with O_DIRECT), ``MISSING`` (ENOENT), ``COLD``
     (cold, but the file system refuses O_DIRECT: nothing read), ``OTHER`` (for the
     caller's own path to read again and judge) or, with ``claim``, ``ELSEWHERE`` (another
     call's). A page whose file is not read may hold bytes read meanwhile. Raises
