@@ -19,17 +19,14 @@ from kvtier.storage.objects import PagePlan
 from kvtier.storage.pagefile import ALIGN, FileLayout, object_name
 from tests.support import ROOT
 from tests.support.pools import SPECS
-from tests.support.storage import PeakRSS, blank_host, file_size_limit, filled_host, flat_pages, run_bounded
+from tests.support.storage import (PeakRSS, blank_host, file_size_limit, filled_host, flat_pages, object_files,
+                                   run_bounded)
 
 SPEC = SPECS["asym"]
 
 
 def keys_for(n, start=0):
     return kvtier.storage.page_keys(list(range(start, start + 4 * n)), 4, namespace="m")
-
-
-def object_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file())
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "header"])
@@ -229,13 +226,17 @@ def test_a_keys_files_sit_side_by_side_in_its_shard(tmp_path):
     assert store.batch_set(keys, host, idx) == [True] * 3
     root = tmp_path / "kvtier-v5"
     shard = hashlib.sha256(keys[0].encode()).hexdigest()[:2]
-    assert [p.name for p in root.iterdir()] == [shard] and all(p.is_file() for p in (root / shard).iterdir())
+    assert sorted(p.name for p in root.iterdir()) == [shard, "names"]  # its shard, and the registry of names
+    assert all(p.is_file() for p in (root / shard).iterdir())
     assert sorted(p.name.partition(".")[0] for p in (root / shard).iterdir()) \
         == sorted(hashlib.sha256(k.encode()).hexdigest()[2:] for k in keys)
     assert [len(store._key_files(k)) for k in keys] == [1, 1, 1]
 
     store.delete(keys[1:2])  # a key's delete leaves its neighbours in the shard whole
-    unbound = kvtier.storage.open(f"file://{tmp_path}")  # no geometry: lists the shard
+    unbound = kvtier.storage.open(f"file://{tmp_path}")  # no geometry: asks under the registry's names
+    assert [unbound.batch_exists([k]) for k in keys] == [1, 0, 1] and unbound.batch_exists(keys) == 1
+    assert unbound.exists_each(keys) == [True, False, True]
+    shutil.rmtree(root / "names")  # a store written before the registry: its shards are listed
     assert [unbound.batch_exists([k]) for k in keys] == [1, 0, 1] and unbound.batch_exists(keys) == 1
     assert unbound.exists_each(keys) == [True, False, True]
     reader, ridx = blank_host(SPEC, 12)
@@ -422,7 +423,7 @@ def test_a_write_that_fails_midway_leaves_no_file_behind(tmp_path, pageio_path):
     store = kvtier.storage.open(f"file://{tmp_path}", capacity_bytes=1 << 30)
     with file_size_limit(layout.offsets[1] + 100):
         assert store.batch_set(keys_for(1), host, idx[:4]) == [False]
-    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert object_files(tmp_path) == []  # (its name is in the registry: names are no objects)
     stats = store.stats()
     assert (stats["errors"], stats["write_failures"], stats["bytes_written"]) == (1, 1, 0)
     assert store.usage_bytes() == 0 and store.batch_exists(keys_for(1)) == 0
@@ -466,7 +467,7 @@ def test_clear_removes_every_object_and_stray_but_keeps_the_shard_directories(tm
     store = kvtier.storage.open(f"file://{tmp_path}")
     assert store.batch_set(keys, host, idx) == [True] * 6
     root = tmp_path / "kvtier-v5"
-    shards = sorted(p for p in root.iterdir() if p.is_dir())
+    shards = sorted(p for p in root.iterdir() if p.is_dir() and p.name != "names")
     assert shards and len(object_files(tmp_path)) == 6
     (shards[0] / "stray").write_bytes(b"x")
     (shards[0] / "nested").mkdir()

@@ -26,7 +26,7 @@ from tests.support import seccomp
 from tests.support.pools import SPECS, bits
 from tests.support.services import unavailable
 from tests.support.storage import (blank_host, cached_pages_of, direct_allowed, filled_host, flat_pages,
-                                   shard_flat)
+                                   object_files as stored_files, shard_flat)
 
 SPEC = SPECS["asym"]  # one file a page of 4 parts (head groups of the 4 K and 4 V heads), 480 bytes each
 
@@ -526,10 +526,10 @@ def test_direct_writes_round_trip_bit_exactly(tmp_path, monkeypatch, layout, nat
     host, idx = filled_host(ALIGNED, 4, page_size=16, layout=layout, seed=13)
     keys = kvtier.storage.page_keys(list(range(64)), 16, namespace="w")
     assert store.batch_set(keys, host, idx) == [True] * 4
-    aligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())
+    aligned = [str(p) for p in stored_files(tmp_path)]
     small, sidx = filled_host(SPEC, 2, seed=14)  # 480-byte parts: no O_DIRECT
     assert store.batch_set(keys_for(2), small, sidx) == [True] * 2
-    unaligned = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and str(p) not in aligned)
+    unaligned = [str(p) for p in stored_files(tmp_path) if str(p) not in aligned]
     assert len(aligned) == 4 and len(unaligned) == 2 and store.direct_writes
     shares = [_cached_share(p) for p in aligned + unaligned]
     if None in shares:

@@ -15,7 +15,7 @@ import xxhash
 from kvtier.storage import pageio
 from tests.support.services import unavailable
 from tests.support.sysfs import cache_dir
-from tests.support.storage import file_size_limit
+from tests.support.storage import file_size_limit, object_files
 
 RNG = np.random.default_rng(5)
 
@@ -193,7 +193,7 @@ def test_the_file_stores_own_writes_reserve_each_file_whole_before_writing_it(tm
     store = kvtier.storage.open(f"file://{tmp_path}")
     pool = HostKVPool(KVSpec.mha(2, 2, 8), 8, 4)
     assert store.batch_set(["k0", "k1"], pool, torch.arange(8)) == [True, True]
-    sizes = sorted(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    sizes = sorted(p.stat().st_size for p in object_files(tmp_path))
     assert sorted(n for _, n in asked) == sizes and all(before == 0 for before, _ in asked)
 
 

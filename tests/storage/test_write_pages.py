@@ -19,7 +19,7 @@ from kvtier.storage import pageio
 from kvtier.storage.pagefile import FileLayout
 from tests.storage.test_read_pages import SIZES, STEP, _pieces, _pool, _staged
 from tests.support.services import unavailable
-from tests.support.storage import cached_pages_of, direct_allowed, file_size_limit
+from tests.support.storage import cached_pages_of, direct_allowed, file_size_limit, object_files
 
 RNG = np.random.default_rng(23)
 LAYOUT = FileLayout("a#f", SIZES)
@@ -412,7 +412,7 @@ def test_the_store_writes_the_same_files_either_way(tmp_path, monkeypatch):
             store = kvtier.storage.open(f"file://{tmp_path / layout / name}")
             assert store.batch_set(keys, host, idx) == [True] * 3
             root = tmp_path / layout / name
-            contents.append({p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()})
+            contents.append({p.relative_to(root): p.read_bytes() for p in object_files(root)})
             monkeypatch.undo()
         assert len(contents[0]) == 3 and contents[0] == contents[1]
 

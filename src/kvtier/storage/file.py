@@ -5,6 +5,8 @@
 
 A key's files sit side by side in its shard, named by the key's hash and their field:
 no directory per key, whose ``mkdir`` cost a new page more than writing 1.4 MiB of it.
+``<dir>/kvtier-v5/names/`` names every field a writer wrote under (``file_names``), so a
+store bound to no geometry looks a key up without listing its shard.
 
 The file format is ``kvtier.storage.pagefile``: a checked header, then the page's
 parts at aligned offsets: from a ``page_head`` pool in split order (a part per
@@ -74,7 +76,7 @@ from .codec import MAX_NAME_BYTES
 from .cold_reads import CHOICES as COLD_CHOICES, ColdReads
 from .objects import PagePlan, Part
 from .options import Opt, check_options
-from . import pageio
+from . import file_names, pageio
 from .pagefile import (ALIGN, HEAD, LAYER, ORDERS, SLOT, SPLIT, FileLayout, OtherOrder, align_up, field_groups,
                        field_parts, file_field, header_room, longest_name, part_name, writer_files)
 from .threaded import ThreadedStorage, aligned
@@ -497,19 +499,30 @@ class FileStorage(ThreadedStorage):
 
     # -- the contract ----------------------------------------------------------------------------
     def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        return self._exists(keys, False)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        present = self._exists(keys, True)
+        return next((i for i, p in enumerate(present) if not p), len(present))
+
+    def _exists(self, keys: Sequence[str], leading: bool) -> list[bool]:
+        """Per key, whether it is present (for the bound geometry, else any); with
+        ``leading``, the keys up to the first missing one only."""
         keys = _check_keys(keys)
         if not keys:
             return []
         t0 = time.perf_counter()
         try:
             if self._bound is None:
-                return self._has_any(keys)
+                return self._has_any(keys, leading)
             sources = self._sources(self._bound)
             out = []
             for key in keys:
                 stem = self._stem(key)
                 there = {f: self._is_object(f"{stem}.{self._file_name(f)}") for f, _ in sources}
                 out.append(all(there.values()) or self._cover(stem, self._bound, there) is not None)
+                if leading and not out[-1]:
+                    break
             return out
         except Exception as e:  # a storage fault is a miss, never an exception for the caller
             self._fault("exists", e)
@@ -538,6 +551,10 @@ class FileStorage(ThreadedStorage):
         stored = [False] * len(keys)
         compiled = pageio.compiled() and copies.compiled([part_name(p) for p in parts])
         t0 = time.perf_counter()
+        try:  # named before any file of the name lands (file_names): unbound look-ups ask only those
+            file_names.register(self._root_name, self._file_name(field), self._file_mode, self._mkdir)
+        except OSError as e:  # its files are still written: bound readers and gets find them
+            self._fault("write", e)
 
         def set_chunk(chunk: range) -> None:
             # direct writes: two files' staging, one for the write in flight, one for the next file
@@ -990,14 +1007,25 @@ class FileStorage(ThreadedStorage):
         except (FileNotFoundError, NotADirectoryError):
             return False
 
-    def _has_any(self, keys) -> list[bool]:
-        listed: dict[str, dict] = {}  # each shard listed once a batch
+    def _has_any(self, keys, leading: bool) -> list[bool]:
+        """Per key, whether any file of it is there: asked under each name the store's
+        registry holds (``file_names``), else found in a listing of its shard (a store
+        written before the registry; each shard listed once a batch). With ``leading``,
+        up to the first missing key only."""
+        names = file_names.registered(self._root_name)
+        listed: dict[str, dict] = {}
         out = []
         for key in keys:
-            shard, tail = self._stem(key).rsplit("/", 1)
-            if shard not in listed:
-                listed[shard] = self._listed(shard)
-            out.append(tail in listed[shard])
+            stem = self._stem(key)
+            if names is not None:
+                out.append(any(self._is_object(f"{stem}.{name}") for name in names))
+            else:
+                shard, tail = stem.rsplit("/", 1)
+                if shard not in listed:
+                    listed[shard] = self._listed(shard)
+                out.append(tail in listed[shard])
+            if leading and not out[-1]:
+                break
         return out
 
     def _remove_keys(self, keys) -> None:
@@ -1046,7 +1074,7 @@ class FileStorage(ThreadedStorage):
         keys: dict[str, list] = {}  # stem -> [newest mtime, {name: bytes}]
         with os.scandir(self.root) as shards:
             for shard in shards:
-                if shard.is_dir(follow_symlinks=False):
+                if _SHARD_NAME.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
                     for e, st in self._shard_files(shard.path):
                         tail, _, name = e.name.partition(".")
                         seen = keys.setdefault(f"{shard.path}/{tail}", [st.st_mtime, {}])

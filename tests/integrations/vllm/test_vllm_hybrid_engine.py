@@ -31,6 +31,7 @@ from kvtier.bench.servers import free_port  # noqa: E402
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.integrations.vllm.groups import GroupedTier  # noqa: E402
 from kvtier.testing.checkpoints import prompt, save_hybrid  # noqa: E402
+from tests.support.storage import object_files  # noqa: E402
 from tests.support.vllm_rig import close_llm, generate  # noqa: E402
 
 BLOCK = 32
@@ -95,7 +96,7 @@ def _assert_mostly_cached(cached, lengths):
 
 def _corrupt(store) -> int:
     """Flip bytes in the second half of every object file under ``store``; returns how many."""
-    files = [p for p in store.rglob("*") if p.is_file()]
+    files = object_files(store)
     for f in files:
         raw = bytearray(f.read_bytes())
         for i in range(len(raw) - 1, len(raw) // 2, -97):

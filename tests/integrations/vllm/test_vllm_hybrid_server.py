@@ -16,6 +16,7 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 
 from kvtier.testing.checkpoints import prompt, save_hybrid  # noqa: E402
 from kvtier.storage.pagefile import object_name  # noqa: E402
+from tests.support.storage import object_files  # noqa: E402
 from tests.support.vllm_server import Server  # noqa: E402
 
 #: KV cache groups vLLM makes of each tiny model (sliding window 64: 2 blocks of 32).
@@ -59,12 +60,12 @@ def _kvtier(work: Path) -> dict:
 
 def _stored_keys(store: Path) -> Counter:
     """Keys in file storage by ``(key prefix, KV cache group)``: file storage hashes key
-    names into its paths (a directory per key, a file per page), but every object's
+    names into its paths (a file per page and writer, in shard directories), but every object's
     header names its ``<key>#<field>``; kvtier's keys are ``<prefix>/<hex of vLLM's
     OffloadKey>``, whose last 4 bytes are the group's index."""
     keys = set()
-    for path in store.rglob("*"):
-        if not path.is_file() or path.name.startswith("."):
+    for path in object_files(store):
+        if path.name.startswith("."):
             continue
         name = object_name(path.read_bytes()[:4096])
         assert name is not None, path
