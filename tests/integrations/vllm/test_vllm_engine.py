@@ -19,6 +19,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from kvtier.integrations.vllm import engine_tier  # noqa: E402
 from kvtier.testing.checkpoints import prompt, save_llama  # noqa: E402
 from tests.support.services import RedisServer, free_port  # noqa: E402
+from tests.support.storage import object_files  # noqa: E402
 from tests.support.vllm_rig import close_llm, generate  # noqa: E402
 
 PROMPT_WORDS = 300  # about 620 tokens: 19 full blocks of 32
@@ -91,7 +92,7 @@ def test_host_tier_then_storage_reuse_with_identical_tokens(gqa_model, tmp_path)
     assert _tier(llm).stats["fetched"] > 0
     _close(llm)
 
-    for f in (p for p in (tmp_path / "store").rglob("*") if p.is_file()):  # flip bytes in every object
+    for f in object_files(tmp_path / "store"):  # flip bytes in every object
         raw = bytearray(f.read_bytes())
         for i in range(len(raw) - 1, len(raw) // 2, -97):
             raw[i] ^= 0x5A

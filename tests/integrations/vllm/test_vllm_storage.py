@@ -21,6 +21,7 @@ from kvtier import HostKVPool  # noqa: E402
 from kvtier.integrations.vllm import KVTierOffloadingManager, KVTierOffloadingWorker  # noqa: E402
 from kvtier.integrations.vllm.blocks import Geometry, block_format  # noqa: E402
 from kvtier.integrations.vllm.tier import HostTier  # noqa: E402
+from tests.support.storage import object_files  # noqa: E402
 from tests.support.vllm_rig import BLOCK, CPU_GQA, LAYERS, Rig, context, gpu_spec, keys  # noqa: E402
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -75,7 +76,7 @@ def test_storage_only_blocks_answer_pending_then_load_byte_exact(tmp_path):
 
 def test_corrupt_storage_objects_are_misses(tmp_path):
     _, ks = _stored_rig(tmp_path, ["a", "b"])
-    for f in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
+    for f in object_files(tmp_path):
         raw = bytearray(f.read_bytes())
         raw[-5] ^= 0xFF
         f.write_bytes(bytes(raw))
