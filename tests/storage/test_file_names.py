@@ -142,3 +142,19 @@ def test_a_registry_takes_the_stores_modes(tmp_path, umask):
     assert stat.S_IMODE((tmp_path / "names").stat().st_mode) == 0o770
     assert stat.S_IMODE((tmp_path / "names" / "a.b").stat().st_mode) == 0o660
     assert file_names.registered(str(tmp_path)) == ["a.b"]
+
+
+def test_a_link_at_the_registrys_name_is_not_followed(tmp_path):
+    """A link planted where the registry should be: a write names nothing through it (no
+    file appears where it points), counts the fault, and stores its pages all the same;
+    an unbound store reads it as no registry and lists the shards."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store = kvtier.storage.open(f"file://{tmp_path / 'store'}")
+    (tmp_path / "store" / "kvtier-v5" / "names").symlink_to(outside)
+    host, idx = filled_host(SPEC, 2, seed=6)
+    keys = keys_for(2)
+    assert store.batch_set(keys, host, idx) == [True] * 2
+    assert list(outside.iterdir()) == [] and store.stats()["errors"] == 1
+    unbound = kvtier.storage.open(f"file://{tmp_path / 'store'}")
+    assert unbound.exists_each(keys + keys_for(1, 50)) == [True, True, False]

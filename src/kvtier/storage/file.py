@@ -694,7 +694,7 @@ class FileStorage(ThreadedStorage):
         """Read one page's parts into the pool (checked); False: a miss (faults counted).
         ``gone``: fields of ``sources`` whose files the compiled reader found missing; the
         files other writers wrote are then looked for at once, those not asked again.
-        NOTE: a missing page took 60-100 us here before (its parts, buffers and layout
+        NOTE: a missing page took 62-107 us here before (its parts, buffers and layout
         worked out for an open that fails), against 5-6 us for ``batch_exists``."""
         stem = self._stem(key)
         try:

@@ -13,13 +13,17 @@ So writers name their file names here before their first file of each name
 lands: ``<root>/names/<name>``, one empty file per name. A store bound to no
 geometry then asks each key's files under these names, a few ``lstat`` calls a
 key, however many objects the store holds. A store written before there was a
-registry (no ``names`` directory) is read by listing shards, as before.
+registry (no ``names`` directory) is read by listing shards, as before. A name the
+registry lacks (files written before it came, or by a writer that could not name
+them: a counted fault) makes such a look-up say missing: a miss, never KV, since
+a get still reads and checks whatever files it finds.
 
 Nothing found here is trusted beyond being a name: a listed name cannot hold a
 ``/`` (the file system's names cannot), so ``<stem>.<name>`` stays in its
 shard; a ``names`` that is a link, or holds more than ``MAX_NAMES`` names, is
 read as no registry (listing again), so no directory can make a look-up slower
-than the listing it replaces by more than that bound.
+than the listing it replaces by more than that bound; and a writer names only
+inside the registry's own directory, never through a link at its name.
 """
 
 from __future__ import annotations
@@ -55,26 +59,28 @@ def registered(root: str) -> list[str] | None:
 
 def register(root: str, name: str, file_mode: int, mkdir) -> None:
     """Name ``name`` in the registry of the store at ``root`` (an ``lstat`` when it is
-    there already); ``mkdir(path)`` makes the registry where there is none yet. Raises
-    ``OSError`` where it cannot: the caller counts it."""
-    path = f"{root}/{DIRECTORY}/{name}"
+    there already); ``mkdir(path)`` makes the registry where there is none yet. The
+    name is made inside the registry's own directory, never through a link at its
+    name. Raises ``OSError`` where it cannot (a link or a file at the registry's name
+    too): the caller counts it."""
     try:
-        os.lstat(path)
-        return
-    except FileNotFoundError:
-        pass
-    for first in (True, False):
+        fd = os.open(f"{root}/{DIRECTORY}", _DIR_FLAGS)
+    except FileNotFoundError:  # the store's first name: make the registry
+        mkdir(f"{root}/{DIRECTORY}")
+        fd = os.open(f"{root}/{DIRECTORY}", _DIR_FLAGS)
+    try:
         try:
-            fd = os.open(path, _NEW_FLAGS, file_mode)
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return
+        except FileNotFoundError:
+            pass
+        try:
+            new = os.open(name, _NEW_FLAGS, file_mode, dir_fd=fd)
         except FileExistsError:  # another writer named it meanwhile
             return
-        except FileNotFoundError:  # the store's first name: make the registry, then name it
-            if not first:
-                raise
-            mkdir(f"{root}/{DIRECTORY}")
-            continue
         try:
-            os.fchmod(fd, file_mode)  # the store's mode, whatever the umask (as its objects)
+            os.fchmod(new, file_mode)  # the store's mode, whatever the umask (as its objects)
         finally:
-            os.close(fd)
-        return
+            os.close(new)
+    finally:
+        os.close(fd)
