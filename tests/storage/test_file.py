@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvtier.storage
+from kvtier.storage import file_names
 from kvtier import HostKVPool, KVSpec
 from kvtier.storage.objects import PagePlan
 from kvtier.storage.pagefile import ALIGN, FileLayout, object_name
@@ -467,7 +468,7 @@ def test_clear_removes_every_object_and_stray_but_keeps_the_shard_directories(tm
     store = kvtier.storage.open(f"file://{tmp_path}")
     assert store.batch_set(keys, host, idx) == [True] * 6
     root = tmp_path / "kvtier-v5"
-    shards = sorted(p for p in root.iterdir() if p.is_dir() and p.name != "names")
+    shards = sorted(p for p in root.iterdir() if p.is_dir() and p.name != file_names.DIRECTORY)
     assert shards and len(object_files(tmp_path)) == 6
     (shards[0] / "stray").write_bytes(b"x")
     (shards[0] / "nested").mkdir()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import resource
 import signal
 from pathlib import Path
@@ -13,13 +12,14 @@ import torch
 
 from kvtier import HostKVPool, KVSpec
 from kvtier.storage import pageio
+from kvtier.storage.file import _SHARD_NAME
 from tests.support.pools import bits, random_device_pool
 
 
 def object_files(root) -> list[Path]:
     """The object files of the file stores under ``root``, sorted: those in shard
     directories, not the registry of their names (``kvtier.storage.file_names``)."""
-    return sorted(p for p in Path(root).rglob("*") if p.is_file() and re.fullmatch("[0-9a-f]{2}", p.parent.name))
+    return sorted(p for p in Path(root).rglob("*") if p.is_file() and _SHARD_NAME.fullmatch(p.parent.name))
 
 
 def filled_host(spec: KVSpec, pages: int, page_size: int = 4, layout: str = "page_first", seed: int = 0):

@@ -58,11 +58,11 @@ def registered(root: str) -> list[str] | None:
 
 
 def register(root: str, name: str, file_mode: int, mkdir) -> None:
-    """Name ``name`` in the registry of the store at ``root`` (an ``lstat`` when it is
-    there already); ``mkdir(path)`` makes the registry where there is none yet. The
-    name is made inside the registry's own directory, never through a link at its
-    name. Raises ``OSError`` where it cannot (a link or a file at the registry's name
-    too): the caller counts it."""
+    """Name ``name`` in the registry of the store at ``root`` (three system calls when it
+    is there already: the registry opened, the name asked, closed); ``mkdir(path)``
+    makes the registry where there is none yet. The name is made inside the registry's
+    own directory, never through a link at its name. Raises ``OSError`` where it cannot
+    (a link or a file at the registry's name too): the caller counts it."""
     try:
         fd = os.open(f"{root}/{DIRECTORY}", _DIR_FLAGS)
     except FileNotFoundError:  # the store's first name: make the registry
